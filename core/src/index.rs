@@ -1,0 +1,535 @@
+//! safetensors headers and model folders as an index: tensor name -> dtype, shape, file and
+//! absolute byte range. Every range is validated against the file length before anything reads
+//! it (DESIGN.md invariant 3).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorInfo;
+pub use safetensors::Dtype;
+
+use crate::error::{Error, Result};
+
+/// The largest header nibble accepts (the safetensors reference implementation uses 100 MB).
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// The name safetensors uses for a dtype (`F32`, `BF16`, `U8`, ...).
+pub fn dtype_name(dtype: Dtype) -> String {
+    format!("{dtype:?}")
+}
+
+/// Size of one element in bits.
+pub fn dtype_bits(dtype: Dtype) -> u64 {
+    dtype.bitsize() as u64
+}
+
+/// One tensor of one safetensors file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorEntry {
+    /// Full state-dict name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Logical shape as stored in the header.
+    pub shape: Vec<u64>,
+    /// Index of the shard (file) in [`ModelIndex::shards`]; 0 for a single file.
+    pub shard: usize,
+    /// Absolute offset of the first byte in the file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl TensorEntry {
+    /// Number of elements (validated not to overflow when the header was parsed).
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Absolute end offset (exclusive).
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+/// The parsed and validated header of one safetensors file.
+#[derive(Debug, Clone)]
+pub struct SafetensorsHeader {
+    /// The file's name or URL, as used in error messages.
+    pub file: String,
+    /// The file's total length in bytes.
+    pub file_len: u64,
+    /// Length of the JSON header (the u64 at offset 0).
+    pub header_len: u64,
+    /// `__metadata__`, if present.
+    pub metadata: BTreeMap<String, String>,
+    /// Tensors in file order (by offset).
+    pub tensors: Vec<TensorEntry>,
+}
+
+impl SafetensorsHeader {
+    /// Absolute offset where the data buffer begins.
+    pub fn data_start(&self) -> u64 {
+        8 + self.header_len
+    }
+
+    /// Reads the 8-byte little-endian header length and checks it against the file length.
+    pub fn parse_header_len(file: &str, first8: &[u8], file_len: u64) -> Result<u64> {
+        if file_len < 8 || first8.len() < 8 {
+            return Err(Error::FileTooShort {
+                file: file.to_string(),
+                len: file_len,
+            });
+        }
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&first8[..8]);
+        let header_len = u64::from_le_bytes(b);
+        if header_len > MAX_HEADER_LEN {
+            return Err(Error::HeaderTooLarge {
+                file: file.to_string(),
+                header_len,
+                limit: MAX_HEADER_LEN,
+            });
+        }
+        if header_len > file_len - 8 {
+            return Err(Error::HeaderPastEof {
+                file: file.to_string(),
+                header_len,
+                file_len,
+            });
+        }
+        Ok(header_len)
+    }
+
+    /// Parses and validates the JSON header (the `header_len` bytes after offset 8) of a file
+    /// that is `file_len` bytes long. Works on a header fetched by itself (HTTP Range).
+    pub fn parse(file: &str, header_json: &[u8], file_len: u64) -> Result<Self> {
+        let header_len = header_json.len() as u64;
+        if file_len < 8 || header_len > file_len - 8 {
+            return Err(Error::HeaderPastEof {
+                file: file.to_string(),
+                header_len,
+                file_len,
+            });
+        }
+        let hjson = |msg: String| Error::HeaderJson {
+            file: file.to_string(),
+            msg,
+        };
+        let text =
+            std::str::from_utf8(header_json).map_err(|e| hjson(format!("not UTF-8 ({e})")))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text.trim_end_matches(' ')).map_err(|e| hjson(e.to_string()))?;
+        let serde_json::Value::Object(map) = value else {
+            return Err(hjson("the header is not a JSON object".into()));
+        };
+        let data_start = 8 + header_len;
+        let data_len = file_len - data_start;
+        let mut metadata = BTreeMap::new();
+        let mut tensors = Vec::with_capacity(map.len());
+        for (name, v) in map {
+            if name == "__metadata__" {
+                let serde_json::Value::Object(m) = v else {
+                    return Err(hjson("__metadata__ is not an object".into()));
+                };
+                for (k, v) in m {
+                    let serde_json::Value::String(s) = v else {
+                        return Err(hjson(format!(
+                            "__metadata__ value of '{k}' is not a string"
+                        )));
+                    };
+                    metadata.insert(k, s);
+                }
+                continue;
+            }
+            let bad = |msg: String| Error::BadTensorEntry {
+                file: file.to_string(),
+                tensor: name.clone(),
+                msg,
+            };
+            let info: TensorInfo = serde_json::from_value(v).map_err(|e| bad(e.to_string()))?;
+            let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+            let (s, e) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+            let overflow = || Error::ShapeOverflow {
+                file: file.to_string(),
+                tensor: name.clone(),
+                shape: shape.clone(),
+            };
+            let numel = shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d))
+                .ok_or_else(overflow)?;
+            let bits = numel
+                .checked_mul(dtype_bits(info.dtype))
+                .ok_or_else(overflow)?;
+            if bits % 8 != 0 {
+                return Err(bad(format!(
+                    "{numel} elements of {} do not fill whole bytes",
+                    dtype_name(info.dtype)
+                )));
+            }
+            if e < s {
+                return Err(bad(format!(
+                    "data_offsets [{s}, {e}] end before they begin"
+                )));
+            }
+            let offset = data_start.checked_add(s).ok_or_else(overflow)?;
+            if bits / 8 != e - s {
+                return Err(Error::ByteLengthMismatch {
+                    file: file.to_string(),
+                    tensor: name,
+                    offset,
+                    expected: bits / 8,
+                    actual: e - s,
+                });
+            }
+            if e > data_len {
+                return Err(Error::OffsetOutOfRange {
+                    file: file.to_string(),
+                    tensor: name,
+                    offset,
+                    end: data_start.saturating_add(e),
+                    file_len,
+                });
+            }
+            tensors.push(TensorEntry {
+                name,
+                dtype: info.dtype,
+                shape,
+                shard: 0,
+                offset,
+                len: e - s,
+            });
+        }
+        tensors.sort_by(|a, b| (a.offset, a.end(), &a.name).cmp(&(b.offset, b.end(), &b.name)));
+        let mut cursor = data_start;
+        let mut prev: Option<&TensorEntry> = None;
+        for t in &tensors {
+            if t.offset < cursor {
+                let p = prev.expect("cursor only advances past a previous tensor");
+                return Err(Error::OffsetOverlap {
+                    file: file.to_string(),
+                    tensor: t.name.clone(),
+                    offset: t.offset,
+                    other: p.name.clone(),
+                    other_end: p.end(),
+                });
+            }
+            if t.offset > cursor {
+                return Err(Error::OffsetGap {
+                    file: file.to_string(),
+                    tensor: t.name.clone(),
+                    offset: cursor,
+                    len: t.offset - cursor,
+                });
+            }
+            cursor = t.end();
+            prev = Some(t);
+        }
+        if cursor != file_len {
+            return Err(Error::OffsetGap {
+                file: file.to_string(),
+                tensor: "<end of file>".into(),
+                offset: cursor,
+                len: file_len - cursor,
+            });
+        }
+        Ok(SafetensorsHeader {
+            file: file.to_string(),
+            file_len,
+            header_len,
+            metadata,
+            tensors,
+        })
+    }
+
+    /// Opens a local file and parses its header (reads only the first 8 + N bytes).
+    pub fn read_file(path: &Path) -> Result<Self> {
+        let name = path.display().to_string();
+        let mut f = File::open(path).map_err(|e| Error::io(&name, e))?;
+        let file_len = f.metadata().map_err(|e| Error::io(&name, e))?.len();
+        let mut first8 = [0u8; 8];
+        let got = read_up_to(&mut f, &mut first8).map_err(|e| Error::io(&name, e))?;
+        let header_len = Self::parse_header_len(&name, &first8[..got], file_len)?;
+        let mut header = vec![0u8; header_len as usize];
+        f.read_exact(&mut header).map_err(|e| Error::io(&name, e))?;
+        Self::parse(&name, &header, file_len)
+    }
+}
+
+fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// One file of a model.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    /// Where it lives.
+    pub path: PathBuf,
+    /// Its parsed header.
+    pub header: SafetensorsHeader,
+}
+
+/// A model: one safetensors file, or a folder with `config.json` and one file or shards.
+#[derive(Debug, Clone)]
+pub struct ModelIndex {
+    /// The path the user gave.
+    pub root: PathBuf,
+    /// The files, in index order.
+    pub shards: Vec<Shard>,
+    /// `config.json`, when the model is a folder that has one.
+    pub config: Option<serde_json::Value>,
+    by_name: HashMap<String, (usize, usize)>,
+}
+
+/// Index files nibble recognises for sharded models, in the order they are tried.
+pub const SHARD_INDEX_NAMES: [&str; 2] = [
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+];
+/// Single-file names nibble recognises in a model folder.
+pub const SINGLE_FILE_NAMES: [&str; 2] =
+    ["model.safetensors", "diffusion_pytorch_model.safetensors"];
+
+impl ModelIndex {
+    /// Opens a `.safetensors` file or a model folder and validates every header.
+    pub fn open(path: &Path) -> Result<Self> {
+        let disp = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(&disp, e))?;
+        if meta.is_file() {
+            let header = SafetensorsHeader::read_file(path)?;
+            return Self::from_shards(
+                path.to_path_buf(),
+                vec![Shard {
+                    path: path.to_path_buf(),
+                    header,
+                }],
+                None,
+            );
+        }
+        let config = read_json_if_exists(&path.join("config.json"))?;
+        for idx_name in SHARD_INDEX_NAMES {
+            let idx_path = path.join(idx_name);
+            if let Some(index_json) = read_json_if_exists(&idx_path)? {
+                return Self::open_sharded(path, &idx_path, &index_json, config);
+            }
+        }
+        for single in SINGLE_FILE_NAMES {
+            let p = path.join(single);
+            if p.is_file() {
+                let header = SafetensorsHeader::read_file(&p)?;
+                return Self::from_shards(
+                    path.to_path_buf(),
+                    vec![Shard { path: p, header }],
+                    config,
+                );
+            }
+        }
+        let mut found: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| Error::io(&disp, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        found.sort();
+        if found.len() == 1 {
+            let p = found.remove(0);
+            let header = SafetensorsHeader::read_file(&p)?;
+            return Self::from_shards(path.to_path_buf(), vec![Shard { path: p, header }], config);
+        }
+        Err(Error::Model {
+            file: disp,
+            msg: format!(
+                "no model found: expected one of {}, {} or a single *.safetensors file ({} found)",
+                SHARD_INDEX_NAMES.join(", "),
+                SINGLE_FILE_NAMES.join(", "),
+                found.len()
+            ),
+        })
+    }
+
+    fn open_sharded(
+        root: &Path,
+        idx_path: &Path,
+        index_json: &serde_json::Value,
+        config: Option<serde_json::Value>,
+    ) -> Result<Self> {
+        let idx_disp = idx_path.display().to_string();
+        let bad = |msg: String| Error::Model {
+            file: idx_disp.clone(),
+            msg,
+        };
+        let weight_map = index_json
+            .get("weight_map")
+            .and_then(|w| w.as_object())
+            .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+        let mut files: Vec<String> = Vec::new();
+        for (tensor, f) in weight_map {
+            let f = f
+                .as_str()
+                .ok_or_else(|| bad(format!("weight_map entry '{tensor}' is not a string")))?;
+            if f.contains('/') || f.contains('\\') || f == ".." || f.is_empty() {
+                return Err(bad(format!(
+                    "weight_map entry '{tensor}' names '{f}', not a file in the folder"
+                )));
+            }
+            if !files.iter().any(|x| x == f) {
+                files.push(f.to_string());
+            }
+        }
+        files.sort();
+        let mut shards = Vec::with_capacity(files.len());
+        for f in &files {
+            let p = root.join(f);
+            let header = SafetensorsHeader::read_file(&p)?;
+            shards.push(Shard { path: p, header });
+        }
+        let me = Self::from_shards(root.to_path_buf(), shards, config)?;
+        for (tensor, f) in weight_map {
+            let Some(&(si, _)) = me.by_name.get(tensor) else {
+                return Err(bad(format!(
+                    "weight_map lists '{tensor}' in {}, but no shard holds it",
+                    f.as_str().unwrap_or("?")
+                )));
+            };
+            let shard_file = me.shards[si]
+                .path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("");
+            if Some(shard_file) != f.as_str() {
+                return Err(bad(format!(
+                    "weight_map puts '{tensor}' in {f}, but it is in {shard_file}"
+                )));
+            }
+        }
+        Ok(me)
+    }
+
+    fn from_shards(
+        root: PathBuf,
+        mut shards: Vec<Shard>,
+        config: Option<serde_json::Value>,
+    ) -> Result<Self> {
+        let mut by_name = HashMap::new();
+        for (si, shard) in shards.iter_mut().enumerate() {
+            for (ti, t) in shard.header.tensors.iter_mut().enumerate() {
+                t.shard = si;
+                if let Some((prev, _)) = by_name.insert(t.name.clone(), (si, ti)) {
+                    return Err(Error::Model {
+                        file: root.display().to_string(),
+                        msg: format!(
+                            "tensor '{}' is in both {} and {}",
+                            t.name, shard.header.file, prev
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(ModelIndex {
+            root,
+            shards,
+            config,
+            by_name,
+        })
+    }
+
+    /// Looks a tensor up by name.
+    pub fn get(&self, name: &str) -> Option<&TensorEntry> {
+        self.by_name
+            .get(name)
+            .map(|&(s, t)| &self.shards[s].header.tensors[t])
+    }
+
+    /// Looks a tensor up by name, or fails naming the model.
+    pub fn require(&self, name: &str) -> Result<&TensorEntry> {
+        self.get(name).ok_or_else(|| Error::NoSuchTensor {
+            file: self.root.display().to_string(),
+            tensor: name.to_string(),
+        })
+    }
+
+    /// All tensors, shard by shard, in file order.
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorEntry> {
+        self.shards.iter().flat_map(|s| s.header.tensors.iter())
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// True when the model holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+
+    /// Total bytes on disk of all shards.
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.header.file_len).sum()
+    }
+
+    /// The file name of a shard, for messages.
+    pub fn shard_name(&self, shard: usize) -> &str {
+        &self.shards[shard].header.file
+    }
+
+    /// Reads a tensor's bytes from its file, checking that the whole range was read.
+    pub fn read_bytes(&self, entry: &TensorEntry) -> Result<Vec<u8>> {
+        let shard = &self.shards[entry.shard];
+        let file = &shard.header.file;
+        let mut f = File::open(&shard.path).map_err(|e| Error::io(file, e))?;
+        let len = usize::try_from(entry.len).map_err(|_| Error::ShapeOverflow {
+            file: file.clone(),
+            tensor: entry.name.clone(),
+            shape: entry.shape.clone(),
+        })?;
+        let mut buf = vec![0u8; len];
+        f.seek(SeekFrom::Start(entry.offset))
+            .map_err(|e| Error::io(file, e))?;
+        let got = read_up_to(&mut f, &mut buf).map_err(|e| Error::io(file, e))?;
+        if got != len {
+            return Err(Error::ShortRead {
+                file: file.clone(),
+                tensor: entry.name.clone(),
+                offset: entry.offset,
+                wanted: entry.len,
+                got: got as u64,
+            });
+        }
+        Ok(buf)
+    }
+
+    /// Reads a tensor of any float dtype (F32, F16, BF16, F64) and widens it to f32.
+    pub fn read_f32(&self, entry: &TensorEntry) -> Result<Vec<f32>> {
+        let bytes = self.read_bytes(entry)?;
+        crate::convert::bytes_to_f32(&bytes, entry.dtype).ok_or_else(|| Error::WrongDtype {
+            file: self.shard_name(entry.shard).to_string(),
+            tensor: entry.name.clone(),
+            expected: "F32, F16, BF16 or F64".into(),
+            actual: dtype_name(entry.dtype),
+        })
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Value>> {
+    let disp = path.display().to_string();
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| Error::Model {
+                file: disp,
+                msg: format!("invalid JSON: {e}"),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(disp, e)),
+    }
+}

@@ -1,0 +1,18 @@
+//! nibble-core: the parts of nibble with no GPU dependency (compiles to wasm32).
+//!
+//! - [`index`]: safetensors headers and model folders, validated against file lengths.
+//! - [`bnb`]: the bitsandbytes NF4/FP4 format and its bit-exact reference dequantization.
+//! - [`quantize`]: the bitsandbytes quantizer, bit for bit.
+//! - [`cpu_ref`]: the reference backend's ops.
+//! - [`writer`]: streaming safetensors writer.
+
+pub mod bnb;
+pub mod convert;
+pub mod cpu_ref;
+pub mod dequant_fast;
+pub mod error;
+pub mod index;
+pub mod quantize;
+pub mod writer;
+
+pub use error::{Error, QuantProblem, Result};

@@ -1,0 +1,492 @@
+//! The bitsandbytes 4-bit quantizer, reproducing bitsandbytes 0.50's CPU path bit for bit:
+//! `quantize_4bit` (absmax per block in f32, `x * (1 / absmax)`, the code by a midpoint
+//! search over the sorted code table), and for double quantization the mean offset as
+//! `torch.mean` computes it and `quantize_blockwise` of the centred absmax against the signed
+//! dynamic map as the native CPU kernel does.
+
+use crate::bnb::{
+    table_from_bits, FloatDtype, NestedState, QuantStateJson, QuantType, DYNAMIC_MAP_BITS,
+    MAX_BLOCKSIZE, MIN_BLOCKSIZE,
+};
+use crate::error::{Error, Result};
+
+/// Blocksize bitsandbytes uses for double quantization of absmax.
+pub const NESTED_BLOCKSIZE: u64 = 256;
+
+/// How to quantize.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizeOptions {
+    /// NF4 or FP4.
+    pub quant_type: QuantType,
+    /// Elements per absmax block (power of two, 32..=4096; transformers always uses 64).
+    pub blocksize: u64,
+    /// Quantize absmax itself to 8 bits (`bnb_4bit_use_double_quant`).
+    pub double_quant: bool,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        QuantizeOptions {
+            quant_type: QuantType::Nf4,
+            blocksize: 64,
+            double_quant: false,
+        }
+    }
+}
+
+/// Quantized absmax: plain f32 or double-quantized.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QuantizedAbsmax {
+    /// One f32 per block.
+    F32(Vec<f32>),
+    /// 8-bit codes against the dynamic map, one f32 scale per 256 codes.
+    Nested {
+        /// One u8 per block (`absmax` in the state dict).
+        codes: Vec<u8>,
+        /// `nested_absmax`.
+        nested_absmax: Vec<f32>,
+    },
+}
+
+/// A quantized weight, ready to be written with the state-dict keys of [`Quantized::tensors`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantized {
+    /// The quant state JSON (with `nested_offset` when double-quantized).
+    pub json: QuantStateJson,
+    /// Packed codes, two per byte, first element in the high nibble.
+    pub packed: Vec<u8>,
+    /// Block scales.
+    pub absmax: QuantizedAbsmax,
+}
+
+/// One tensor to write: name suffix (appended to the weight name), dtype, shape, bytes.
+pub type StateTensor = (String, safetensors::Dtype, Vec<u64>, Vec<u8>);
+
+impl Quantized {
+    /// The state-dict entries transformers / diffusers write for this weight, named under
+    /// `weight_name` (e.g. `model.layers.0.mlp.up_proj.weight`).
+    pub fn tensors(&self, weight_name: &str) -> Vec<StateTensor> {
+        use safetensors::Dtype;
+        let f32b = crate::convert::f32_to_bytes;
+        let mut v: Vec<StateTensor> = vec![(
+            weight_name.to_string(),
+            Dtype::U8,
+            vec![self.packed.len() as u64, 1],
+            self.packed.clone(),
+        )];
+        match &self.absmax {
+            QuantizedAbsmax::F32(a) => v.push((
+                format!("{weight_name}.absmax"),
+                Dtype::F32,
+                vec![a.len() as u64],
+                f32b(a),
+            )),
+            QuantizedAbsmax::Nested {
+                codes,
+                nested_absmax,
+            } => {
+                v.push((
+                    format!("{weight_name}.absmax"),
+                    Dtype::U8,
+                    vec![codes.len() as u64],
+                    codes.clone(),
+                ));
+                v.push((
+                    format!("{weight_name}.nested_absmax"),
+                    Dtype::F32,
+                    vec![nested_absmax.len() as u64],
+                    f32b(nested_absmax),
+                ));
+                let map = table_from_bits(&DYNAMIC_MAP_BITS);
+                v.push((
+                    format!("{weight_name}.nested_quant_map"),
+                    Dtype::F32,
+                    vec![256],
+                    f32b(&map),
+                ));
+            }
+        }
+        let code = self.json.quant_type.code_table();
+        v.push((
+            format!("{weight_name}.quant_map"),
+            Dtype::F32,
+            vec![16],
+            f32b(&code),
+        ));
+        let blob = self.json.to_json_bytes();
+        v.push((
+            format!("{weight_name}.{}", self.json.quant_type.state_key_suffix()),
+            Dtype::U8,
+            vec![blob.len() as u64],
+            blob,
+        ));
+        v
+    }
+}
+
+/// Nearest-code search as bitsandbytes' quantizer does it: the code table sorted (stably, so
+/// FP4's +0 at index 0 comes before the 0 at index 8), f32 midpoints between neighbours, and the
+/// number of midpoints a value exceeds (strict `>`: a tie goes to the lower code). Positive values
+/// too small for the first FP4 step therefore become code 8 and negative ones code 0.
+#[derive(Debug, Clone)]
+struct CodeSearch {
+    order: [u8; 16],
+    midpoints: [f32; 15],
+}
+
+impl CodeSearch {
+    fn new(code: &[f32; 16]) -> Self {
+        let mut order: [u8; 16] = std::array::from_fn(|i| i as u8);
+        order.sort_by(|&a, &b| {
+            let (x, y) = (code[a as usize], code[b as usize]);
+            x.partial_cmp(&y)
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(&b))
+        });
+        let midpoints =
+            std::array::from_fn(|j| (code[order[j] as usize] + code[order[j + 1] as usize]) / 2.0);
+        CodeSearch { order, midpoints }
+    }
+
+    fn code(&self, x: f32) -> u8 {
+        self.order[self.midpoints.iter().filter(|&&m| x > m).count()]
+    }
+}
+
+/// Quantizes `values` (the weight flattened row-major, already widened to f32 from `dtype`).
+pub fn quantize_4bit(
+    values: &[f32],
+    shape: &[u64],
+    dtype: FloatDtype,
+    opts: QuantizeOptions,
+) -> Result<Quantized> {
+    let n = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    if n != Some(values.len() as u64) {
+        return Err(Error::Invalid(format!(
+            "quantize: shape {shape:?} does not match {} values",
+            values.len()
+        )));
+    }
+    let bs = opts.blocksize;
+    if !bs.is_power_of_two() || !(MIN_BLOCKSIZE..=MAX_BLOCKSIZE).contains(&bs) {
+        return Err(Error::Invalid(format!(
+            "quantize: blocksize {bs} is not a power of two between {MIN_BLOCKSIZE} and {MAX_BLOCKSIZE}"
+        )));
+    }
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(Error::Invalid(format!(
+            "quantize: element {i} is {}, bitsandbytes cannot represent it",
+            values[i]
+        )));
+    }
+    let bs = bs as usize;
+    let search = CodeSearch::new(&opts.quant_type.code_table());
+    let absmax: Vec<f32> = values
+        .chunks(bs)
+        .map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
+    let mut packed = vec![0u8; values.len().div_ceil(2)];
+    for (bi, block) in values.chunks(bs).enumerate() {
+        // An all-zero block scales to 0 (bitsandbytes encodes it as the code of 0.0).
+        let inv = if absmax[bi] == 0.0 {
+            0.0
+        } else {
+            1.0f32 / absmax[bi]
+        };
+        for (k, &v) in block.iter().enumerate() {
+            let i = bi * bs + k;
+            let q = search.code(v * inv);
+            packed[i / 2] |= if i % 2 == 0 { q << 4 } else { q };
+        }
+    }
+    if values.len() % 2 == 1 {
+        // bitsandbytes pads with 0.0 before packing: the spare low nibble holds the code of 0.
+        *packed.last_mut().expect("odd length is non-empty") |= search.code(0.0);
+    }
+    let mut json = QuantStateJson {
+        quant_type: opts.quant_type,
+        blocksize: opts.blocksize,
+        dtype,
+        shape: shape.to_vec(),
+        nested: None,
+    };
+    let absmax = if opts.double_quant {
+        let offset = torch_mean_f32(&absmax);
+        let centred: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
+        let (codes, nested_absmax) =
+            quantize_blockwise_dynamic(&centred, NESTED_BLOCKSIZE as usize);
+        json.nested = Some(NestedState {
+            blocksize: NESTED_BLOCKSIZE,
+            dtype: "float32".into(),
+            offset: offset as f64,
+        });
+        QuantizedAbsmax::Nested {
+            codes,
+            nested_absmax,
+        }
+    } else {
+        QuantizedAbsmax::F32(absmax)
+    };
+    Ok(Quantized {
+        json,
+        packed,
+        absmax,
+    })
+}
+
+/// bitsandbytes' native CPU `quantize_blockwise` against the signed dynamic map: per block of
+/// `blocksize`, absmax = max |x|, `x / absmax`, the entry the kernel's bucketed search
+/// ("Direct2" of Cannizzo's BinSearch, which bitsandbytes vendors) returns, then the nearer of
+/// it and its right neighbour. The kernel overwrites entry 0 with -1.0 first.
+pub fn quantize_blockwise_dynamic(x: &[f32], blocksize: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut code = table_from_bits(&DYNAMIC_MAP_BITS);
+    code[0] = -1.0;
+    let search = Direct2Search::new(&code);
+    let mut out = Vec::with_capacity(x.len());
+    let mut absmaxes = Vec::with_capacity(x.len().div_ceil(blocksize));
+    for block in x.chunks(blocksize) {
+        let absmax = block.iter().fold(f32::MIN, |m, v| m.max(v.abs()));
+        absmaxes.push(absmax);
+        for &v in block {
+            let normed = v / absmax;
+            let mut idx = search.scalar(normed);
+            if idx < 255 {
+                let dl = (normed - code[idx]).abs();
+                let dr = (normed - code[idx + 1]).abs();
+                if dr < dl {
+                    idx += 1;
+                }
+            }
+            out.push(idx as u8);
+        }
+    }
+    (out, absmaxes)
+}
+
+/// The "Direct2" bucketed search of BinSearch (F. Cannizzo) as bitsandbytes uses it: a bucket
+/// index `trunc(H * (z - x0))` computed in f32, a table of candidates, and two comparisons.
+/// Ported step by step so that its answers (which are not always the exact predecessor for
+/// values between two close entries) match the native kernel.
+#[derive(Debug)]
+pub struct Direct2Search {
+    /// The table padded in front with one copy of its first entry (Gap = 2).
+    pub xi: Vec<f32>,
+    pub buckets: Vec<u32>,
+    pub scaler: f32,
+    pub x0: f32,
+}
+
+impl Direct2Search {
+    fn f(scaler: f32, x0: f32, z: f32) -> u32 {
+        let t = scaler * (z - x0);
+        if t.is_nan() {
+            0
+        } else {
+            // cvttss2si: truncation toward zero.
+            t as i32 as u32
+        }
+    }
+
+    fn next_up(v: f32) -> f32 {
+        f32::from_bits(v.to_bits() + 1)
+    }
+
+    /// Builds the index.
+    pub fn new(x: &[f32]) -> Self {
+        const GAP: usize = 2;
+        let n = x.len();
+        let x0 = x[0];
+        let range = x[n - 1] - x0;
+        let mut delta_min = range;
+        for i in GAP..n {
+            let d = (x[i] - x0) - (x[i - GAP] - x0);
+            if d < delta_min {
+                delta_min = d;
+            }
+        }
+        let mut h = 1.0f32 / delta_min;
+        let mut step = {
+            let mut p = Self::next_up(h);
+            while p - h == 0.0 {
+                p = Self::next_up(p);
+            }
+            p - h
+        };
+        let mut checked_from = n;
+        loop {
+            let mut last = checked_from - 1;
+            let mut modified = false;
+            let mut i = GAP;
+            while i <= last {
+                let mut iold = Self::f(h, x0, x[i - GAP]);
+                let mut inew = Self::f(h, x0, x[i]);
+                while inew == iold {
+                    checked_from = i;
+                    last = n - 1;
+                    modified = true;
+                    h += step;
+                    step *= 2.0;
+                    iold = Self::f(h, x0, x[i - GAP]);
+                    inew = Self::f(h, x0, x[i]);
+                }
+                i += 1;
+            }
+            if !modified {
+                break;
+            }
+        }
+        let mut xi = Vec::with_capacity(n + 1);
+        xi.push(x0);
+        xi.extend_from_slice(x);
+        let nb = 1 + Self::f(h, x0, x[n - 1]) as usize;
+        let mut buckets = vec![0u32; nb];
+        let (mut i, mut b, mut j) = (xi.len() - 1, nb - 1, 0u32);
+        loop {
+            let idx = Self::f(h, x0, xi[i]) as usize;
+            while b > idx {
+                buckets[b] = j;
+                b -= 1;
+            }
+            if b == idx {
+                j = (i - (GAP - 1)) as u32;
+                buckets[b] = j;
+                if b == 0 {
+                    break;
+                }
+                b -= 1;
+            }
+            if i == 0 {
+                break;
+            }
+            i -= 1;
+        }
+        Direct2Search {
+            xi,
+            buckets,
+            scaler: h,
+            x0,
+        }
+    }
+
+    /// Index of the entry to the left of z.
+    pub fn scalar(&self, z: f32) -> usize {
+        let bidx = (Self::f(self.scaler, self.x0, z) as usize).min(self.buckets.len() - 1);
+        let mut iidx = self.buckets[bidx] as usize;
+        let p0 = self.xi[iidx];
+        let p1 = self.xi[iidx + 1];
+        if z < p0 {
+            iidx = iidx.wrapping_sub(1);
+        }
+        if z < p1 {
+            iidx = iidx.wrapping_sub(1);
+        }
+        iidx.min(255)
+    }
+}
+
+/// `torch.mean` of an f32 vector as torch 2.x computes it on one CPU thread: the cascade sum of
+/// `SumKernel.cpp` (8-lane vectors, 4-way ILP, 4 cascade levels, f32 accumulators), then a
+/// division by n. Reductions of more than 32768 elements are split across threads by torch and
+/// may differ in the last bit from this single-threaded order.
+pub fn torch_mean_f32(x: &[f32]) -> f32 {
+    torch_sum_f32(x) / x.len() as f32
+}
+
+/// The single-threaded `torch.sum` of a contiguous f32 vector (see [`torch_mean_f32`]).
+pub fn torch_sum_f32(x: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let n = x.len();
+    if n >= LANES {
+        let vec_size = n / LANES;
+        let vacc = row_sum::<LANES>(
+            |i| {
+                let mut a = [0f32; LANES];
+                a.copy_from_slice(&x[i * LANES..(i + 1) * LANES]);
+                a
+            },
+            vec_size,
+        );
+        let mut acc = 0f32;
+        for v in &x[vec_size * LANES..] {
+            acc += v;
+        }
+        for v in vacc {
+            acc += v;
+        }
+        0.0 + acc
+    } else {
+        0.0 + row_sum::<1>(|i| [x[i]], n)[0]
+    }
+}
+
+fn add<const L: usize>(a: &mut [f32; L], b: [f32; L]) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+fn ceil_log2(x: usize) -> usize {
+    if x <= 2 {
+        1
+    } else {
+        (usize::BITS - (x - 1).leading_zeros()) as usize
+    }
+}
+
+fn row_sum<const L: usize>(load: impl Fn(usize) -> [f32; L], size: usize) -> [f32; L] {
+    const ILP: usize = 4;
+    let size_ilp = size / ILP;
+    let mut partial = multi_row_sum::<L>(|i, k| load(i * ILP + k), size_ilp);
+    for i in size_ilp * ILP..size {
+        add(&mut partial[0], load(i));
+    }
+    let mut out = partial[0];
+    for p in &partial[1..] {
+        add(&mut out, *p);
+    }
+    out
+}
+
+fn multi_row_sum<const L: usize>(
+    load: impl Fn(usize, usize) -> [f32; L],
+    size: usize,
+) -> [[f32; L]; 4] {
+    const LEVELS: usize = 4;
+    const ROWS: usize = 4;
+    let level_power = 4.max(ceil_log2(size) / LEVELS);
+    let level_step = 1usize << level_power;
+    let level_mask = level_step - 1;
+    let mut acc = [[[0f32; L]; ROWS]; LEVELS];
+    let mut i = 0;
+    while i + level_step <= size {
+        for _ in 0..level_step {
+            for k in 0..ROWS {
+                add(&mut acc[0][k], load(i, k));
+            }
+            i += 1;
+        }
+        for j in 1..LEVELS {
+            for k in 0..ROWS {
+                let prev = acc[j - 1][k];
+                add(&mut acc[j][k], prev);
+                acc[j - 1][k] = [0f32; L];
+            }
+            if i & (level_mask << (j * level_power)) != 0 {
+                break;
+            }
+        }
+    }
+    while i < size {
+        for k in 0..ROWS {
+            add(&mut acc[0][k], load(i, k));
+        }
+        i += 1;
+    }
+    let mut out = acc[0];
+    for level in &acc[1..] {
+        for k in 0..ROWS {
+            add(&mut out[k], level[k]);
+        }
+    }
+    out
+}

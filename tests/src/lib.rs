@@ -1,0 +1,107 @@
+//! Helpers shared by nibble's integration tests: where the fixtures are, reading expected
+//! tensors, and the named comparisons (bit-exact with -0.0 == +0.0, error relative to max).
+
+use std::path::{Path, PathBuf};
+
+use nibble_core::index::ModelIndex;
+use sha2::{Digest, Sha256};
+
+/// `../shared/fixtures` relative to the repository root; panics with a clear message if absent.
+pub fn fixtures_dir() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    assert!(
+        p.join("manifest.json").is_file(),
+        "the shared fixtures are missing: expected {} (the folder `shared/fixtures` next to the \
+         repository). Tests read them from there and never copy them into the repo.",
+        p.display()
+    );
+    p
+}
+
+/// A fixture path below `fixtures_dir()`.
+pub fn fixture(rel: &str) -> PathBuf {
+    fixtures_dir().join(rel)
+}
+
+/// Reads a JSON file.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// An `expected.safetensors` file.
+pub struct Expected {
+    index: ModelIndex,
+}
+
+impl Expected {
+    /// Opens a safetensors file of expected values.
+    pub fn open(path: &Path) -> Self {
+        let index = ModelIndex::open(path).unwrap_or_else(|e| panic!("{e}"));
+        Expected { index }
+    }
+
+    /// A float tensor widened to f32, if present.
+    pub fn f32(&self, name: &str) -> Option<Vec<f32>> {
+        let e = self.index.get(name)?;
+        Some(self.index.read_f32(e).unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    /// Raw bytes of a tensor, if present.
+    pub fn bytes(&self, name: &str) -> Option<Vec<u8>> {
+        let e = self.index.get(name)?;
+        Some(self.index.read_bytes(e).unwrap_or_else(|e| panic!("{e}")))
+    }
+
+    /// The index itself.
+    pub fn index(&self) -> &ModelIndex {
+        &self.index
+    }
+}
+
+/// f32 bits with -0.0 mapped to +0.0.
+pub fn canon_bits(v: f32) -> u32 {
+    if v == 0.0 {
+        0
+    } else {
+        v.to_bits()
+    }
+}
+
+/// Asserts bit equality (treating -0.0 == +0.0), naming the first differing index.
+pub fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| canon_bits(got[i]) != canon_bits(want[i])) {
+        panic!(
+            "{what}: element {i} differs: got {} ({:#010x}), want {} ({:#010x})",
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits()
+        );
+    }
+}
+
+/// `max |got - want| / max |want|`.
+pub fn max_err_rel_to_max(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    let m = want.iter().fold(0f64, |m, v| m.max((*v as f64).abs()));
+    let e = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (g, w)| m.max((*g as f64 - *w as f64).abs()));
+    if m == 0.0 {
+        e
+    } else {
+        e / m
+    }
+}
+
+/// sha256 (hex) of little-endian f32 bytes with -0.0 canonicalized, as the fixture manifests use.
+pub fn sha256_canon_f32(v: &[f32]) -> String {
+    let mut h = Sha256::new();
+    for x in v {
+        h.update(canon_bits(*x).to_le_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
