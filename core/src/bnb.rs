@@ -778,3 +778,103 @@ impl QuantState {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_repr_matches_json_dumps() {
+        for (v, want) in [
+            (0.3630799949169159f64, "0.3630799949169159"),
+            (0.5, "0.5"),
+            (1.0, "1.0"),
+            (-2.5, "-2.5"),
+            (1e-05, "1e-05"),
+            (0.0001, "0.0001"),
+            (1.5e16, "1.5e+16"),
+            (123456789012345.0, "123456789012345.0"),
+            (-3.0517578125e-05, "-3.0517578125e-05"),
+            (0.0, "0.0"),
+        ] {
+            assert_eq!(python_float_repr(v), want, "{v:e}");
+        }
+    }
+
+    #[test]
+    fn quant_state_json_round_trips_to_the_same_bytes() {
+        let blob = br#"{"quant_type": "fp4", "blocksize": 128, "dtype": "bfloat16", "shape": [7, 3], "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.13923098146915436}"#;
+        let parsed = QuantStateJson::parse(blob).expect("parse");
+        assert_eq!(parsed.quant_type, QuantType::Fp4);
+        assert_eq!(parsed.num_blocks(), 1);
+        assert_eq!(parsed.packed_bytes(), 11);
+        assert_eq!(parsed.to_json_bytes(), blob.to_vec());
+    }
+
+    #[test]
+    fn fast_dequant_is_bit_identical_to_the_reference() {
+        // Sizes: odd, partial last block, and large enough for the threaded path.
+        for (n, bs) in [
+            (1usize, 64u64),
+            (7, 32),
+            (1961, 64),
+            (33300, 32),
+            (300_001, 256),
+        ] {
+            let packed: Vec<u8> = (0..n.div_ceil(2))
+                .map(|i| ((i * 2654435761usize) >> 7) as u8)
+                .collect();
+            let nb = n.div_ceil(bs as usize);
+            let absmax: Vec<f32> = (0..nb).map(|j| 0.01 + j as f32 * 0.37 % 3.0).collect();
+            let state = QuantState {
+                json: QuantStateJson {
+                    quant_type: QuantType::Fp4,
+                    blocksize: bs,
+                    dtype: FloatDtype::F32,
+                    shape: vec![n as u64],
+                    nested: None,
+                },
+                code: QuantType::Fp4.code_table(),
+                absmax,
+            };
+            let mut a = vec![0f32; n];
+            let mut b = vec![1f32; n];
+            state.dequantize_ref(&packed, &mut a).expect("ref");
+            state.dequantize(&packed, &mut b).expect("fast");
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "n={n} bs={bs}"
+            );
+            let mut lut = vec![2f32; n];
+            crate::dequant_fast::dequantize_range_lut(
+                &state.code,
+                &state.absmax,
+                bs as usize,
+                &packed,
+                &mut lut,
+                0,
+            );
+            assert!(
+                a.iter().zip(&lut).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "lut n={n}"
+            );
+        }
+    }
+
+    #[test]
+    fn wrong_output_length_is_an_error_not_a_panic() {
+        let state = QuantState {
+            json: QuantStateJson {
+                quant_type: QuantType::Nf4,
+                blocksize: 64,
+                dtype: FloatDtype::F32,
+                shape: vec![10, 10],
+                nested: None,
+            },
+            code: QuantType::Nf4.code_table(),
+            absmax: vec![1.0, 1.0],
+        };
+        assert!(state.dequantize(&[0u8; 50], &mut [0f32; 99]).is_err());
+        assert!(state.dequantize_ref(&[0u8; 49], &mut [0f32; 100]).is_err());
+    }
+}

@@ -59,6 +59,59 @@ pub struct Quantized {
     pub absmax: QuantizedAbsmax,
 }
 
+/// Name, dtype and shape of every state-dict entry of a quantized weight with this quant state,
+/// in the order [`Quantized::tensors`] produces them.
+pub fn state_tensor_specs(
+    weight_name: &str,
+    json: &QuantStateJson,
+) -> Vec<crate::writer::TensorSpec> {
+    use crate::writer::TensorSpec;
+    use safetensors::Dtype;
+    let spec = |name: String, dtype, shape: Vec<u64>| TensorSpec { name, dtype, shape };
+    let nblocks = json.num_blocks();
+    let mut v = vec![spec(
+        weight_name.to_string(),
+        Dtype::U8,
+        vec![json.packed_bytes(), 1],
+    )];
+    match json.num_nested_blocks() {
+        Some(nn) => {
+            v.push(spec(
+                format!("{weight_name}.absmax"),
+                Dtype::U8,
+                vec![nblocks],
+            ));
+            v.push(spec(
+                format!("{weight_name}.nested_absmax"),
+                Dtype::F32,
+                vec![nn],
+            ));
+            v.push(spec(
+                format!("{weight_name}.nested_quant_map"),
+                Dtype::F32,
+                vec![256],
+            ));
+        }
+        None => v.push(spec(
+            format!("{weight_name}.absmax"),
+            Dtype::F32,
+            vec![nblocks],
+        )),
+    }
+    v.push(spec(
+        format!("{weight_name}.quant_map"),
+        Dtype::F32,
+        vec![16],
+    ));
+    let suffix = json.quant_type.state_key_suffix();
+    v.push(spec(
+        format!("{weight_name}.{suffix}"),
+        Dtype::U8,
+        vec![json.to_json_bytes().len() as u64],
+    ));
+    v
+}
+
 /// One tensor to write: name suffix (appended to the weight name), dtype, shape, bytes.
 pub type StateTensor = (String, safetensors::Dtype, Vec<u64>, Vec<u8>);
 
@@ -153,13 +206,7 @@ impl CodeSearch {
     }
 }
 
-/// Quantizes `values` (the weight flattened row-major, already widened to f32 from `dtype`).
-pub fn quantize_4bit(
-    values: &[f32],
-    shape: &[u64],
-    dtype: FloatDtype,
-    opts: QuantizeOptions,
-) -> Result<Quantized> {
+fn check_input(values: &[f32], shape: &[u64], opts: QuantizeOptions) -> Result<()> {
     let n = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
     if n != Some(values.len() as u64) {
         return Err(Error::Invalid(format!(
@@ -175,16 +222,67 @@ pub fn quantize_4bit(
     }
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
         return Err(Error::Invalid(format!(
-            "quantize: element {i} is {}, bitsandbytes cannot represent it",
+            "quantize: element {i} is {}, which 4-bit quantization cannot represent",
             values[i]
         )));
     }
-    let bs = bs as usize;
-    let search = CodeSearch::new(&opts.quant_type.code_table());
-    let absmax: Vec<f32> = values
+    Ok(())
+}
+
+fn block_absmax(values: &[f32], bs: usize) -> Vec<f32> {
+    values
         .chunks(bs)
         .map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs())))
-        .collect();
+        .collect()
+}
+
+fn state_json(
+    shape: &[u64],
+    dtype: FloatDtype,
+    opts: QuantizeOptions,
+    absmax: &[f32],
+) -> QuantStateJson {
+    QuantStateJson {
+        quant_type: opts.quant_type,
+        blocksize: opts.blocksize,
+        dtype,
+        shape: shape.to_vec(),
+        nested: opts.double_quant.then(|| NestedState {
+            blocksize: NESTED_BLOCKSIZE,
+            dtype: "float32".into(),
+            offset: torch_mean_f32(absmax) as f64,
+        }),
+    }
+}
+
+/// The quant state [`quantize_4bit`] would produce, without quantizing (only absmax and its
+/// mean are computed): lets a writer lay out a file's header before the data.
+pub fn quant_state_for(
+    values: &[f32],
+    shape: &[u64],
+    dtype: FloatDtype,
+    opts: QuantizeOptions,
+) -> Result<QuantStateJson> {
+    check_input(values, shape, opts)?;
+    Ok(state_json(
+        shape,
+        dtype,
+        opts,
+        &block_absmax(values, opts.blocksize as usize),
+    ))
+}
+
+/// Quantizes `values` (the weight flattened row-major, already widened to f32 from `dtype`).
+pub fn quantize_4bit(
+    values: &[f32],
+    shape: &[u64],
+    dtype: FloatDtype,
+    opts: QuantizeOptions,
+) -> Result<Quantized> {
+    check_input(values, shape, opts)?;
+    let bs = opts.blocksize as usize;
+    let search = CodeSearch::new(&opts.quant_type.code_table());
+    let absmax = block_absmax(values, bs);
     let mut packed = vec![0u8; values.len().div_ceil(2)];
     for (bi, block) in values.chunks(bs).enumerate() {
         // An all-zero block scales to 0 (bitsandbytes encodes it as the code of 0.0).
@@ -203,29 +301,19 @@ pub fn quantize_4bit(
         // bitsandbytes pads with 0.0 before packing: the spare low nibble holds the code of 0.
         *packed.last_mut().expect("odd length is non-empty") |= search.code(0.0);
     }
-    let mut json = QuantStateJson {
-        quant_type: opts.quant_type,
-        blocksize: opts.blocksize,
-        dtype,
-        shape: shape.to_vec(),
-        nested: None,
-    };
-    let absmax = if opts.double_quant {
-        let offset = torch_mean_f32(&absmax);
-        let centred: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
-        let (codes, nested_absmax) =
-            quantize_blockwise_dynamic(&centred, NESTED_BLOCKSIZE as usize);
-        json.nested = Some(NestedState {
-            blocksize: NESTED_BLOCKSIZE,
-            dtype: "float32".into(),
-            offset: offset as f64,
-        });
-        QuantizedAbsmax::Nested {
-            codes,
-            nested_absmax,
+    let json = state_json(shape, dtype, opts, &absmax);
+    let absmax = match &json.nested {
+        Some(n) => {
+            let offset = n.offset_f32();
+            let centred: Vec<f32> = absmax.iter().map(|a| a - offset).collect();
+            let (codes, nested_absmax) =
+                quantize_blockwise_dynamic(&centred, NESTED_BLOCKSIZE as usize);
+            QuantizedAbsmax::Nested {
+                codes,
+                nested_absmax,
+            }
         }
-    } else {
-        QuantizedAbsmax::F32(absmax)
+        None => QuantizedAbsmax::F32(absmax),
     };
     Ok(Quantized {
         json,
@@ -447,6 +535,8 @@ fn row_sum<const L: usize>(load: impl Fn(usize) -> [f32; L], size: usize) -> [f3
     out
 }
 
+// Index loops mirror SumKernel.cpp line for line, which is what makes the order checkable.
+#[allow(clippy::needless_range_loop)]
 fn multi_row_sum<const L: usize>(
     load: impl Fn(usize, usize) -> [f32; L],
     size: usize,
@@ -489,4 +579,73 @@ fn multi_row_sum<const L: usize>(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torch_sum_matches_exact_sum_on_exact_inputs() {
+        // Integers are summed exactly in f32, whatever the order.
+        for n in [0usize, 1, 5, 8, 31, 64, 1041, 5000, 70_000] {
+            let x: Vec<f32> = (0..n).map(|i| (i % 97) as f32).collect();
+            let exact: f64 = x.iter().map(|&v| v as f64).sum();
+            assert_eq!(torch_sum_f32(&x) as f64, exact, "n={n}");
+        }
+    }
+
+    #[test]
+    fn specs_describe_the_written_tensors() {
+        let w: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        for dq in [false, true] {
+            for qt in [QuantType::Nf4, QuantType::Fp4] {
+                let opts = QuantizeOptions {
+                    quant_type: qt,
+                    blocksize: 128,
+                    double_quant: dq,
+                };
+                let q = quantize_4bit(&w, &[10, 100], FloatDtype::F16, opts).expect("q");
+                let specs = state_tensor_specs("x.weight", &q.json);
+                let got: Vec<_> = q
+                    .tensors("x.weight")
+                    .into_iter()
+                    .map(|(n, d, s, _)| (n, d, s))
+                    .collect();
+                let want: Vec<_> = specs
+                    .into_iter()
+                    .map(|s| (s.name, s.dtype, s.shape))
+                    .collect();
+                assert_eq!(got, want);
+                let pre = quant_state_for(&w, &[10, 100], FloatDtype::F16, opts).expect("json");
+                assert_eq!(pre, q.json);
+            }
+        }
+    }
+
+    #[test]
+    fn all_zero_block_encodes_as_zero_code() {
+        let mut w = vec![0f32; 64];
+        w.extend((0..64).map(|i| i as f32 - 31.5));
+        let q = quantize_4bit(&w, &[128], FloatDtype::F32, QuantizeOptions::default()).expect("q");
+        assert!(
+            q.packed[..32].iter().all(|&b| b == 0x77),
+            "NF4 code 7 is 0.0"
+        );
+        let opts = QuantizeOptions {
+            quant_type: QuantType::Fp4,
+            ..Default::default()
+        };
+        let q = quantize_4bit(&w, &[128], FloatDtype::F32, opts).expect("q");
+        assert!(q.packed[..32].iter().all(|&b| b == 0), "FP4 code 0 is 0.0");
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        let o = QuantizeOptions::default();
+        assert!(quantize_4bit(&[1.0; 6], &[2, 2], FloatDtype::F32, o).is_err());
+        assert!(quantize_4bit(&[f32::NAN; 4], &[4], FloatDtype::F32, o).is_err());
+        let bad_bs = QuantizeOptions { blocksize: 48, ..o };
+        assert!(quantize_4bit(&[1.0; 4], &[4], FloatDtype::F32, bad_bs).is_err());
+    }
 }

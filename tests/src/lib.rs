@@ -1,6 +1,8 @@
 //! Helpers shared by nibble's integration tests: where the fixtures are, reading expected
 //! tensors, and the named comparisons (bit-exact with -0.0 == +0.0, error relative to max).
 
+pub mod build;
+
 use std::path::{Path, PathBuf};
 
 use nibble_core::index::ModelIndex;

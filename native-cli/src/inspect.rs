@@ -1,0 +1,222 @@
+//! `nibble inspect`: what a model holds, without reading its weights.
+
+use std::path::Path;
+
+use anyhow::Result;
+use nibble_core::bnb::{find_4bit_weights, QuantState};
+use nibble_core::index::{dtype_name, ModelIndex, TensorEntry};
+use serde_json::{json, Value};
+
+macro_rules! outln {
+    ($o:expr, $($t:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($o, $($t)*);
+    }};
+}
+
+/// config.json keys worth a line in the summary, when present.
+const CONFIG_KEYS: [&str; 16] = [
+    "model_type",
+    "architectures",
+    "_class_name",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+    "num_layers",
+    "num_single_layers",
+    "torch_dtype",
+];
+
+fn tensor_json(model: &ModelIndex, t: &TensorEntry) -> Value {
+    json!({
+        "name": t.name,
+        "dtype": dtype_name(t.dtype),
+        "shape": t.shape,
+        "bytes": t.len,
+        "file": model.shard_name(t.shard),
+        "offset": t.offset,
+    })
+}
+
+/// Prints the inventory of a model file or folder.
+pub fn run(path: &Path, as_json: bool) -> Result<()> {
+    let model = ModelIndex::open(path)?;
+    let weights = find_4bit_weights(&model)?;
+    let mut quantized = Vec::with_capacity(weights.len());
+    for k in &weights {
+        quantized.push((k, QuantState::load(&model, k)?));
+    }
+    let owner_of = |name: &str| {
+        quantized
+            .iter()
+            .position(|(k, _)| k.all_keys().contains(&name))
+    };
+    let quant_params: u64 = quantized.iter().map(|(_, s)| s.json.numel()).sum();
+    let plain_params: u64 = model
+        .tensors()
+        .filter(|t| owner_of(&t.name).is_none())
+        .map(|t| t.numel())
+        .sum();
+    let tensor_bytes: u64 = model.tensors().map(|t| t.len).sum();
+    let config = model.config.clone().unwrap_or(Value::Null);
+    let config_summary: serde_json::Map<String, Value> = CONFIG_KEYS
+        .iter()
+        .filter_map(|k| config.get(*k).map(|v| (k.to_string(), v.clone())))
+        .collect();
+    let qconfig = config
+        .get("quantization_config")
+        .cloned()
+        .unwrap_or(Value::Null);
+
+    let mut o = String::new();
+    if as_json {
+        let out = json!({
+            "path": path.display().to_string(),
+            "files": model.shards.iter().map(|s| json!({
+                "file": s.header.file,
+                "bytes": s.header.file_len,
+                "header_bytes": s.header.header_len,
+                "tensors": s.header.tensors.len(),
+                "metadata": s.header.metadata,
+            })).collect::<Vec<_>>(),
+            "tensors": model.tensors().map(|t| tensor_json(&model, t)).collect::<Vec<_>>(),
+            "quantized": quantized.iter().map(|(k, s)| json!({
+                "name": k.base,
+                "quant_type": s.json.quant_type.name(),
+                "blocksize": s.json.blocksize,
+                "double_quant": s.json.nested.is_some(),
+                "nested_blocksize": s.json.nested.as_ref().map(|n| n.blocksize),
+                "nested_offset": s.json.nested.as_ref().map(|n| n.offset),
+                "shape": s.json.shape,
+                "dtype": s.json.dtype.name(),
+                "parameters": s.json.numel(),
+                "bytes": k.all_keys().iter().filter_map(|n| model.get(n)).map(|t| t.len).sum::<u64>(),
+                "components": k.all_keys(),
+            })).collect::<Vec<_>>(),
+            "totals": {
+                "file_bytes": model.file_bytes(),
+                "tensor_bytes": tensor_bytes,
+                "tensors": model.len(),
+                "quantized_weights": quantized.len(),
+                "parameters": quant_params + plain_params,
+                "quantized_parameters": quant_params,
+            },
+            "config": config_summary,
+            "quantization_config": qconfig,
+        });
+        outln!(o, "{}", serde_json::to_string_pretty(&out)?);
+        return crate::write_stdout(&o);
+    }
+
+    outln!(o, "{}", path.display());
+    for s in &model.shards {
+        outln!(
+            o,
+            "  file {}  {} bytes, header {} bytes, {} tensors",
+            s.header.file,
+            s.header.file_len,
+            s.header.header_len,
+            s.header.tensors.len()
+        );
+    }
+    o.push('\n');
+    let name_w = model
+        .tensors()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 72);
+    outln!(
+        o,
+        "{:<name_w$}  {:<5}  {:<16}  {:>12}",
+        "TENSOR",
+        "DTYPE",
+        "SHAPE",
+        "BYTES"
+    );
+    for t in model.tensors() {
+        match owner_of(&t.name) {
+            Some(i) if quantized[i].0.base == t.name => {
+                let (k, s) = &quantized[i];
+                let j = &s.json;
+                let bytes: u64 = k
+                    .all_keys()
+                    .iter()
+                    .filter_map(|n| model.get(n))
+                    .map(|t| t.len)
+                    .sum();
+                outln!(
+                    o,
+                    "{:<name_w$}  {:<5}  {:<16}  {:>12}  {} blocksize {}{} {}",
+                    t.name,
+                    j.quant_type.name(),
+                    format!("{:?}", j.shape),
+                    bytes,
+                    j.quant_type.name(),
+                    j.blocksize,
+                    if j.nested.is_some() {
+                        " double-quant"
+                    } else {
+                        ""
+                    },
+                    j.dtype.name()
+                );
+                for c in k.all_keys() {
+                    if let Some(ct) = model.get(c) {
+                        outln!(
+                            o,
+                            "  {:<w2$}  {:<5}  {:<16}  {:>12}",
+                            c,
+                            dtype_name(ct.dtype),
+                            format!("{:?}", ct.shape),
+                            ct.len,
+                            w2 = name_w - 2
+                        );
+                    }
+                }
+            }
+            Some(_) => {}
+            None => outln!(
+                o,
+                "{:<name_w$}  {:<5}  {:<16}  {:>12}",
+                t.name,
+                dtype_name(t.dtype),
+                format!("{:?}", t.shape),
+                t.len
+            ),
+        }
+    }
+    o.push('\n');
+    outln!(
+        o,
+        "totals: {} bytes on disk, {} tensors, {} parameters ({} in {} 4-bit weights)",
+        model.file_bytes(),
+        model.len(),
+        quant_params + plain_params,
+        quant_params,
+        quantized.len()
+    );
+    if !config_summary.is_empty() {
+        let parts: Vec<String> = config_summary
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        outln!(o, "config: {}", parts.join(", "));
+    }
+    if let Value::Object(q) = &qconfig {
+        let parts: Vec<String> = q
+            .iter()
+            .filter(|(k, _)| !k.starts_with('_'))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        outln!(o, "quantization_config: {}", parts.join(", "));
+    }
+    crate::write_stdout(&o)
+}

@@ -1,0 +1,186 @@
+//! `nibble dequant` and `nibble quantize`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use nibble_core::bnb::{
+    find_4bit_weights, is_quant_component, Bnb4bitKeys, FloatDtype, QuantState, QuantType,
+};
+use nibble_core::convert::f32_to_bytes;
+use nibble_core::index::{Dtype, ModelIndex};
+use nibble_core::quantize::{quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions};
+use nibble_core::writer::{SafetensorsWriter, TensorSpec};
+use regex::Regex;
+
+/// `--quant` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum QuantArg {
+    /// NormalFloat4.
+    Nf4,
+    /// bitsandbytes FP4.
+    Fp4,
+}
+
+/// Default `--include`: weights.
+pub const DEFAULT_INCLUDE: &str = r"\.weight$";
+/// Default `--exclude`: what transformers keeps unquantized (embeddings, output head).
+pub const DEFAULT_EXCLUDE: &str = r"(^|\.)(lm_head|embed_tokens|wte|wpe|word_embeddings|position_embeddings|token_type_embeddings)\.weight$";
+
+fn pt_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Dequantizes the named (or all) 4-bit weights into an F32 safetensors file.
+pub fn dequant(path: &Path, names: &[String], all: bool, out: &Path) -> Result<()> {
+    let model = ModelIndex::open(path)?;
+    let weights = find_4bit_weights(&model)?;
+    let chosen: Vec<&Bnb4bitKeys> = if all {
+        weights.iter().collect()
+    } else {
+        names
+            .iter()
+            .map(|n| {
+                weights.iter().find(|k| &k.base == n).with_context(|| {
+                    if model.get(n).is_some() {
+                        format!(
+                            "{}: tensor '{n}' is not a bitsandbytes 4-bit weight",
+                            path.display()
+                        )
+                    } else {
+                        format!("{}: no tensor named '{n}'", path.display())
+                    }
+                })
+            })
+            .collect::<Result<_>>()?
+    };
+    if chosen.is_empty() {
+        bail!(
+            "{}: the model has no bitsandbytes 4-bit weights",
+            path.display()
+        );
+    }
+    let states: Vec<QuantState> = chosen
+        .iter()
+        .map(|k| QuantState::load(&model, k))
+        .collect::<nibble_core::Result<_>>()?;
+    let specs = chosen
+        .iter()
+        .zip(&states)
+        .map(|(k, s)| TensorSpec {
+            name: k.base.clone(),
+            dtype: Dtype::F32,
+            shape: s.json.shape.clone(),
+        })
+        .collect();
+    let mut w = SafetensorsWriter::create(out, specs, &pt_metadata())?;
+    for (i, (k, s)) in chosen.iter().zip(&states).enumerate() {
+        let packed = model.read_bytes(model.require(&k.base)?)?;
+        let mut values = vec![0f32; s.numel()];
+        s.dequantize(&packed, &mut values)?;
+        w.write_tensor(&k.base, &f32_to_bytes(&values))?;
+        eprintln!(
+            "[{}/{}] {} {:?} {}",
+            i + 1,
+            chosen.len(),
+            k.base,
+            s.json.shape,
+            s.json.quant_type.name()
+        );
+    }
+    w.finish()?;
+    eprintln!("wrote {} tensors to {}", chosen.len(), out.display());
+    Ok(())
+}
+
+/// Quantizes matching 2-D float weights, copying every other tensor unchanged.
+pub fn quantize(
+    input: &Path,
+    out: &Path,
+    quant: QuantArg,
+    blocksize: u64,
+    double_quant: bool,
+    include: &str,
+    exclude: &str,
+) -> Result<()> {
+    let include = Regex::new(include).with_context(|| format!("--include '{include}'"))?;
+    let exclude = if exclude.is_empty() {
+        None
+    } else {
+        Some(Regex::new(exclude).with_context(|| format!("--exclude '{exclude}'"))?)
+    };
+    let quant_type = match quant {
+        QuantArg::Nf4 => QuantType::Nf4,
+        QuantArg::Fp4 => QuantType::Fp4,
+    };
+    let opts = QuantizeOptions {
+        quant_type,
+        blocksize,
+        double_quant,
+    };
+    let model = ModelIndex::open(input)?;
+    let already: Vec<String> = find_4bit_weights(&model)?
+        .into_iter()
+        .map(|k| k.base)
+        .collect();
+    let selected = |name: &str, dtype: Dtype, shape: &[u64]| {
+        shape.len() == 2
+            && FloatDtype::from_safetensors(dtype).is_some()
+            && !already.iter().any(|b| b == name)
+            && !is_quant_component(name)
+            && include.is_match(name)
+            && !exclude.as_ref().is_some_and(|r| r.is_match(name))
+    };
+    // Pass 1 lays out the header (a double-quantized weight's JSON length depends on its data).
+    let mut specs = Vec::new();
+    let mut plan = Vec::new();
+    for t in model.tensors() {
+        if selected(&t.name, t.dtype, &t.shape) {
+            let values = model.read_f32(t)?;
+            let dtype = FloatDtype::from_safetensors(t.dtype).context("float dtype")?;
+            let json = quant_state_for(&values, &t.shape, dtype, opts)
+                .with_context(|| format!("{}: tensor '{}'", model.shard_name(t.shard), t.name))?;
+            specs.extend(state_tensor_specs(&t.name, &json));
+            plan.push((t, true));
+        } else {
+            specs.push(TensorSpec {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            });
+            plan.push((t, false));
+        }
+    }
+    let mut w = SafetensorsWriter::create(out, specs, &pt_metadata())?;
+    let (mut nq, mut in_bytes, mut out_bytes) = (0usize, 0u64, 0u64);
+    for (t, quantize) in plan {
+        if quantize {
+            let values = model.read_f32(t)?;
+            let dtype = FloatDtype::from_safetensors(t.dtype).context("float dtype")?;
+            let q = quantize_4bit(&values, &t.shape, dtype, opts)?;
+            for (name, _, _, bytes) in q.tensors(&t.name) {
+                out_bytes += bytes.len() as u64;
+                w.write_tensor(&name, &bytes)?;
+            }
+            in_bytes += t.len;
+            nq += 1;
+            eprintln!(
+                "quantized {} {:?} {} -> {}",
+                t.name,
+                t.shape,
+                t.len,
+                quant_type.name()
+            );
+        } else {
+            let bytes = model.read_bytes(t)?;
+            w.write_tensor(&t.name, &bytes)?;
+        }
+    }
+    w.finish()?;
+    eprintln!(
+        "wrote {}: {nq} weights quantized ({in_bytes} -> {out_bytes} bytes), {} tensors copied",
+        out.display(),
+        model.len() - nq
+    );
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! The `nibble` binary as a user runs it: inspect, dequant, quantize, and bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn nibble(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(args)
+        .output()
+        .expect("run nibble")
+}
+
+fn fixtures() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    assert!(
+        p.join("manifest.json").is_file(),
+        "shared fixtures missing at {}",
+        p.display()
+    );
+    p
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn inspect_json_lists_tensors_quant_state_totals_and_config() {
+    let model = fixtures().join("tiny-llama-nf4/model");
+    let o = nibble(&["inspect", model.to_str().expect("utf8"), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["tensors"].as_array().expect("tensors").len(), 91);
+    let q = v["quantized"].as_array().expect("quantized");
+    assert_eq!(q.len(), 14);
+    let down = q
+        .iter()
+        .find(|w| w["name"] == "model.layers.0.mlp.down_proj.weight")
+        .expect("down_proj");
+    assert_eq!(down["quant_type"], "nf4");
+    assert_eq!(down["blocksize"], 64);
+    assert_eq!(down["double_quant"], true);
+    assert_eq!(down["shape"], serde_json::json!([64, 128]));
+    assert_eq!(down["dtype"], "float32");
+    assert_eq!(v["totals"]["file_bytes"], 198167);
+    assert_eq!(v["totals"]["quantized_weights"], 14);
+    assert_eq!(v["config"]["hidden_size"], 64);
+    assert_eq!(v["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+}
+
+#[test]
+fn inspect_text_groups_4bit_weights() {
+    let model = fixtures().join("tiny-dit-nf4/model");
+    let o = nibble(&["inspect", model.to_str().expect("utf8")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("proj_out.weight"), "{out}");
+    assert!(
+        out.contains("nf4 blocksize 64 double-quant float32"),
+        "{out}"
+    );
+    assert!(out.contains("quantization_config: "), "{out}");
+    assert!(out.contains("totals: "), "{out}");
+}
+
+#[test]
+fn dequant_all_writes_f32_weights_equal_to_bitsandbytes() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("deq.safetensors");
+    let model = fixtures().join("tiny-llama-nf4/model");
+    let o = nibble(&[
+        "dequant",
+        model.to_str().expect("utf8"),
+        "--all",
+        "-o",
+        out.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = nibble_core::index::ModelIndex::open(&out).expect("output is valid safetensors");
+    let want = nibble_core::index::ModelIndex::open(
+        &fixtures().join("tiny-llama-nf4/expected.safetensors"),
+    )
+    .expect("expected");
+    assert_eq!(got.len(), 14);
+    for t in got.tensors() {
+        assert_eq!(t.dtype, nibble_core::index::Dtype::F32);
+        let w = want
+            .require(&format!("deq.{}", t.name))
+            .expect("expected deq");
+        assert_eq!(t.shape, w.shape, "{} logical shape", t.name);
+        let g = got.read_f32(t).expect("read");
+        let e = want.read_f32(w).expect("read");
+        assert!(g.iter().zip(&e).all(|(a, b)| a == b), "{} differs", t.name);
+    }
+}
+
+#[test]
+fn dequant_one_tensor_and_refuse_a_plain_one() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("one.safetensors");
+    let model = fixtures().join("tiny-llama-nf4/model");
+    let m = model.to_str().expect("utf8");
+    let o = nibble(&[
+        "dequant",
+        m,
+        "--tensor",
+        "model.layers.1.mlp.up_proj.weight",
+        "-o",
+        out.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = nibble_core::index::ModelIndex::open(&out).expect("valid");
+    assert_eq!(
+        got.require("model.layers.1.mlp.up_proj.weight")
+            .expect("t")
+            .shape,
+        vec![128, 64]
+    );
+
+    let o = nibble(&[
+        "dequant",
+        m,
+        "--tensor",
+        "lm_head.weight",
+        "-o",
+        out.to_str().expect("utf8"),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("not a bitsandbytes 4-bit weight"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn quantize_then_inspect_and_dequantize() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let src = dir.path().join("dense.safetensors");
+    let values: Vec<f32> = (0..96 * 40)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    let bias: Vec<f32> = (0..96).map(|i| i as f32).collect();
+    nibble_core::writer::write_safetensors(
+        &src,
+        &[
+            (
+                "layer.weight".into(),
+                nibble_core::index::Dtype::F32,
+                vec![96, 40],
+                nibble_core::convert::f32_to_bytes(&values),
+            ),
+            (
+                "layer.bias".into(),
+                nibble_core::index::Dtype::F32,
+                vec![96],
+                nibble_core::convert::f32_to_bytes(&bias),
+            ),
+            (
+                "embed_tokens.weight".into(),
+                nibble_core::index::Dtype::F32,
+                vec![96, 40],
+                nibble_core::convert::f32_to_bytes(&values),
+            ),
+        ],
+        &Default::default(),
+    )
+    .expect("write");
+    let q = dir.path().join("q.safetensors");
+    let o = nibble(&[
+        "quantize",
+        src.to_str().expect("utf8"),
+        "-o",
+        q.to_str().expect("utf8"),
+        "--quant",
+        "fp4",
+        "--blocksize",
+        "128",
+        "--double-quant",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = nibble_core::index::ModelIndex::open(&q).expect("valid output");
+    let ws = nibble_core::bnb::find_4bit_weights(&m).expect("find");
+    assert_eq!(
+        ws.len(),
+        1,
+        "only layer.weight is quantized (embeddings excluded by default)"
+    );
+    let s = nibble_core::bnb::QuantState::load(&m, &ws[0]).expect("state");
+    assert_eq!(s.json.quant_type, nibble_core::bnb::QuantType::Fp4);
+    assert_eq!(s.json.blocksize, 128);
+    assert!(s.json.nested.is_some());
+    // Copied tensors are byte-identical.
+    let b = m
+        .read_f32(m.require("layer.bias").expect("bias"))
+        .expect("read");
+    assert_eq!(b, bias);
+    assert_eq!(
+        m.require("embed_tokens.weight").expect("embed").dtype,
+        nibble_core::index::Dtype::F32
+    );
+}
+
+#[test]
+fn bad_input_is_one_clear_line_and_no_panic() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let bad = dir.path().join("bad.safetensors");
+    let mut bytes = 40u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(br#"{"t": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}"#);
+    std::fs::write(&bad, &bytes).expect("write");
+    for args in [
+        vec!["inspect", bad.to_str().expect("utf8")],
+        vec!["inspect", "/nonexistent/model"],
+        vec![
+            "dequant",
+            bad.to_str().expect("utf8"),
+            "--all",
+            "-o",
+            "/tmp/never.safetensors",
+        ],
+        vec![
+            "quantize",
+            bad.to_str().expect("utf8"),
+            "-o",
+            "/tmp/never.safetensors",
+        ],
+    ] {
+        let o = nibble(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: one line expected, got {err}"
+        );
+        assert!(err.starts_with("error: "), "{err}");
+    }
+    let o = nibble(&["inspect", bad.to_str().expect("utf8")]);
+    assert!(
+        stderr(&o).contains("bad.safetensors"),
+        "names the file: {}",
+        stderr(&o)
+    );
+}
