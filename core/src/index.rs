@@ -4,13 +4,17 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
+#[cfg(feature = "native")]
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use safetensors::tensor::TensorInfo;
 pub use safetensors::Dtype;
 
 use crate::error::{Error, Result};
+use crate::source::RangeSource;
 
 /// The largest header nibble accepts (the safetensors reference implementation uses 100 MB).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -273,22 +277,33 @@ fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 /// One file of a model.
 #[derive(Debug, Clone)]
 pub struct Shard {
-    /// Where it lives.
-    pub path: PathBuf,
+    /// File name within the model folder (or the file's own name).
+    pub name: String,
     /// Its parsed header.
     pub header: SafetensorsHeader,
 }
 
-/// A model: one safetensors file, or a folder with `config.json` and one file or shards.
-#[derive(Debug, Clone)]
+/// A model: one safetensors file, or a folder (local or URL) with `config.json` and one file or
+/// shards. Reads go through the model's [`RangeSource`].
+#[derive(Clone)]
 pub struct ModelIndex {
-    /// The path the user gave.
-    pub root: PathBuf,
-    /// The files, in index order.
+    /// The path or URL the user gave.
+    pub root: String,
+    /// The files, in index order (the same order as the source's files).
     pub shards: Vec<Shard>,
     /// `config.json`, when the model is a folder that has one.
     pub config: Option<serde_json::Value>,
     by_name: HashMap<String, (usize, usize)>,
+    source: Arc<dyn RangeSource>,
+}
+
+impl std::fmt::Debug for ModelIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelIndex")
+            .field("root", &self.root)
+            .field("shards", &self.shards.len())
+            .finish()
+    }
 }
 
 /// Index files nibble recognises for sharded models, in the order they are tried.
@@ -300,38 +315,152 @@ pub const SHARD_INDEX_NAMES: [&str; 2] = [
 pub const SINGLE_FILE_NAMES: [&str; 2] =
     ["model.safetensors", "diffusion_pytorch_model.safetensors"];
 
+/// The shard files named by an index JSON's `weight_map`, sorted; checks every entry names a
+/// plain file of the folder.
+pub fn shard_files_of_index(
+    index_name: &str,
+    index_json: &serde_json::Value,
+) -> Result<Vec<String>> {
+    let bad = |msg: String| Error::Model {
+        file: index_name.to_string(),
+        msg,
+    };
+    let weight_map = index_json
+        .get("weight_map")
+        .and_then(|w| w.as_object())
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    let mut files: Vec<String> = Vec::new();
+    for (tensor, f) in weight_map {
+        let f = f
+            .as_str()
+            .ok_or_else(|| bad(format!("weight_map entry '{tensor}' is not a string")))?;
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') || f.is_empty() {
+            return Err(bad(format!(
+                "weight_map entry '{tensor}' names '{f}', not a file in the folder"
+            )));
+        }
+        if !files.iter().any(|x| x == f) {
+            files.push(f.to_string());
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 impl ModelIndex {
-    /// Opens a `.safetensors` file or a model folder and validates every header.
+    /// Builds an index from parsed headers and the source their bytes come from; checks a shard
+    /// index's `weight_map` against the shards when given.
+    pub fn from_parts(
+        root: String,
+        shards: Vec<Shard>,
+        config: Option<serde_json::Value>,
+        source: Arc<dyn RangeSource>,
+        index_json: Option<(&str, &serde_json::Value)>,
+    ) -> Result<Self> {
+        let mut shards = shards;
+        let mut by_name = HashMap::new();
+        for (si, shard) in shards.iter_mut().enumerate() {
+            for (ti, t) in shard.header.tensors.iter_mut().enumerate() {
+                t.shard = si;
+                if let Some((prev, _)) = by_name.insert(t.name.clone(), (si, ti)) {
+                    return Err(Error::Model {
+                        file: root.clone(),
+                        msg: format!(
+                            "tensor '{}' is in both shard #{prev} and {}",
+                            t.name, shard.header.file
+                        ),
+                    });
+                }
+            }
+        }
+        let me = ModelIndex {
+            root,
+            shards,
+            config,
+            by_name,
+            source,
+        };
+        if let Some((idx_name, json)) = index_json {
+            let bad = |msg: String| Error::Model {
+                file: idx_name.to_string(),
+                msg,
+            };
+            let wm = json
+                .get("weight_map")
+                .and_then(|w| w.as_object())
+                .ok_or_else(|| bad("no weight_map".into()))?;
+            for (tensor, f) in wm {
+                let f = f.as_str().unwrap_or("?");
+                let Some(&(si, _)) = me.by_name.get(tensor) else {
+                    return Err(bad(format!(
+                        "weight_map lists '{tensor}' in {f}, but no shard holds it"
+                    )));
+                };
+                if me.shards[si].name != f {
+                    return Err(bad(format!(
+                        "weight_map puts '{tensor}' in {f}, but it is in {}",
+                        me.shards[si].name
+                    )));
+                }
+            }
+        }
+        Ok(me)
+    }
+
+    /// Opens a local `.safetensors` file or model folder and validates every header.
+    #[cfg(feature = "native")]
     pub fn open(path: &Path) -> Result<Self> {
         let disp = path.display().to_string();
         let meta = std::fs::metadata(path).map_err(|e| Error::io(&disp, e))?;
-        if meta.is_file() {
-            let header = SafetensorsHeader::read_file(path)?;
-            return Self::from_shards(
-                path.to_path_buf(),
-                vec![Shard {
-                    path: path.to_path_buf(),
-                    header,
-                }],
+        let single = |p: PathBuf, config| -> Result<Self> {
+            let header = SafetensorsHeader::read_file(&p)?;
+            let name = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("")
+                .to_string();
+            let source = crate::file_source::FileSource::open(&[p], Default::default())?;
+            Self::from_parts(
+                disp.clone(),
+                vec![Shard { name, header }],
+                config,
+                Arc::new(source),
                 None,
-            );
+            )
+        };
+        if meta.is_file() {
+            return single(path.to_path_buf(), None);
         }
         let config = read_json_if_exists(&path.join("config.json"))?;
         for idx_name in SHARD_INDEX_NAMES {
             let idx_path = path.join(idx_name);
             if let Some(index_json) = read_json_if_exists(&idx_path)? {
-                return Self::open_sharded(path, &idx_path, &index_json, config);
+                let idx_disp = idx_path.display().to_string();
+                let files = shard_files_of_index(&idx_disp, &index_json)?;
+                let mut shards = Vec::with_capacity(files.len());
+                let mut paths = Vec::with_capacity(files.len());
+                for f in files {
+                    let p = path.join(&f);
+                    shards.push(Shard {
+                        name: f,
+                        header: SafetensorsHeader::read_file(&p)?,
+                    });
+                    paths.push(p);
+                }
+                let source = crate::file_source::FileSource::open(&paths, Default::default())?;
+                return Self::from_parts(
+                    disp,
+                    shards,
+                    config,
+                    Arc::new(source),
+                    Some((&idx_disp, &index_json)),
+                );
             }
         }
-        for single in SINGLE_FILE_NAMES {
-            let p = path.join(single);
+        for name in SINGLE_FILE_NAMES {
+            let p = path.join(name);
             if p.is_file() {
-                let header = SafetensorsHeader::read_file(&p)?;
-                return Self::from_shards(
-                    path.to_path_buf(),
-                    vec![Shard { path: p, header }],
-                    config,
-                );
+                return single(p, config);
             }
         }
         let mut found: Vec<PathBuf> = std::fs::read_dir(path)
@@ -341,9 +470,7 @@ impl ModelIndex {
             .collect();
         found.sort();
         if found.len() == 1 {
-            let p = found.remove(0);
-            let header = SafetensorsHeader::read_file(&p)?;
-            return Self::from_shards(path.to_path_buf(), vec![Shard { path: p, header }], config);
+            return single(found.remove(0), config);
         }
         Err(Error::Model {
             file: disp,
@@ -356,90 +483,86 @@ impl ModelIndex {
         })
     }
 
-    fn open_sharded(
-        root: &Path,
-        idx_path: &Path,
-        index_json: &serde_json::Value,
-        config: Option<serde_json::Value>,
-    ) -> Result<Self> {
-        let idx_disp = idx_path.display().to_string();
-        let bad = |msg: String| Error::Model {
-            file: idx_disp.clone(),
-            msg,
+    /// Opens a model over HTTP(S): a `.safetensors` URL, or a folder URL holding `config.json`
+    /// and `model.safetensors` / `diffusion_pytorch_model.safetensors` or shards with their
+    /// index. Fetches only `config.json`, the index JSON and each file's 8 + N header bytes.
+    #[cfg(feature = "native")]
+    pub fn open_url(url: &str, opts: crate::http_source::HttpOptions) -> Result<Self> {
+        use crate::http_source::HttpSource;
+        const SMALL: u64 = 64 << 20;
+        let mut http = HttpSource::new(opts);
+        let url = url.trim_end_matches('/');
+        let single = |mut http: HttpSource, file_url: &str, config| -> Result<Self> {
+            let (_, header) = http.open_file(file_url)?;
+            let name = file_url.rsplit('/').next().unwrap_or("").to_string();
+            Self::from_parts(
+                url.to_string(),
+                vec![Shard { name, header }],
+                config,
+                Arc::new(http),
+                None,
+            )
         };
-        let weight_map = index_json
-            .get("weight_map")
-            .and_then(|w| w.as_object())
-            .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
-        let mut files: Vec<String> = Vec::new();
-        for (tensor, f) in weight_map {
-            let f = f
-                .as_str()
-                .ok_or_else(|| bad(format!("weight_map entry '{tensor}' is not a string")))?;
-            if f.contains('/') || f.contains('\\') || f == ".." || f.is_empty() {
-                return Err(bad(format!(
-                    "weight_map entry '{tensor}' names '{f}', not a file in the folder"
-                )));
-            }
-            if !files.iter().any(|x| x == f) {
-                files.push(f.to_string());
-            }
+        if url.ends_with(".safetensors") {
+            return single(http, url, None);
         }
-        files.sort();
-        let mut shards = Vec::with_capacity(files.len());
-        for f in &files {
-            let p = root.join(f);
-            let header = SafetensorsHeader::read_file(&p)?;
-            shards.push(Shard { path: p, header });
-        }
-        let me = Self::from_shards(root.to_path_buf(), shards, config)?;
-        for (tensor, f) in weight_map {
-            let Some(&(si, _)) = me.by_name.get(tensor) else {
-                return Err(bad(format!(
-                    "weight_map lists '{tensor}' in {}, but no shard holds it",
-                    f.as_str().unwrap_or("?")
-                )));
-            };
-            let shard_file = me.shards[si]
-                .path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or("");
-            if Some(shard_file) != f.as_str() {
-                return Err(bad(format!(
-                    "weight_map puts '{tensor}' in {f}, but it is in {shard_file}"
-                )));
+        let json = |bytes: Option<Vec<u8>>, name: &str| -> Result<Option<serde_json::Value>> {
+            bytes
+                .map(|b| serde_json::from_slice(&b))
+                .transpose()
+                .map_err(|e| Error::Model {
+                    file: name.to_string(),
+                    msg: format!("invalid JSON: {e}"),
+                })
+        };
+        let config_url = format!("{url}/config.json");
+        let config = json(http.get_small(&config_url, SMALL)?, &config_url)?;
+        for idx_name in SHARD_INDEX_NAMES {
+            let idx_url = format!("{url}/{idx_name}");
+            if let Some(index_json) = json(http.get_small(&idx_url, SMALL)?, &idx_url)? {
+                let files = shard_files_of_index(&idx_url, &index_json)?;
+                let mut shards = Vec::with_capacity(files.len());
+                for f in files {
+                    let (_, header) = http.open_file(&format!("{url}/{f}"))?;
+                    shards.push(Shard { name: f, header });
+                }
+                return Self::from_parts(
+                    url.to_string(),
+                    shards,
+                    config,
+                    Arc::new(http),
+                    Some((&idx_url, &index_json)),
+                );
             }
         }
-        Ok(me)
+        let mut last_err = None;
+        for name in SINGLE_FILE_NAMES {
+            match http.open_file(&format!("{url}/{name}")) {
+                Ok((_, header)) => {
+                    let shard = Shard {
+                        name: name.to_string(),
+                        header,
+                    };
+                    return Self::from_parts(
+                        url.to_string(),
+                        vec![shard],
+                        config,
+                        Arc::new(http),
+                        None,
+                    );
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| Error::Model {
+            file: url.to_string(),
+            msg: "no model found".into(),
+        }))
     }
 
-    fn from_shards(
-        root: PathBuf,
-        mut shards: Vec<Shard>,
-        config: Option<serde_json::Value>,
-    ) -> Result<Self> {
-        let mut by_name = HashMap::new();
-        for (si, shard) in shards.iter_mut().enumerate() {
-            for (ti, t) in shard.header.tensors.iter_mut().enumerate() {
-                t.shard = si;
-                if let Some((prev, _)) = by_name.insert(t.name.clone(), (si, ti)) {
-                    return Err(Error::Model {
-                        file: root.display().to_string(),
-                        msg: format!(
-                            "tensor '{}' is in both {} and {}",
-                            t.name, shard.header.file, prev
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(ModelIndex {
-            root,
-            shards,
-            config,
-            by_name,
-        })
+    /// The source this model's bytes are read from.
+    pub fn source(&self) -> Arc<dyn RangeSource> {
+        self.source.clone()
     }
 
     /// Looks a tensor up by name.
@@ -452,7 +575,7 @@ impl ModelIndex {
     /// Looks a tensor up by name, or fails naming the model.
     pub fn require(&self, name: &str) -> Result<&TensorEntry> {
         self.get(name).ok_or_else(|| Error::NoSuchTensor {
-            file: self.root.display().to_string(),
+            file: self.root.clone(),
             tensor: name.to_string(),
         })
     }
@@ -472,39 +595,26 @@ impl ModelIndex {
         self.by_name.is_empty()
     }
 
-    /// Total bytes on disk of all shards.
+    /// Total bytes of all shards.
     pub fn file_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.header.file_len).sum()
     }
 
-    /// The file name of a shard, for messages.
+    /// The file name (path or URL) of a shard, for messages.
     pub fn shard_name(&self, shard: usize) -> &str {
         &self.shards[shard].header.file
     }
 
-    /// Reads a tensor's bytes from its file, checking that the whole range was read.
+    /// Reads a tensor's bytes, checking that the whole range arrived.
     pub fn read_bytes(&self, entry: &TensorEntry) -> Result<Vec<u8>> {
-        let shard = &self.shards[entry.shard];
-        let file = &shard.header.file;
-        let mut f = File::open(&shard.path).map_err(|e| Error::io(file, e))?;
         let len = usize::try_from(entry.len).map_err(|_| Error::ShapeOverflow {
-            file: file.clone(),
+            file: self.shard_name(entry.shard).to_string(),
             tensor: entry.name.clone(),
             shape: entry.shape.clone(),
         })?;
         let mut buf = vec![0u8; len];
-        f.seek(SeekFrom::Start(entry.offset))
-            .map_err(|e| Error::io(file, e))?;
-        let got = read_up_to(&mut f, &mut buf).map_err(|e| Error::io(file, e))?;
-        if got != len {
-            return Err(Error::ShortRead {
-                file: file.clone(),
-                tensor: entry.name.clone(),
-                offset: entry.offset,
-                wanted: entry.len,
-                got: got as u64,
-            });
-        }
+        self.source
+            .read_exact_at(entry.shard, entry.offset, &mut buf, &entry.name)?;
         Ok(buf)
     }
 
@@ -520,6 +630,7 @@ impl ModelIndex {
     }
 }
 
+#[cfg(feature = "native")]
 fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Value>> {
     let disp = path.display().to_string();
     match std::fs::read(path) {

@@ -11,8 +11,17 @@ pub mod convert;
 pub mod cpu_ref;
 pub mod dequant_fast;
 pub mod error;
+#[cfg(feature = "native")]
+pub mod file_source;
+pub mod fuzzing;
+#[cfg(feature = "native")]
+pub mod http_source;
 pub mod index;
+pub mod plan;
+pub mod prefetch;
 pub mod quantize;
+pub mod ring;
+pub mod source;
 pub mod writer;
 
 pub use error::{Error, QuantProblem, Result};

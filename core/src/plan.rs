@@ -1,0 +1,357 @@
+//! The memory plan: before any byte is read, decide which weight groups stay resident on the
+//! device and which stream every step, and predict every byte of host and device memory the run
+//! will use. An impossible budget is refused with the smallest budgets that would work.
+
+use crate::error::{Error, Result};
+
+/// Smallest ring slot nibble accepts: one page, the `O_DIRECT` alignment.
+pub const MIN_SLOT_BYTES: u64 = 4096;
+
+/// One weight group (usually one layer's weights) in schedule (first-use) order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightGroup {
+    /// Name for messages, e.g. `model.layers.3`.
+    pub name: String,
+    /// Bytes of all its tensors as stored (packed 4-bit data included).
+    pub bytes: u64,
+}
+
+/// What the user allows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budgets {
+    /// Device memory for weights (resident groups plus the streaming pool).
+    pub device_bytes: u64,
+    /// Staging ring slots.
+    pub ring_slots: u64,
+    /// Bytes per ring slot (a larger tensor streams through in chunks).
+    pub slot_bytes: u64,
+    /// Host RAM for keeping streamed groups after their first read (0: none).
+    pub host_cache_bytes: u64,
+    /// Device bytes needed besides weights (activation arena, KV cache), from the graph.
+    pub device_other_bytes: u64,
+    /// Host bytes needed besides the ring and cache (activations on the host, fixed overhead).
+    pub host_other_bytes: u64,
+}
+
+/// Where a group lives during the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Uploaded once, kept on the device.
+    Resident,
+    /// Read through the ring every step.
+    Streamed,
+    /// Read once, then served from the host cache every step.
+    HostCached,
+}
+
+/// The plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryPlan {
+    /// The groups, in schedule order.
+    pub groups: Vec<WeightGroup>,
+    /// Placement of each group.
+    pub placement: Vec<Placement>,
+    /// The budgets it was made for.
+    pub budgets: Budgets,
+    /// Bytes of resident groups.
+    pub resident_bytes: u64,
+    /// Device pool for streamed groups (room for the two largest: one in use, one uploading).
+    pub pool_bytes: u64,
+    /// Host cache bytes used.
+    pub host_cache_used: u64,
+    /// Ring bytes (slots x slot size).
+    pub ring_bytes: u64,
+    /// Reads kept in flight ahead of the consumer (one per ring slot).
+    pub prefetch_depth: u64,
+    /// Bytes read from the source per step (after the first).
+    pub streamed_bytes_per_step: u64,
+    /// Bytes uploaded from host to device per step (streamed plus host-cached).
+    pub uploaded_bytes_per_step: u64,
+    /// Predicted peak device bytes.
+    pub peak_device_bytes: u64,
+    /// Predicted peak host bytes.
+    pub peak_host_bytes: u64,
+}
+
+/// Human-readable sizes (binary units).
+pub fn fmt_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", U[i])
+    }
+}
+
+/// Parses sizes like `512MiB`, `1.5GiB`, `64k`, `4096` (binary multiples).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| Error::Invalid(format!("size '{s}': expected e.g. 512MiB, 1.5GiB, 4096")))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => return Err(Error::Invalid(format!("size '{s}': unknown unit '{u}'"))),
+    };
+    let bytes = v * mult as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(Error::Invalid(format!("size '{s}' is out of range")));
+    }
+    Ok(bytes.round() as u64)
+}
+
+fn pool_for(groups: &[WeightGroup], streamed: &[bool]) -> u64 {
+    let mut largest = [0u64; 2];
+    for (g, _) in groups.iter().zip(streamed).filter(|(_, s)| **s) {
+        if g.bytes > largest[0] {
+            largest = [g.bytes, largest[0]];
+        } else if g.bytes > largest[1] {
+            largest[1] = g.bytes;
+        }
+    }
+    largest[0] + largest[1]
+}
+
+impl MemoryPlan {
+    /// Makes the plan or refuses, naming the numbers that would fit.
+    pub fn new(groups: Vec<WeightGroup>, budgets: Budgets) -> Result<Self> {
+        if budgets.ring_slots == 0 || budgets.slot_bytes == 0 {
+            return Err(Error::Invalid(format!(
+                "the staging ring needs at least 1 slot of at least {} ({} slots x {} given)",
+                fmt_bytes(MIN_SLOT_BYTES),
+                budgets.ring_slots,
+                fmt_bytes(budgets.slot_bytes)
+            )));
+        }
+        if budgets.slot_bytes < MIN_SLOT_BYTES {
+            return Err(Error::Invalid(format!(
+                "ring slot of {} is smaller than one chunk ({}): use --slot-size {} or more",
+                fmt_bytes(budgets.slot_bytes),
+                fmt_bytes(MIN_SLOT_BYTES),
+                MIN_SLOT_BYTES
+            )));
+        }
+        let n = groups.len();
+        let device_for_weights = budgets.device_bytes.checked_sub(budgets.device_other_bytes);
+        let all_streamed = vec![true; n];
+        let min_pool = pool_for(&groups, &all_streamed);
+        let min_device = budgets.device_other_bytes + min_pool;
+        let Some(avail) = device_for_weights.filter(|&a| a >= min_pool) else {
+            let largest = groups.iter().max_by_key(|g| g.bytes);
+            return Err(Error::Invalid(format!(
+                "device budget {} cannot hold the run: activations and caches need {}, and the \
+                 streaming pool needs room for the two largest weight groups ({}{}): use \
+                 --device-budget {} or more",
+                fmt_bytes(budgets.device_bytes),
+                fmt_bytes(budgets.device_other_bytes),
+                fmt_bytes(min_pool),
+                largest
+                    .map(|g| format!(", largest '{}' {}", g.name, fmt_bytes(g.bytes)))
+                    .unwrap_or_default(),
+                fmt_bytes(min_device)
+            )));
+        };
+        // Keep groups resident in schedule order while the rest still fits the pool.
+        let mut streamed = all_streamed;
+        let mut resident = 0u64;
+        for i in 0..n {
+            streamed[i] = false;
+            let pool = pool_for(&groups, &streamed);
+            if resident + groups[i].bytes + pool <= avail {
+                resident += groups[i].bytes;
+            } else {
+                streamed[i] = true;
+            }
+        }
+        let pool_bytes = pool_for(&groups, &streamed);
+        let mut placement = Vec::with_capacity(n);
+        let mut cache_used = 0u64;
+        let (mut streamed_bytes, mut uploaded) = (0u64, 0u64);
+        for (g, s) in groups.iter().zip(&streamed) {
+            if !*s {
+                placement.push(Placement::Resident);
+            } else if cache_used + g.bytes <= budgets.host_cache_bytes {
+                cache_used += g.bytes;
+                uploaded += g.bytes;
+                placement.push(Placement::HostCached);
+            } else {
+                streamed_bytes += g.bytes;
+                uploaded += g.bytes;
+                placement.push(Placement::Streamed);
+            }
+        }
+        let ring_bytes = budgets.ring_slots.saturating_mul(budgets.slot_bytes);
+        Ok(MemoryPlan {
+            groups,
+            placement,
+            budgets,
+            resident_bytes: resident,
+            pool_bytes,
+            host_cache_used: cache_used,
+            ring_bytes,
+            prefetch_depth: budgets.ring_slots,
+            streamed_bytes_per_step: streamed_bytes,
+            uploaded_bytes_per_step: uploaded,
+            peak_device_bytes: resident + pool_bytes + budgets.device_other_bytes,
+            peak_host_bytes: ring_bytes + cache_used + budgets.host_other_bytes,
+        })
+    }
+
+    /// Number of groups with each placement: (resident, streamed, host-cached).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let c = |p| self.placement.iter().filter(|&&x| x == p).count();
+        (
+            c(Placement::Resident),
+            c(Placement::Streamed),
+            c(Placement::HostCached),
+        )
+    }
+
+    /// The text printed before a run.
+    pub fn explain(&self) -> String {
+        let (r, s, h) = self.counts();
+        let total: u64 = self.groups.iter().map(|g| g.bytes).sum();
+        let b = &self.budgets;
+        let mut t = String::new();
+        t.push_str(&format!(
+            "memory plan: {} weight groups, {} of weights\n",
+            self.groups.len(),
+            fmt_bytes(total)
+        ));
+        t.push_str(&format!(
+            "  device  budget {:>10}  peak {:>10} = resident {} ({r} groups) + stream pool {} + activations/caches {}\n",
+            fmt_bytes(b.device_bytes),
+            fmt_bytes(self.peak_device_bytes),
+            fmt_bytes(self.resident_bytes),
+            fmt_bytes(self.pool_bytes),
+            fmt_bytes(b.device_other_bytes)
+        ));
+        t.push_str(&format!(
+            "  host    ring {} x {} = {}, cache {} of {} ({h} groups), other {}: peak {}\n",
+            b.ring_slots,
+            fmt_bytes(b.slot_bytes),
+            fmt_bytes(self.ring_bytes),
+            fmt_bytes(self.host_cache_used),
+            fmt_bytes(b.host_cache_bytes),
+            fmt_bytes(b.host_other_bytes),
+            fmt_bytes(self.peak_host_bytes)
+        ));
+        t.push_str(&format!(
+            "  stream  {s} groups, {} read per step, {} uploaded per step, prefetch depth {}\n",
+            fmt_bytes(self.streamed_bytes_per_step),
+            fmt_bytes(self.uploaded_bytes_per_step),
+            self.prefetch_depth
+        ));
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn groups(sizes: &[u64]) -> Vec<WeightGroup> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| WeightGroup {
+                name: format!("g{i}"),
+                bytes: b,
+            })
+            .collect()
+    }
+
+    fn budgets(device: u64) -> Budgets {
+        Budgets {
+            device_bytes: device,
+            ring_slots: 4,
+            slot_bytes: 1 << 20,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn everything_resident_when_it_fits() {
+        let p = MemoryPlan::new(groups(&[100, 200, 300]), budgets(10_000)).expect("plan");
+        assert_eq!(p.counts(), (3, 0, 0));
+        assert_eq!(p.streamed_bytes_per_step, 0);
+        assert_eq!(p.peak_device_bytes, 600);
+    }
+
+    #[test]
+    fn streams_what_does_not_fit_and_stays_within_budget() {
+        let g = groups(&[100; 10]);
+        let p = MemoryPlan::new(g, budgets(500)).expect("plan");
+        assert!(p.peak_device_bytes <= 500, "{}", p.explain());
+        let (r, s, _) = p.counts();
+        assert_eq!(r + s, 10);
+        assert_eq!(p.pool_bytes, 200);
+        assert_eq!(r, 3);
+        assert_eq!(p.streamed_bytes_per_step, 700);
+        assert!(p.explain().contains("prefetch depth 4"));
+    }
+
+    #[test]
+    fn impossible_budget_names_the_smallest_that_works() {
+        let e = MemoryPlan::new(groups(&[100, 300, 250]), budgets(400)).expect_err("too small");
+        let msg = e.to_string();
+        assert!(msg.contains("--device-budget 550 B"), "{msg}");
+        assert!(msg.contains("'g1'"), "{msg}");
+        let ok = MemoryPlan::new(groups(&[100, 300, 250]), budgets(550)).expect("550 fits");
+        assert_eq!(ok.counts().0, 0);
+    }
+
+    #[test]
+    fn host_cache_takes_streamed_groups() {
+        let mut b = budgets(250);
+        b.host_cache_bytes = 250;
+        let p = MemoryPlan::new(groups(&[100, 100, 100, 100]), b).expect("plan");
+        assert_eq!(p.counts(), (0, 2, 2));
+        assert_eq!(p.streamed_bytes_per_step, 200);
+        assert_eq!(p.peak_host_bytes, 4 * (1 << 20) + 200);
+    }
+
+    #[test]
+    fn ring_errors() {
+        let mut b = budgets(1000);
+        b.slot_bytes = 0;
+        assert!(MemoryPlan::new(groups(&[1]), b)
+            .expect_err("0")
+            .to_string()
+            .contains("at least 1 slot"));
+        b.slot_bytes = 1000;
+        assert!(MemoryPlan::new(groups(&[1]), b)
+            .expect_err("small")
+            .to_string()
+            .contains("smaller than one chunk"));
+        b.slot_bytes = 4096;
+        b.ring_slots = 0;
+        assert!(MemoryPlan::new(groups(&[1]), b).is_err());
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("512MiB").expect("s"), 512 << 20);
+        assert_eq!(parse_size("1.5GiB").expect("s"), 3 << 29);
+        assert_eq!(parse_size("64k").expect("s"), 65536);
+        assert_eq!(parse_size("4096").expect("s"), 4096);
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("").is_err());
+    }
+}

@@ -1,0 +1,266 @@
+//! The prefetch pipeline: reads fill ring slots in schedule order ahead of the consumer, bounded
+//! by the ring; the consumer's [`Prefetcher::next_chunk`] blocks only when the chunk it needs next has
+//! not arrived. A tensor larger than a slot streams through in chunks. Per-step statistics
+//! (bytes, read time, consumer stall) come out as [`StepStats`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::index::TensorEntry;
+use crate::ring::{EmptySlot, SlotGuard, StagingRing};
+use crate::source::{ByteSource, ReadRequest};
+
+/// One read: part (or all) of one tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkSpec {
+    /// Weight group (index into the plan's groups).
+    pub group: usize,
+    /// Tensor name.
+    pub tensor: String,
+    /// File index.
+    pub file: usize,
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Bytes (at most one slot).
+    pub len: usize,
+    /// Offset of this chunk within the tensor.
+    pub tensor_offset: u64,
+    /// The tensor's total bytes.
+    pub tensor_len: u64,
+}
+
+/// Splits the tensors of each group into slot-sized chunks, in order.
+pub fn chunk_schedule<'a>(
+    groups: impl IntoIterator<Item = (usize, &'a [TensorEntry])>,
+    slot_bytes: usize,
+) -> Vec<ChunkSpec> {
+    let mut out = Vec::new();
+    for (g, tensors) in groups {
+        for t in tensors {
+            let mut done = 0u64;
+            loop {
+                let len = (t.len - done).min(slot_bytes as u64) as usize;
+                out.push(ChunkSpec {
+                    group: g,
+                    tensor: t.name.clone(),
+                    file: t.shard,
+                    offset: t.offset + done,
+                    len,
+                    tensor_offset: done,
+                    tensor_len: t.len,
+                });
+                done += len as u64;
+                if done >= t.len {
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What one pass over the schedule cost.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepStats {
+    /// Step number, from 0.
+    pub step: u64,
+    /// Wall time from the first chunk handed out to the last chunk handed out of the step
+    /// (including the consumer's time in between).
+    pub wall: Duration,
+    /// Bytes delivered.
+    pub bytes: u64,
+    /// Time the consumer waited in `next_chunk()`.
+    pub stall: Duration,
+    /// Time during which at least one read was in flight.
+    pub read_busy: Duration,
+}
+
+/// A chunk handed to the consumer; its slot returns to the ring when the guard is released.
+#[derive(Debug)]
+pub struct Chunk {
+    /// What it is.
+    pub spec: ChunkSpec,
+    /// Global sequence number (step * chunks per step + index).
+    pub seq: u64,
+    /// The filled slot.
+    pub slot: SlotGuard,
+}
+
+impl Chunk {
+    /// The chunk's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.slot.bytes()
+    }
+}
+
+/// Drives a [`ByteSource`] through a [`StagingRing`] over a repeating schedule.
+pub struct Prefetcher<S: ByteSource> {
+    source: S,
+    ring: StagingRing,
+    chunks: Vec<ChunkSpec>,
+    total: Option<u64>,
+    next_submit: u64,
+    next_consume: u64,
+    in_flight: HashMap<u64, usize>,
+    ready: BTreeMap<u64, EmptySlot>,
+    cur: StepStats,
+    step_start: Option<Instant>,
+    busy_at_step_start: Duration,
+    finished: Option<StepStats>,
+}
+
+impl<S: ByteSource> std::fmt::Debug for Prefetcher<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefetcher")
+            .field("chunks_per_step", &self.chunks.len())
+            .field("next_consume", &self.next_consume)
+            .finish()
+    }
+}
+
+impl<S: ByteSource> Prefetcher<S> {
+    /// A pipeline over `chunks` repeated `steps` times (`None`: until dropped).
+    pub fn new(
+        source: S,
+        ring: StagingRing,
+        chunks: Vec<ChunkSpec>,
+        steps: Option<u64>,
+    ) -> Result<Self> {
+        if let Some(c) = chunks.iter().find(|c| c.len > ring.slot_bytes()) {
+            return Err(Error::Invalid(format!(
+                "chunk of '{}' is {} bytes, larger than a ring slot ({} bytes)",
+                c.tensor,
+                c.len,
+                ring.slot_bytes()
+            )));
+        }
+        let total = steps.map(|s| s * chunks.len() as u64);
+        Ok(Prefetcher {
+            source,
+            ring,
+            chunks,
+            total,
+            next_submit: 0,
+            next_consume: 0,
+            in_flight: HashMap::new(),
+            ready: BTreeMap::new(),
+            cur: StepStats::default(),
+            step_start: None,
+            busy_at_step_start: Duration::ZERO,
+            finished: None,
+        })
+    }
+
+    /// The source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &StagingRing {
+        &self.ring
+    }
+
+    /// Chunks per step.
+    pub fn chunks_per_step(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn more_to_submit(&self) -> bool {
+        !self.chunks.is_empty() && self.total.is_none_or(|t| self.next_submit < t)
+    }
+
+    fn fill(&mut self) -> Result<()> {
+        while self.more_to_submit() {
+            let Some(slot) = self.ring.try_acquire() else {
+                break;
+            };
+            let seq = self.next_submit;
+            let spec = &self.chunks[(seq % self.chunks.len() as u64) as usize];
+            self.in_flight.insert(seq, slot.index);
+            let req = ReadRequest {
+                tag: seq,
+                file: spec.file,
+                offset: spec.offset,
+                len: spec.len,
+                slot: slot.buf,
+                what: spec.tensor.clone(),
+            };
+            self.source.submit(req)?;
+            self.next_submit += 1;
+        }
+        Ok(())
+    }
+
+    /// The next chunk in schedule order (`None` after the last step). Blocks only while that
+    /// chunk's read is still in flight.
+    pub fn next_chunk(&mut self) -> Result<Option<Chunk>> {
+        if self.total.is_some_and(|t| self.next_consume >= t) || self.chunks.is_empty() {
+            return Ok(None);
+        }
+        if self.step_start.is_none() {
+            self.step_start = Some(Instant::now());
+            self.busy_at_step_start = self.source.busy_time();
+        }
+        let mut waited = Duration::ZERO;
+        let slot = loop {
+            self.fill()?;
+            if let Some(s) = self.ready.remove(&self.next_consume) {
+                break s;
+            }
+            let t = Instant::now();
+            let Some(done) = self.source.wait_completion() else {
+                return Err(Error::Invalid(
+                    "all ring slots are held by the consumer: release chunks before asking for more".into(),
+                ));
+            };
+            waited += t.elapsed();
+            let index = self
+                .in_flight
+                .remove(&done.tag)
+                .ok_or_else(|| Error::Invalid("unknown read completed".into()))?;
+            let slot = EmptySlot {
+                index,
+                buf: done.slot,
+            };
+            if let Err(e) = done.result {
+                self.ring.give_back(slot);
+                return Err(e);
+            }
+            self.ready.insert(done.tag, slot);
+        };
+        let seq = self.next_consume;
+        let per = self.chunks.len() as u64;
+        let spec = self.chunks[(seq % per) as usize].clone();
+        self.source
+            .consumed(spec.file, spec.offset, spec.len as u64);
+        self.cur.bytes += spec.len as u64;
+        self.cur.stall += waited;
+        self.next_consume += 1;
+        if self.next_consume % per == 0 {
+            let now = Instant::now();
+            let mut st = self.cur;
+            st.step = seq / per;
+            st.wall = self.step_start.map(|s| now - s).unwrap_or_default();
+            st.read_busy = self
+                .source
+                .busy_time()
+                .saturating_sub(self.busy_at_step_start);
+            self.finished = Some(st);
+            self.cur = StepStats::default();
+            self.step_start = None;
+        }
+        let guard = self.ring.filled(slot, spec.len);
+        Ok(Some(Chunk {
+            spec,
+            seq,
+            slot: guard,
+        }))
+    }
+
+    /// Statistics of the step that the last `next_chunk()` completed, once.
+    pub fn take_step_stats(&mut self) -> Option<StepStats> {
+        self.finished.take()
+    }
+}

@@ -1,0 +1,333 @@
+//! Byte sources: where weights come from. Two layers:
+//!
+//! - [`RangeSource`]: positional reads of whole ranges of a model's files (local files, HTTP
+//!   Range requests). Used to open models (headers, small tensors) and by reader threads.
+//! - [`ByteSource`]: the streaming interface the prefetcher drives. Requests are *submitted*
+//!   with the ring slot they fill and *completed* later, so that the browser's asynchronous
+//!   `fetch` can implement it; nothing in the trait assumes blocking I/O. Natively,
+//!   [`ThreadedSource`] implements it with a pool of reader threads over a `RangeSource`.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Memory of one staging-ring slot. The backend supplies it: plain aligned host memory for the
+/// CPU backend, pinned memory for CUDA, mapped staging buffers for wgpu.
+pub trait SlotMemory: Send {
+    /// The slot's bytes.
+    fn bytes(&self) -> &[u8];
+    /// The slot's bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+/// An owned ring slot; moving it never reallocates.
+pub type SlotBuffer = Box<dyn SlotMemory>;
+
+/// Plain host memory aligned to [`HostSlot::ALIGN`] bytes (enough for `O_DIRECT`).
+#[derive(Debug)]
+pub struct HostSlot {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl HostSlot {
+    /// Alignment of the slot's first byte.
+    pub const ALIGN: usize = 4096;
+
+    /// Allocates and touches `len` bytes (so they count in RSS from the start, not mid-run).
+    pub fn new(len: usize) -> Self {
+        let raw = vec![0u8; len + Self::ALIGN];
+        let start = raw.as_ptr().align_offset(Self::ALIGN).min(Self::ALIGN);
+        HostSlot { raw, start, len }
+    }
+}
+
+impl SlotMemory for HostSlot {
+    fn bytes(&self) -> &[u8] {
+        &self.raw[self.start..self.start + self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}
+
+/// One file of a source.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceFile {
+    /// Path or URL, as used in messages.
+    pub name: String,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Positional, whole-range reads from a model's files.
+pub trait RangeSource: Send + Sync {
+    /// The files, in index order.
+    fn files(&self) -> &[SourceFile];
+
+    /// Fills `buf` with the bytes at `offset` of file `file`. Must fill all of it or fail;
+    /// `what` names the tensor for error messages.
+    fn read_exact_at(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()>;
+
+    /// A range is no longer needed (lets a source drop its page cache or mapped pages).
+    fn consumed(&self, _file: usize, _offset: u64, _len: u64) {}
+
+    /// A name for the source in messages.
+    fn describe(&self) -> String {
+        self.files()
+            .first()
+            .map(|f| f.name.clone())
+            .unwrap_or_default()
+    }
+
+    /// Checks a range against the file length before reading.
+    fn check_range(&self, file: usize, offset: u64, len: u64, what: &str) -> Result<()> {
+        let f = self
+            .files()
+            .get(file)
+            .ok_or_else(|| Error::Invalid(format!("no file #{file}")))?;
+        match offset.checked_add(len) {
+            Some(end) if end <= f.len => Ok(()),
+            _ => Err(Error::OffsetOutOfRange {
+                file: f.name.clone(),
+                tensor: what.to_string(),
+                offset,
+                end: offset.saturating_add(len),
+                file_len: f.len,
+            }),
+        }
+    }
+}
+
+/// A read submitted to a [`ByteSource`].
+pub struct ReadRequest {
+    /// Caller's identifier, returned in the completion.
+    pub tag: u64,
+    /// File index.
+    pub file: usize,
+    /// Absolute offset.
+    pub offset: u64,
+    /// Bytes to read into the start of `slot`.
+    pub len: usize,
+    /// The ring slot to fill (returned in the completion).
+    pub slot: SlotBuffer,
+    /// Name of the tensor, for errors.
+    pub what: String,
+}
+
+/// A finished read.
+pub struct ReadCompletion {
+    /// The request's tag.
+    pub tag: u64,
+    /// The slot, filled on success.
+    pub slot: SlotBuffer,
+    /// Success, or what went wrong.
+    pub result: Result<()>,
+    /// Time the read took.
+    pub elapsed: Duration,
+}
+
+/// The streaming interface: submit reads into ring slots, collect completions.
+pub trait ByteSource: Send {
+    /// The files.
+    fn files(&self) -> &[SourceFile];
+    /// Starts a read; returns at once.
+    fn submit(&mut self, req: ReadRequest) -> Result<()>;
+    /// A completed read if one is ready (never blocks).
+    fn poll_completion(&mut self) -> Option<ReadCompletion>;
+    /// Waits for the next completion; `None` when nothing is in flight. Sources on an event loop
+    /// (the browser) use `poll_completion` between turns instead.
+    fn wait_completion(&mut self) -> Option<ReadCompletion> {
+        while self.in_flight() > 0 {
+            if let Some(c) = self.poll_completion() {
+                return Some(c);
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        None
+    }
+    /// Requests submitted and not yet returned by a completion.
+    fn in_flight(&self) -> usize;
+    /// Total wall time during which at least one read was in flight (for overlap figures).
+    fn busy_time(&self) -> Duration;
+    /// A range is no longer needed.
+    fn consumed(&self, _file: usize, _offset: u64, _len: u64) {}
+}
+
+#[derive(Debug, Default)]
+struct Busy {
+    active: usize,
+    since: Option<Instant>,
+    total: Duration,
+}
+
+impl Busy {
+    fn start(&mut self) {
+        if self.active == 0 {
+            self.since = Some(Instant::now());
+        }
+        self.active += 1;
+    }
+    fn stop(&mut self) {
+        self.active -= 1;
+        if self.active == 0 {
+            if let Some(s) = self.since.take() {
+                self.total += s.elapsed();
+            }
+        }
+    }
+    fn total(&self) -> Duration {
+        self.total + self.since.map(|s| s.elapsed()).unwrap_or_default()
+    }
+}
+
+/// A [`ByteSource`] over a [`RangeSource`] with a fixed pool of reader threads (spawned once).
+pub struct ThreadedSource {
+    inner: Arc<dyn RangeSource>,
+    files: Vec<SourceFile>,
+    work: Option<mpsc::Sender<ReadRequest>>,
+    done: mpsc::Receiver<ReadCompletion>,
+    in_flight: usize,
+    busy: Arc<Mutex<Busy>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ThreadedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadedSource")
+            .field("files", &self.files)
+            .field("readers", &self.threads.len())
+            .finish()
+    }
+}
+
+impl ThreadedSource {
+    /// Starts `readers` threads (at least 1) reading from `inner`.
+    pub fn new(inner: Arc<dyn RangeSource>, readers: usize) -> Self {
+        let (work_tx, work_rx) = mpsc::channel::<ReadRequest>();
+        let (done_tx, done_rx) = mpsc::channel();
+        let work_rx = Arc::new(Mutex::new(work_rx));
+        let busy = Arc::new(Mutex::new(Busy::default()));
+        let threads = (0..readers.max(1))
+            .map(|i| {
+                let (rx, tx, src, busy) = (
+                    work_rx.clone(),
+                    done_tx.clone(),
+                    inner.clone(),
+                    busy.clone(),
+                );
+                std::thread::Builder::new()
+                    .name(format!("nibble-reader-{i}"))
+                    .spawn(move || loop {
+                        let req = match rx.lock().map(|r| r.recv()) {
+                            Ok(Ok(r)) => r,
+                            _ => return,
+                        };
+                        let ReadRequest {
+                            tag,
+                            file,
+                            offset,
+                            len,
+                            mut slot,
+                            what,
+                        } = req;
+                        let t = Instant::now();
+                        let result = match slot.bytes_mut().get_mut(..len) {
+                            Some(buf) => src.read_exact_at(file, offset, buf, &what),
+                            None => Err(Error::Invalid(format!(
+                                "read of {len} bytes does not fit a ring slot of {} bytes",
+                                slot.bytes().len()
+                            ))),
+                        };
+                        let elapsed = t.elapsed();
+                        if let Ok(mut b) = busy.lock() {
+                            b.stop();
+                        }
+                        if tx
+                            .send(ReadCompletion {
+                                tag,
+                                slot,
+                                result,
+                                elapsed,
+                            })
+                            .is_err()
+                        {
+                            return;
+                        }
+                    })
+                    .expect("spawn reader thread")
+            })
+            .collect();
+        let files = inner.files().to_vec();
+        ThreadedSource {
+            inner,
+            files,
+            work: Some(work_tx),
+            done: done_rx,
+            in_flight: 0,
+            busy,
+            threads,
+        }
+    }
+}
+
+impl ByteSource for ThreadedSource {
+    fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
+    fn submit(&mut self, req: ReadRequest) -> Result<()> {
+        self.inner
+            .check_range(req.file, req.offset, req.len as u64, &req.what)?;
+        if let Ok(mut b) = self.busy.lock() {
+            b.start();
+        }
+        let work = self
+            .work
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("source closed".into()))?;
+        work.send(req)
+            .map_err(|_| Error::Invalid("reader threads have stopped".into()))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn poll_completion(&mut self) -> Option<ReadCompletion> {
+        let c = self.done.try_recv().ok()?;
+        self.in_flight -= 1;
+        Some(c)
+    }
+
+    fn wait_completion(&mut self) -> Option<ReadCompletion> {
+        if self.in_flight == 0 {
+            return None;
+        }
+        let c = self.done.recv().ok()?;
+        self.in_flight -= 1;
+        Some(c)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn busy_time(&self) -> Duration {
+        self.busy.lock().map(|b| b.total()).unwrap_or_default()
+    }
+
+    fn consumed(&self, file: usize, offset: u64, len: u64) {
+        self.inner.consumed(file, offset, len);
+    }
+}
+
+impl Drop for ThreadedSource {
+    fn drop(&mut self) {
+        self.work = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

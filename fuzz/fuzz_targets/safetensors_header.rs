@@ -1,0 +1,5 @@
+//! Arbitrary bytes as a safetensors file: header length, JSON, offset validation.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| nibble_core::fuzzing::safetensors_file(data));
