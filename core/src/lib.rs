@@ -22,6 +22,9 @@ pub mod prefetch;
 pub mod quantize;
 pub mod ring;
 pub mod source;
+#[cfg(feature = "native")]
+pub mod synth;
+pub mod sys;
 pub mod writer;
 
 pub use error::{Error, QuantProblem, Result};

@@ -1,7 +1,5 @@
 //! `nibble inspect`: what a model holds, without reading its weights.
 
-use std::path::Path;
-
 use anyhow::Result;
 use nibble_core::bnb::{find_4bit_weights, QuantState};
 use nibble_core::index::{dtype_name, ModelIndex, TensorEntry};
@@ -45,20 +43,32 @@ fn tensor_json(model: &ModelIndex, t: &TensorEntry) -> Value {
     })
 }
 
-/// Prints the inventory of a model file or folder.
-pub fn run(path: &Path, as_json: bool) -> Result<()> {
-    let model = ModelIndex::open(path)?;
+/// Prints the inventory of a model file or folder. Over HTTP only headers are fetched unless
+/// `quant_state` asks for the small quant-state tensors too.
+pub fn run(path: &str, as_json: bool, quant_state: bool) -> Result<()> {
+    let model = crate::open_model(path)?;
+    let remote = path.starts_with("http://") || path.starts_with("https://");
     let weights = find_4bit_weights(&model)?;
     let mut quantized = Vec::with_capacity(weights.len());
     for k in &weights {
-        quantized.push((k, QuantState::load(&model, k)?));
+        let state = if remote && !quant_state {
+            None
+        } else {
+            Some(QuantState::load(&model, k)?)
+        };
+        quantized.push((k, state));
     }
+    // Without the quant state the logical size is known from the packed bytes to within one.
+    let numel = |k: &nibble_core::bnb::Bnb4bitKeys, s: &Option<QuantState>| match s {
+        Some(s) => s.json.numel(),
+        None => model.get(&k.base).map(|t| t.len * 2).unwrap_or(0),
+    };
     let owner_of = |name: &str| {
         quantized
             .iter()
             .position(|(k, _)| k.all_keys().contains(&name))
     };
-    let quant_params: u64 = quantized.iter().map(|(_, s)| s.json.numel()).sum();
+    let quant_params: u64 = quantized.iter().map(|(k, s)| numel(k, s)).sum();
     let plain_params: u64 = model
         .tensors()
         .filter(|t| owner_of(&t.name).is_none())
@@ -78,7 +88,7 @@ pub fn run(path: &Path, as_json: bool) -> Result<()> {
     let mut o = String::new();
     if as_json {
         let out = json!({
-            "path": path.display().to_string(),
+            "path": path.to_string(),
             "files": model.shards.iter().map(|s| json!({
                 "file": s.header.file,
                 "bytes": s.header.file_len,
@@ -89,14 +99,15 @@ pub fn run(path: &Path, as_json: bool) -> Result<()> {
             "tensors": model.tensors().map(|t| tensor_json(&model, t)).collect::<Vec<_>>(),
             "quantized": quantized.iter().map(|(k, s)| json!({
                 "name": k.base,
-                "quant_type": s.json.quant_type.name(),
-                "blocksize": s.json.blocksize,
-                "double_quant": s.json.nested.is_some(),
-                "nested_blocksize": s.json.nested.as_ref().map(|n| n.blocksize),
-                "nested_offset": s.json.nested.as_ref().map(|n| n.offset),
-                "shape": s.json.shape,
-                "dtype": s.json.dtype.name(),
-                "parameters": s.json.numel(),
+                "quant_type": k.quant_type.name(),
+                "double_quant": k.nested_absmax.is_some(),
+                "quant_state_fetched": s.is_some(),
+                "blocksize": s.as_ref().map(|s| s.json.blocksize),
+                "nested_blocksize": s.as_ref().and_then(|s| s.json.nested.as_ref().map(|n| n.blocksize)),
+                "nested_offset": s.as_ref().and_then(|s| s.json.nested.as_ref().map(|n| n.offset)),
+                "shape": s.as_ref().map(|s| s.json.shape.clone()),
+                "dtype": s.as_ref().map(|s| s.json.dtype.name()),
+                "parameters": numel(k, s),
                 "bytes": k.all_keys().iter().filter_map(|n| model.get(n)).map(|t| t.len).sum::<u64>(),
                 "components": k.all_keys(),
             })).collect::<Vec<_>>(),
@@ -115,7 +126,7 @@ pub fn run(path: &Path, as_json: bool) -> Result<()> {
         return crate::write_stdout(&o);
     }
 
-    outln!(o, "{}", path.display());
+    outln!(o, "{}", path);
     for s in &model.shards {
         outln!(
             o,
@@ -145,28 +156,36 @@ pub fn run(path: &Path, as_json: bool) -> Result<()> {
         match owner_of(&t.name) {
             Some(i) if quantized[i].0.base == t.name => {
                 let (k, s) = &quantized[i];
-                let j = &s.json;
                 let bytes: u64 = k
                     .all_keys()
                     .iter()
                     .filter_map(|n| model.get(n))
                     .map(|t| t.len)
                     .sum();
+                let dq = if k.nested_absmax.is_some() {
+                    " double-quant"
+                } else {
+                    ""
+                };
+                let (shape, detail) = match s {
+                    Some(s) => (
+                        format!("{:?}", s.json.shape),
+                        format!("blocksize {}{dq} {}", s.json.blocksize, s.json.dtype.name()),
+                    ),
+                    None => (
+                        "?".to_string(),
+                        format!("{dq} (quant state not fetched: --quant-state)"),
+                    ),
+                };
                 outln!(
                     o,
-                    "{:<name_w$}  {:<5}  {:<16}  {:>12}  {} blocksize {}{} {}",
+                    "{:<name_w$}  {:<5}  {:<16}  {:>12}  {} {}",
                     t.name,
-                    j.quant_type.name(),
-                    format!("{:?}", j.shape),
+                    k.quant_type.name(),
+                    shape,
                     bytes,
-                    j.quant_type.name(),
-                    j.blocksize,
-                    if j.nested.is_some() {
-                        " double-quant"
-                    } else {
-                        ""
-                    },
-                    j.dtype.name()
+                    k.quant_type.name(),
+                    detail.trim_start()
                 );
                 for c in k.all_keys() {
                     if let Some(ct) = model.get(c) {

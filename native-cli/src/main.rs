@@ -1,7 +1,9 @@
 //! `nibble`: run, inspect and convert 4-bit (bitsandbytes NF4/FP4) models.
 
+mod bench_stream;
 mod inspect;
 mod quant_cmds;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,16 +22,21 @@ struct Cli {
 enum Command {
     /// List a model's tensors, its 4-bit weights with their quant state, totals and config.
     Inspect {
-        /// A `.safetensors` file or a model folder (config.json + one file or shards).
-        path: PathBuf,
+        /// A `.safetensors` file, a model folder (config.json + one file or shards), or an
+        /// http(s) URL of either (only headers are fetched).
+        path: String,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+        /// Also fetch each 4-bit weight's quant state (small tensors) when PATH is a URL; local
+        /// models always show it.
+        #[arg(long)]
+        quant_state: bool,
     },
     /// Dequantize 4-bit weights to F32 under their base names.
     Dequant {
-        /// A `.safetensors` file or a model folder.
-        path: PathBuf,
+        /// A `.safetensors` file, a model folder, or a URL of either.
+        path: String,
         /// A 4-bit weight to dequantize (its base name, e.g. `model.layers.0.mlp.up_proj.weight`);
         /// repeat for several.
         #[arg(
@@ -47,8 +54,8 @@ enum Command {
     },
     /// Quantize the 2-D float weights of a model to bitsandbytes 4-bit; copy the rest unchanged.
     Quantize {
-        /// A `.safetensors` file or a model folder.
-        input: PathBuf,
+        /// A `.safetensors` file, a model folder, or a URL of either.
+        input: String,
         /// Output `.safetensors` file.
         #[arg(short, long)]
         out: PathBuf,
@@ -69,6 +76,122 @@ enum Command {
         #[arg(long, default_value = quant_cmds::DEFAULT_EXCLUDE)]
         exclude: String,
     },
+    /// Serve a folder over HTTP with byte ranges, ETag and CORS (models, the browser demo).
+    Serve {
+        /// The folder to serve; nothing outside it is reachable.
+        dir: PathBuf,
+        /// Address to listen on (loopback unless told otherwise; port 0 picks a free one).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+    },
+    /// Write a deterministic synthetic NF4 model in the real transformers / diffusers layout.
+    Synth {
+        /// `llama` (transformers LlamaForCausalLM) or `dit` (diffusers Flux-style DiT).
+        #[arg(long, value_enum)]
+        arch: SynthArch,
+        /// Approximate size on disk, e.g. 1GiB, 256MiB.
+        #[arg(long)]
+        size: String,
+        /// Output folder.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Seed of the weights.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        kind: BenchKind,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SynthArch {
+    Llama,
+    Dit,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchKind {
+    /// Stream every weight S times through the ring into a simulated consumer, against a plain
+    /// read of the same bytes.
+    Stream {
+        /// Model path or URL.
+        #[arg(long)]
+        model: String,
+        /// Ring slots.
+        #[arg(long, default_value_t = 4)]
+        slots: usize,
+        /// Bytes per slot.
+        #[arg(long, default_value = "16MiB")]
+        slot_size: String,
+        /// Passes over all weights.
+        #[arg(long, default_value_t = 3)]
+        steps: u64,
+        /// Simulated compute per MiB consumed, in ms.
+        #[arg(long, default_value_t = 0.0)]
+        consume_ms_per_mib: f64,
+        /// Reader threads (parallel connections for a URL).
+        #[arg(long, default_value_t = 2)]
+        readers: usize,
+        /// How local files are read: auto, pread, pread-dropcache, direct, mmap.
+        #[arg(long, default_value = "auto")]
+        file_mode: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Opens a model by local path or http(s) URL.
+pub(crate) fn open_model(arg: &str) -> anyhow::Result<nibble_core::index::ModelIndex> {
+    if arg.starts_with("http://") || arg.starts_with("https://") {
+        Ok(nibble_core::index::ModelIndex::open_url(
+            arg,
+            Default::default(),
+        )?)
+    } else {
+        Ok(nibble_core::index::ModelIndex::open(std::path::Path::new(
+            arg,
+        ))?)
+    }
+}
+
+fn synth(arch: SynthArch, size: &str, out: &std::path::Path, seed: u64) -> anyhow::Result<()> {
+    use nibble_core::plan::{fmt_bytes, parse_size};
+    use nibble_core::synth::{Arch, SynthModel};
+    let size = parse_size(size)?;
+    let arch = match arch {
+        SynthArch::Llama => Arch::Llama,
+        SynthArch::Dit => Arch::Dit,
+    };
+    let m = SynthModel::new(arch, size, seed);
+    let total = m.tensor_bytes();
+    eprintln!(
+        "writing {} of tensors to {}",
+        fmt_bytes(total),
+        out.display()
+    );
+    let mut last = 0u64;
+    let files = m.write(out, |done, total| {
+        if done - last >= 64 << 20 || done == total {
+            eprint!(
+                "\r  {:>5.1}%  {} / {}",
+                done as f64 * 100.0 / total.max(1) as f64,
+                fmt_bytes(done),
+                fmt_bytes(total)
+            );
+            last = done;
+        }
+    })?;
+    eprintln!();
+    eprintln!(
+        "wrote config.json and {} file(s): {}",
+        files.len(),
+        files.join(", ")
+    );
+    Ok(())
 }
 
 /// Writes to stdout; a closed pipe (`nibble inspect ... | head`) is not an error.
@@ -84,7 +207,46 @@ pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Inspect { path, json } => inspect::run(&path, json),
+        Command::Inspect {
+            path,
+            json,
+            quant_state,
+        } => inspect::run(&path, json, quant_state),
+        Command::Serve { dir, addr } => serve::run(&dir, &addr),
+        Command::Synth {
+            arch,
+            size,
+            out,
+            seed,
+        } => synth(arch, &size, &out, seed),
+        Command::Bench {
+            kind:
+                BenchKind::Stream {
+                    model,
+                    slots,
+                    slot_size,
+                    steps,
+                    consume_ms_per_mib,
+                    readers,
+                    file_mode,
+                    json,
+                },
+        } => (|| {
+            let file_mode = nibble_core::file_source::FileReadMode::parse(&file_mode).ok_or_else(|| {
+                anyhow::anyhow!("--file-mode '{file_mode}': expected auto, pread, pread-dropcache, direct or mmap")
+            })?;
+            let slot_bytes = usize::try_from(nibble_core::plan::parse_size(&slot_size)?)?;
+            bench_stream::run(&bench_stream::StreamBench {
+                model,
+                slots,
+                slot_bytes,
+                steps,
+                consume_ms_per_mib,
+                readers,
+                file_mode,
+                json,
+            })
+        })(),
         Command::Dequant {
             path,
             tensors,

@@ -8,7 +8,7 @@ use nibble_core::bnb::{
     find_4bit_weights, is_quant_component, Bnb4bitKeys, FloatDtype, QuantState, QuantType,
 };
 use nibble_core::convert::f32_to_bytes;
-use nibble_core::index::{Dtype, ModelIndex};
+use nibble_core::index::Dtype;
 use nibble_core::quantize::{quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions};
 use nibble_core::writer::{SafetensorsWriter, TensorSpec};
 use regex::Regex;
@@ -32,8 +32,8 @@ fn pt_metadata() -> BTreeMap<String, String> {
 }
 
 /// Dequantizes the named (or all) 4-bit weights into an F32 safetensors file.
-pub fn dequant(path: &Path, names: &[String], all: bool, out: &Path) -> Result<()> {
-    let model = ModelIndex::open(path)?;
+pub fn dequant(path: &str, names: &[String], all: bool, out: &Path) -> Result<()> {
+    let model = crate::open_model(path)?;
     let weights = find_4bit_weights(&model)?;
     let chosen: Vec<&Bnb4bitKeys> = if all {
         weights.iter().collect()
@@ -43,22 +43,16 @@ pub fn dequant(path: &Path, names: &[String], all: bool, out: &Path) -> Result<(
             .map(|n| {
                 weights.iter().find(|k| &k.base == n).with_context(|| {
                     if model.get(n).is_some() {
-                        format!(
-                            "{}: tensor '{n}' is not a bitsandbytes 4-bit weight",
-                            path.display()
-                        )
+                        format!("{}: tensor '{n}' is not a bitsandbytes 4-bit weight", path)
                     } else {
-                        format!("{}: no tensor named '{n}'", path.display())
+                        format!("{path}: no tensor named '{n}'")
                     }
                 })
             })
             .collect::<Result<_>>()?
     };
     if chosen.is_empty() {
-        bail!(
-            "{}: the model has no bitsandbytes 4-bit weights",
-            path.display()
-        );
+        bail!("{}: the model has no bitsandbytes 4-bit weights", path);
     }
     let states: Vec<QuantState> = chosen
         .iter()
@@ -95,7 +89,7 @@ pub fn dequant(path: &Path, names: &[String], all: bool, out: &Path) -> Result<(
 
 /// Quantizes matching 2-D float weights, copying every other tensor unchanged.
 pub fn quantize(
-    input: &Path,
+    input: &str,
     out: &Path,
     quant: QuantArg,
     blocksize: u64,
@@ -118,7 +112,7 @@ pub fn quantize(
         blocksize,
         double_quant,
     };
-    let model = ModelIndex::open(input)?;
+    let model = crate::open_model(input)?;
     let already: Vec<String> = find_4bit_weights(&model)?
         .into_iter()
         .map(|k| k.base)

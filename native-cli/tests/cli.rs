@@ -243,3 +243,140 @@ fn bad_input_is_one_clear_line_and_no_panic() {
         stderr(&o)
     );
 }
+
+#[test]
+fn synth_then_bench_stream_json() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let m = dir.path().join("dit");
+    let o = nibble(&[
+        "synth",
+        "--arch",
+        "dit",
+        "--size",
+        "24MiB",
+        "--seed",
+        "3",
+        "-o",
+        m.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(m.join("config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(cfg["_class_name"], "FluxTransformer2DModel");
+    assert_eq!(cfg["quantization_config"]["quant_method"], "bitsandbytes");
+    // Same seed, same bytes.
+    let m2 = dir.path().join("dit2");
+    assert!(nibble(&[
+        "synth",
+        "--arch",
+        "dit",
+        "--size",
+        "24MiB",
+        "--seed",
+        "3",
+        "-o",
+        m2.to_str().expect("utf8")
+    ])
+    .status
+    .success());
+    let f = "diffusion_pytorch_model.safetensors";
+    assert_eq!(
+        std::fs::read(m.join(f)).expect("a"),
+        std::fs::read(m2.join(f)).expect("b")
+    );
+    let idx = nibble_core::index::ModelIndex::open(&m).expect("valid diffusers folder");
+    let ws = nibble_core::bnb::find_4bit_weights(&idx).expect("4-bit weights");
+    assert!(ws
+        .iter()
+        .any(|k| k.base == "transformer_blocks.0.attn.to_q.weight"));
+    assert!(ws
+        .iter()
+        .any(|k| k.base == "single_transformer_blocks.0.proj_out.weight"));
+    for k in ws.iter().take(5) {
+        let s = nibble_core::bnb::QuantState::load(&idx, k).expect("valid quant state");
+        assert!(s.absmax.iter().all(|a| *a > 0.0));
+    }
+
+    let o = nibble(&[
+        "bench",
+        "stream",
+        "--model",
+        m.to_str().expect("utf8"),
+        "--slots",
+        "3",
+        "--slot-size",
+        "1MiB",
+        "--steps",
+        "4",
+        "--consume-ms-per-mib",
+        "0.5",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let steps = v["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 4);
+    for s in steps {
+        for k in ["wall_ms", "bytes", "stall_ms", "rss_bytes"] {
+            assert!(s[k].is_number(), "{k} in {s}");
+        }
+        assert_eq!(
+            s["bytes"].as_u64(),
+            Some(idx.tensors().map(|t| t.len).sum::<u64>())
+        );
+    }
+    for k in [
+        "throughput_mib_s",
+        "baseline_mib_s",
+        "ratio",
+        "rss_first_bytes",
+        "rss_last_bytes",
+        "rss_max_bytes",
+        "overlap_efficiency",
+    ] {
+        assert!(v["summary"][k].is_number(), "summary.{k}");
+    }
+}
+
+#[test]
+fn inspect_url_fetches_only_headers() {
+    use nibble_tests::http_server::{Fault, TestServer};
+    let dir = fixtures().join("tiny-llama-nf4/model");
+    let mut files = std::collections::HashMap::new();
+    for f in ["config.json", "model.safetensors"] {
+        files.insert(
+            format!("m/{f}"),
+            std::fs::read(dir.join(f)).expect("fixture"),
+        );
+    }
+    let model = files["m/model.safetensors"].clone();
+    let header_len = u64::from_le_bytes(model[..8].try_into().expect("8 bytes"));
+    let srv = TestServer::start(files, Fault::None);
+    let o = nibble(&["inspect", &format!("{}/m", srv.base), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(v["tensors"].as_array().expect("t").len(), 91);
+    assert_eq!(v["quantized"].as_array().expect("q").len(), 14);
+    assert_eq!(v["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+    let st = srv.stats();
+    assert_eq!(
+        st.bytes_by_path["m/model.safetensors"],
+        8 + header_len,
+        "only the header of the weights"
+    );
+    assert_eq!(st.ranges.len(), 2);
+
+    // With --quant-state the small quant-state tensors come too, and the details appear.
+    let o = nibble(&[
+        "inspect",
+        &format!("{}/m", srv.base),
+        "--json",
+        "--quant-state",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let q = &v["quantized"][0];
+    assert_eq!(q["blocksize"], 64);
+    assert_eq!(q["quant_state_fetched"], true);
+}

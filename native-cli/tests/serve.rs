@@ -1,0 +1,180 @@
+//! `nibble serve`: byte ranges, validators, CORS, and nothing outside the folder.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &std::path::Path) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "serve",
+            dir.to_str().expect("utf8"),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn nibble serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("first line");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .expect("address line")
+        .to_string();
+    assert!(addr.starts_with("127.0.0.1:"), "{line}");
+    Server { child, addr }
+}
+
+/// Sends a raw request (no client-side path normalisation) and returns status and body.
+fn raw(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut bytes = Vec::new();
+    let _ = s.read_to_end(&mut bytes);
+    let resp = String::from_utf8_lossy(&bytes).into_owned();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, resp)
+}
+
+fn fixture() -> (tempfile::TempDir, tempfile::TempDir) {
+    let root = tempfile::tempdir().expect("tmp");
+    let outside = tempfile::tempdir().expect("tmp");
+    std::fs::write(
+        root.path().join("data.bin"),
+        (0..=255u8).cycle().take(10_000).collect::<Vec<_>>(),
+    )
+    .expect("w");
+    std::fs::create_dir(root.path().join("sub")).expect("mkdir");
+    std::fs::write(root.path().join("sub/inner.txt"), b"inner").expect("w");
+    std::fs::write(outside.path().join("secret.txt"), b"TOP-SECRET").expect("w");
+    std::os::unix::fs::symlink(
+        outside.path().join("secret.txt"),
+        root.path().join("link.txt"),
+    )
+    .expect("symlink");
+    std::os::unix::fs::symlink(outside.path(), root.path().join("linkdir")).expect("symlink");
+    (root, outside)
+}
+
+#[test]
+fn ranges_validators_and_cors() {
+    let (root, _outside) = fixture();
+    let srv = start(root.path());
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let url = format!("http://{}/data.bin", srv.addr);
+    let r = agent
+        .get(&url)
+        .header("Range", "bytes=100-199")
+        .header("Origin", "http://example.invalid")
+        .call()
+        .expect("GET");
+    assert_eq!(r.status().as_u16(), 206);
+    let h = |n: &str| {
+        r.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    assert_eq!(h("content-range").as_deref(), Some("bytes 100-199/10000"));
+    assert_eq!(h("accept-ranges").as_deref(), Some("bytes"));
+    assert!(h("etag").is_some_and(|e| e.starts_with('"')), "strong ETag");
+    assert!(h("last-modified").is_some());
+    assert_eq!(h("access-control-allow-origin").as_deref(), Some("*"));
+    let exposed = h("access-control-expose-headers")
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    assert!(
+        exposed.contains("content-range") && exposed.contains("etag"),
+        "{exposed}"
+    );
+    let body = r.into_body().read_to_vec().expect("body");
+    assert_eq!(
+        body,
+        (100..200).map(|i| (i % 256) as u8).collect::<Vec<_>>()
+    );
+
+    let r = agent
+        .get(&url)
+        .header("Range", "bytes=20000-")
+        .call()
+        .expect("GET");
+    assert_eq!(r.status().as_u16(), 416, "unsatisfiable range");
+
+    let r = agent
+        .get(&format!("http://{}/sub/inner.txt", srv.addr))
+        .call()
+        .expect("GET");
+    assert_eq!(r.status().as_u16(), 200);
+    let etag1 = r.headers().get("etag").cloned();
+    let r2 = agent
+        .get(&format!("http://{}/sub/inner.txt", srv.addr))
+        .call()
+        .expect("GET");
+    assert_eq!(etag1, r2.headers().get("etag").cloned(), "ETag is stable");
+}
+
+#[test]
+fn nothing_outside_the_folder_is_served() {
+    let (root, _outside) = fixture();
+    let srv = start(root.path());
+    for path in [
+        "/../secret.txt",
+        "/sub/../../secret.txt",
+        "/%2e%2e/secret.txt",
+        "/sub/%2E%2E/%2e%2e/etc/passwd",
+        "/..%2fsecret.txt",
+        "//etc/passwd",
+        "/etc/passwd",
+        "/link.txt",
+        "/linkdir/secret.txt",
+    ] {
+        let (status, resp) = raw(&srv.addr, path);
+        assert!(
+            status == 403 || status == 404 || status == 400,
+            "{path}: status {status}"
+        );
+        assert!(
+            !resp.contains("TOP-SECRET") && !resp.contains("root:"),
+            "{path} leaked: {resp}"
+        );
+    }
+    assert_eq!(raw(&srv.addr, "/data.bin").0, 200);
+}
+
+#[test]
+fn binds_loopback_unless_told_otherwise() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["serve", "--help"])
+        .output()
+        .expect("help");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[default: 127.0.0.1:8080]"), "{text}");
+}
