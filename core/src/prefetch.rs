@@ -11,51 +11,95 @@ use crate::index::TensorEntry;
 use crate::ring::{EmptySlot, SlotGuard, StagingRing};
 use crate::source::{ByteSource, ReadRequest};
 
-/// One read: part (or all) of one tensor.
+/// The piece of one tensor that a chunk carries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkPart {
+    /// Tensor name.
+    pub tensor: String,
+    /// Offset of this piece within the tensor.
+    pub tensor_offset: u64,
+    /// The tensor's total bytes.
+    pub tensor_len: u64,
+    /// Where the piece starts in the chunk.
+    pub chunk_offset: usize,
+    /// Bytes of the piece.
+    pub len: usize,
+}
+
+/// One read into one ring slot: a piece of a large tensor, or several small tensors that lie
+/// next to each other in the file (one read instead of many, so that small tensors do not each
+/// take a slot of the pipeline).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChunkSpec {
     /// Weight group (index into the plan's groups).
     pub group: usize,
-    /// Tensor name.
-    pub tensor: String,
     /// File index.
     pub file: usize,
     /// Absolute offset in the file.
     pub offset: u64,
     /// Bytes (at most one slot).
     pub len: usize,
-    /// Offset of this chunk within the tensor.
-    pub tensor_offset: u64,
-    /// The tensor's total bytes.
-    pub tensor_len: u64,
+    /// The tensors it carries, in file order.
+    pub parts: Vec<ChunkPart>,
 }
 
-/// Splits the tensors of each group into slot-sized chunks, in order.
+impl ChunkSpec {
+    /// Names of the tensors it carries, for messages.
+    pub fn what(&self) -> String {
+        match self.parts.as_slice() {
+            [one] => one.tensor.clone(),
+            [first, .., last] => format!("{} .. {}", first.tensor, last.tensor),
+            [] => String::new(),
+        }
+    }
+}
+
+/// Splits the tensors of each group into slot-sized reads, in order: a tensor larger than a slot
+/// streams through in several chunks; neighbouring tensors of one group that are contiguous in
+/// the same file share a chunk while they fit.
 pub fn chunk_schedule<'a>(
     groups: impl IntoIterator<Item = (usize, &'a [TensorEntry])>,
     slot_bytes: usize,
 ) -> Vec<ChunkSpec> {
-    let mut out = Vec::new();
+    let slot = slot_bytes as u64;
+    let mut out: Vec<ChunkSpec> = Vec::new();
     for (g, tensors) in groups {
+        let mut open: Option<ChunkSpec> = None;
         for t in tensors {
             let mut done = 0u64;
             loop {
-                let len = (t.len - done).min(slot_bytes as u64) as usize;
-                out.push(ChunkSpec {
-                    group: g,
+                let piece = (t.len - done).min(slot);
+                let fits = open.as_ref().is_some_and(|c| {
+                    c.file == t.shard
+                        && c.offset + c.len as u64 == t.offset + done
+                        && c.len as u64 + piece <= slot
+                });
+                if !fits {
+                    out.extend(open.take());
+                    open = Some(ChunkSpec {
+                        group: g,
+                        file: t.shard,
+                        offset: t.offset + done,
+                        len: 0,
+                        parts: Vec::new(),
+                    });
+                }
+                let c = open.as_mut().expect("a chunk is open");
+                c.parts.push(ChunkPart {
                     tensor: t.name.clone(),
-                    file: t.shard,
-                    offset: t.offset + done,
-                    len,
                     tensor_offset: done,
                     tensor_len: t.len,
+                    chunk_offset: c.len,
+                    len: piece as usize,
                 });
-                done += len as u64;
+                c.len += piece as usize;
+                done += piece;
                 if done >= t.len {
                     break;
                 }
             }
         }
+        out.extend(open.take());
     }
     out
 }
@@ -130,7 +174,7 @@ impl<S: ByteSource> Prefetcher<S> {
         if let Some(c) = chunks.iter().find(|c| c.len > ring.slot_bytes()) {
             return Err(Error::Invalid(format!(
                 "chunk of '{}' is {} bytes, larger than a ring slot ({} bytes)",
-                c.tensor,
+                c.what(),
                 c.len,
                 ring.slot_bytes()
             )));
@@ -185,7 +229,7 @@ impl<S: ByteSource> Prefetcher<S> {
                 offset: spec.offset,
                 len: spec.len,
                 slot: slot.buf,
-                what: spec.tensor.clone(),
+                what: spec.what(),
             };
             self.source.submit(req)?;
             self.next_submit += 1;

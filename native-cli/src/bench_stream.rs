@@ -52,12 +52,14 @@ fn is_url(s: &str) -> bool {
 }
 
 /// The simulated compute: holds the slot for `ms_per_mib` per MiB without using a core (the
-/// machine's cores stay with the readers, as they would while a GPU computes).
-fn consume(bytes: &[u8], ms_per_mib: f64) -> u64 {
-    let target =
-        Duration::from_secs_f64(ms_per_mib * bytes.len() as f64 / (1u64 << 20) as f64 / 1000.0);
-    if !target.is_zero() {
-        std::thread::sleep(target);
+/// machine's cores stay with the readers, as they would while a GPU computes). Sleeps are
+/// batched through `owed` so that many tiny tensors do not each pay the scheduler's minimum.
+fn consume(bytes: &[u8], ms_per_mib: f64, owed: &mut f64) -> u64 {
+    *owed += ms_per_mib * bytes.len() as f64 / (1u64 << 20) as f64 / 1000.0;
+    if *owed >= 0.001 {
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(*owed));
+        *owed -= t.elapsed().as_secs_f64();
     }
     // One byte per page, so that the slot is really read.
     bytes.iter().step_by(4096).map(|&b| b as u64).sum()
@@ -141,10 +143,11 @@ pub fn run(o: &StreamBench) -> Result<()> {
     let mut steps: Vec<Step> = Vec::with_capacity(o.steps as usize);
     let mut consume_t = Duration::ZERO;
     let mut sink = 0u64;
+    let mut owed = 0f64;
     let t_all = Instant::now();
     while let Some(chunk) = pf.next_chunk()? {
         let t = Instant::now();
-        sink = sink.wrapping_add(consume(chunk.bytes(), o.consume_ms_per_mib));
+        sink = sink.wrapping_add(consume(chunk.bytes(), o.consume_ms_per_mib, &mut owed));
         consume_t += t.elapsed();
         drop(chunk);
         if let Some(st) = pf.take_step_stats() {

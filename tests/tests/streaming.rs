@@ -96,13 +96,25 @@ fn chunk_schedule_splits_at_slot_size() {
     let tensors: Vec<_> = m.tensors().cloned().collect();
     let chunks = chunk_schedule([(7usize, tensors.as_slice())], 4096);
     assert!(chunks.iter().all(|c| c.len <= 4096 && c.group == 7));
-    let a = chunks
+    let a: Vec<_> = chunks
         .iter()
-        .filter(|c| c.tensor == "a.weight")
-        .collect::<Vec<_>>();
-    assert_eq!(a.len(), 7, "25600 bytes in 4096-byte chunks");
-    assert_eq!(a.iter().map(|c| c.len).sum::<usize>(), 25600);
+        .flat_map(|c| c.parts.iter())
+        .filter(|p| p.tensor == "a.weight")
+        .collect();
+    assert_eq!(a.len(), 7, "25600 bytes in 4096-byte pieces");
+    assert_eq!(a.iter().map(|p| p.len).sum::<usize>(), 25600);
     assert_eq!(a[6].tensor_offset, 6 * 4096);
+    // Contiguous neighbours share reads, and every chunk is one contiguous file range.
+    assert!(chunks.iter().any(|c| c.parts.len() > 1));
+    for c in &chunks {
+        assert_eq!(c.parts.iter().map(|p| p.len).sum::<usize>(), c.len);
+        for p in &c.parts {
+            let t = tensors.iter().find(|t| t.name == p.tensor).expect("tensor");
+            assert_eq!(c.offset + p.chunk_offset as u64, t.offset + p.tensor_offset);
+        }
+    }
+    let total: usize = chunks.iter().map(|c| c.len).sum();
+    assert_eq!(total as u64, tensors.iter().map(|t| t.len).sum::<u64>());
 }
 
 #[test]
