@@ -21,6 +21,19 @@ if [ ! -f ../shared/fixtures/manifest.json ]; then
     exit 1
 fi
 
+# wgpu's tests run on Mesa's lavapipe (a Vulkan driver on the CPU) where there is no GPU.
+if [ ! -f /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] && [ ! -f /usr/share/vulkan/icd.d/lvp_icd.aarch64.json ]; then
+    echo "== installing Mesa's Vulkan drivers (lavapipe)"
+    if [ "$(id -u)" = 0 ]; then apt_get() { apt-get "$@"; }; else apt_get() { sudo apt-get "$@"; }; fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt_get install -y --no-install-recommends mesa-vulkan-drivers libvulkan1 \
+        || { apt_get update && apt_get install -y --no-install-recommends mesa-vulkan-drivers libvulkan1; }
+fi
+if ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then
+    export NIBBLE_REQUIRE_WGPU=1
+fi
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

@@ -14,6 +14,7 @@ pub mod error;
 #[cfg(feature = "native")]
 pub mod file_source;
 pub mod fuzzing;
+pub mod graph;
 #[cfg(feature = "native")]
 pub mod http_source;
 pub mod index;

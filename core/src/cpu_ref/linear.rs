@@ -1,5 +1,4 @@
-//! `cpu_ref`: the reference backend. Scalar, readable, f64 accumulation; never optimized. Other
-//! backends are judged against it.
+//! The reference linear layers.
 
 use crate::bnb::QuantState;
 use crate::error::{Error, Result};

@@ -1,0 +1,13 @@
+// Rows of table[V, D] picked by ids[T] (ids are checked against V on the host).
+struct Params { t: u32, d: u32, }
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> ids: array<u32>;
+@group(0) @binding(2) var<storage, read> table: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+
+@compute @workgroup_size(64)
+fn embedding(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let idx = linear_index(gid, nwg);
+    if (idx >= p.t * p.d) { return; }
+    out[idx] = table[ids[idx / p.d] * p.d + idx % p.d];
+}

@@ -1,0 +1,535 @@
+//! Cross-backend conformance, the way ggml's test-backend-ops does it: one table of cases with
+//! fixed seeds (odd shapes, partial quant blocks, more invocations than one workgroup), every case
+//! run on every backend present at run time and compared with `cpu_ref` under a named tolerance.
+//! A backend that is absent is reported as absent, never as passed.
+//!
+//! `cargo test -p nibble-tests --test conformance -- --nocapture` prints the table.
+
+use nibble_core::bnb::{find_4bit_weights, FloatDtype, QuantState, QuantType};
+use nibble_core::cpu_ref::{self, Q4Ref};
+use nibble_core::graph::{HostTensor, OpKind, RopeMode};
+use nibble_core::index::ModelIndex;
+use nibble_core::quantize::{quantize_4bit, QuantizeOptions, QuantizedAbsmax};
+use nibble_tests::build::random_values;
+use nibble_tests::*;
+
+/// How close a backend must come to `cpu_ref`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Tolerance {
+    /// Bit for bit (-0.0 == +0.0).
+    Exact,
+    /// `max |got - want| <= r * max |want|` (f32 arithmetic against f64 reference).
+    RelToMax(f64),
+    /// `max |got - want| <= a` (transcendentals of large arguments).
+    Abs(f64),
+}
+
+/// The tolerance of each op. Exhaustive: a new op does not compile until it is given one and a
+/// case below.
+fn tolerance(op: &OpKind) -> Tolerance {
+    match op {
+        OpKind::Dequant4 => Tolerance::Exact,
+        OpKind::Embedding
+        | OpKind::Concat { .. }
+        | OpKind::Slice { .. }
+        | OpKind::Permute { .. }
+        | OpKind::Reshape { .. } => Tolerance::Exact,
+        OpKind::LinearQ4 { .. } | OpKind::Linear { .. } | OpKind::MatMul { .. } => {
+            Tolerance::RelToMax(2e-5)
+        }
+        OpKind::Add | OpKind::Mul | OpKind::Scale { .. } | OpKind::AdaLnModulate => {
+            Tolerance::RelToMax(1e-6)
+        }
+        OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } | OpKind::Softmax => {
+            Tolerance::RelToMax(1e-5)
+        }
+        OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh => Tolerance::RelToMax(1e-5),
+        OpKind::Rope { .. } | OpKind::Attention { .. } => Tolerance::RelToMax(1e-5),
+        OpKind::TimestepEmbedding { .. } => Tolerance::Abs(2e-4),
+    }
+}
+
+struct Case {
+    label: String,
+    op: OpKind,
+    inputs: Vec<HostTensor>,
+    q4: Option<(QuantState, Vec<u8>)>,
+}
+
+fn t(shape: &[usize], seed: u64) -> HostTensor {
+    let n = shape.iter().product();
+    HostTensor::f32(shape, random_values(n, seed)).expect("tensor")
+}
+
+fn q4_weight(
+    rows: usize,
+    cols: usize,
+    bs: u64,
+    qt: QuantType,
+    dq: bool,
+    seed: u64,
+) -> (QuantState, Vec<u8>) {
+    let w = random_values(rows * cols, seed);
+    let opts = QuantizeOptions {
+        quant_type: qt,
+        blocksize: bs,
+        double_quant: dq,
+    };
+    let q =
+        quantize_4bit(&w, &[rows as u64, cols as u64], FloatDtype::F32, opts).expect("quantize");
+    let absmax = match &q.absmax {
+        QuantizedAbsmax::F32(a) => a.clone(),
+        QuantizedAbsmax::Nested { .. } => {
+            // Resolve through the on-disk form, as a loaded model would.
+            let d = tempfile::tempdir().expect("tmp");
+            let p = d.path().join("w.safetensors");
+            nibble_core::writer::write_safetensors(&p, &q.tensors("w"), &Default::default())
+                .expect("write");
+            let m = ModelIndex::open(&p).expect("open");
+            let k = &find_4bit_weights(&m).expect("find")[0];
+            return (QuantState::load(&m, k).expect("load"), q.packed.clone());
+        }
+    };
+    (
+        QuantState {
+            json: q.json.clone(),
+            code: qt.code_table(),
+            absmax,
+        },
+        q.packed,
+    )
+}
+
+/// The cases of one op. Exhaustive over `OpKind`.
+fn cases(op: &OpKind) -> Vec<Case> {
+    let c = |label: &str, inputs: Vec<HostTensor>| Case {
+        label: label.into(),
+        op: op.clone(),
+        inputs,
+        q4: None,
+    };
+    let cq = |label: &str, inputs: Vec<HostTensor>, q: (QuantState, Vec<u8>)| Case {
+        label: label.into(),
+        op: op.clone(),
+        inputs,
+        q4: Some(q),
+    };
+    match op {
+        OpKind::Dequant4 => vec![
+            cq(
+                "nf4 37x53 bs64 dq",
+                vec![],
+                q4_weight(37, 53, 64, QuantType::Nf4, true, 1),
+            ),
+            cq(
+                "fp4 29x71 bs32",
+                vec![],
+                q4_weight(29, 71, 32, QuantType::Fp4, false, 2),
+            ),
+            cq(
+                "nf4 300x257 bs256",
+                vec![],
+                q4_weight(300, 257, 256, QuantType::Nf4, false, 3),
+            ),
+        ],
+        OpKind::LinearQ4 { bias } => {
+            let mut v = vec![
+                cq(
+                    "1x53 by 37x53 nf4 dq",
+                    vec![t(&[1, 53], 4)],
+                    q4_weight(37, 53, 64, QuantType::Nf4, true, 5),
+                ),
+                cq(
+                    "5x333 by 100x333 fp4",
+                    vec![t(&[5, 333], 6)],
+                    q4_weight(100, 333, 128, QuantType::Fp4, false, 7),
+                ),
+            ];
+            if *bias {
+                v[0].inputs.push(t(&[37], 8));
+                v[1].inputs.push(t(&[100], 9));
+            }
+            v
+        }
+        OpKind::Linear { bias } => {
+            let mut inputs = vec![t(&[7, 65], 10), t(&[33, 65], 11)];
+            if *bias {
+                inputs.push(t(&[33], 12));
+            }
+            vec![c("7x65 by 33x65", inputs)]
+        }
+        OpKind::MatMul { transpose_b } => {
+            let b = if *transpose_b {
+                t(&[3, 19, 37], 14)
+            } else {
+                t(&[3, 37, 19], 14)
+            };
+            vec![c("3x17x37 by 37x19", vec![t(&[3, 17, 37], 13), b])]
+        }
+        OpKind::Add | OpKind::Mul => vec![
+            c("37x53 + 37x53", vec![t(&[37, 53], 15), t(&[37, 53], 16)]),
+            c("37x53 + [53]", vec![t(&[37, 53], 17), t(&[53], 18)]),
+        ],
+        OpKind::Scale { .. } | OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh => {
+            let mut x = t(&[41, 67], 19);
+            if let nibble_core::graph::HostData::F32(v) = &mut x.data {
+                v.iter_mut().for_each(|a| *a *= 6.0);
+            }
+            vec![c("41x67 in [-6, 6)", vec![x])]
+        }
+        OpKind::Softmax => vec![c("29x300", vec![t(&[29, 300], 20)])],
+        OpKind::RmsNorm { .. } => vec![c("37x96", vec![t(&[37, 96], 21), t(&[96], 22)])],
+        OpKind::LayerNorm { affine, .. } => {
+            let mut inputs = vec![t(&[37, 96], 23)];
+            if *affine {
+                inputs.push(t(&[96], 24));
+                inputs.push(t(&[96], 25));
+            }
+            vec![c("37x96", inputs)]
+        }
+        OpKind::Rope { .. } => {
+            let (tt, h, d) = (13, 3, 16);
+            let ang: Vec<f32> = (0..tt * d / 2)
+                .map(|i| (i as f32 * 0.37).sin() * 3.0)
+                .collect();
+            let cos =
+                HostTensor::f32(&[tt, d / 2], ang.iter().map(|a| a.cos()).collect()).expect("cos");
+            let sin =
+                HostTensor::f32(&[tt, d / 2], ang.iter().map(|a| a.sin()).collect()).expect("sin");
+            vec![c("13x3x16", vec![t(&[tt, h, d], 26), cos, sin])]
+        }
+        OpKind::Attention { key_mask, .. } => {
+            let mut inputs = vec![t(&[4, 7, 16], 27), t(&[2, 11, 16], 28), t(&[2, 11, 16], 29)];
+            if *key_mask {
+                let m: Vec<f32> = (0..11)
+                    .map(|j| if j == 3 || j == 9 { 0.0 } else { 1.0 })
+                    .collect();
+                inputs.push(HostTensor::f32(&[11], m).expect("mask"));
+            }
+            vec![c("q 4x7x16, kv 2x11x16 (GQA)", inputs)]
+        }
+        OpKind::Embedding => {
+            let ids = HostTensor::u32(&[9], vec![0, 5, 5, 76, 1, 30, 75, 2, 40]).expect("ids");
+            vec![c("9 ids from 77x33", vec![ids, t(&[77, 33], 30)])]
+        }
+        OpKind::Concat { axis } => {
+            let (a, b) = if *axis == 0 {
+                (t(&[5, 7, 3], 31), t(&[2, 7, 3], 32))
+            } else {
+                (t(&[5, 7, 3], 31), t(&[5, 2, 3], 32))
+            };
+            vec![c("5x7x3 with 2 more", vec![a, b])]
+        }
+        OpKind::Slice { .. } => vec![c("slice of 6x13x5", vec![t(&[6, 13, 5], 33)])],
+        OpKind::Permute { perm } => {
+            let shape: Vec<usize> = [3usize, 5, 7, 2][..perm.len()].to_vec();
+            vec![c("rank 4", vec![t(&shape, 34)])]
+        }
+        OpKind::Reshape { .. } => vec![c("35x6 to 5x42", vec![t(&[35, 6], 35)])],
+        OpKind::AdaLnModulate => vec![c(
+            "37x96",
+            vec![t(&[37, 96], 36), t(&[96], 37), t(&[96], 38)],
+        )],
+        OpKind::TimestepEmbedding { .. } => {
+            let ts = HostTensor::f32(&[4], vec![0.0, 1.0, 250.5, 999.0]).expect("t");
+            vec![c("t in [0, 1000)", vec![ts])]
+        }
+    }
+}
+
+/// One op of each kind (and the option combinations that change kernels' paths).
+fn ops() -> Vec<OpKind> {
+    vec![
+        OpKind::Dequant4,
+        OpKind::LinearQ4 { bias: true },
+        OpKind::LinearQ4 { bias: false },
+        OpKind::Linear { bias: true },
+        OpKind::MatMul { transpose_b: false },
+        OpKind::MatMul { transpose_b: true },
+        OpKind::Add,
+        OpKind::Mul,
+        OpKind::Scale { factor: -0.37 },
+        OpKind::RmsNorm { eps: 1e-6 },
+        OpKind::LayerNorm {
+            eps: 1e-6,
+            affine: true,
+        },
+        OpKind::LayerNorm {
+            eps: 1e-6,
+            affine: false,
+        },
+        OpKind::Silu,
+        OpKind::Gelu,
+        OpKind::GeluTanh,
+        OpKind::Softmax,
+        OpKind::Rope {
+            mode: RopeMode::RotateHalf,
+        },
+        OpKind::Rope {
+            mode: RopeMode::Interleaved,
+        },
+        OpKind::Attention {
+            causal: true,
+            scale: 0.25,
+            key_mask: false,
+        },
+        OpKind::Attention {
+            causal: false,
+            scale: 0.25,
+            key_mask: true,
+        },
+        OpKind::Embedding,
+        OpKind::Concat { axis: 0 },
+        OpKind::Concat { axis: 1 },
+        OpKind::Slice {
+            axis: 1,
+            start: 4,
+            len: 6,
+        },
+        OpKind::Permute {
+            perm: vec![2, 0, 3, 1],
+        },
+        OpKind::Reshape { shape: vec![5, 42] },
+        OpKind::AdaLnModulate,
+        OpKind::TimestepEmbedding {
+            dim: 256,
+            flip_sin_to_cos: true,
+            downscale_freq_shift: 0.0,
+            scale: 1.0,
+            max_period: 10000.0,
+        },
+    ]
+}
+
+fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} values, want {}", got.len(), want.len()));
+    }
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        return Err(format!("non-finite value at {i}"));
+    }
+    match tol {
+        Tolerance::Exact => {
+            match (0..got.len()).find(|&i| canon_bits(got[i]) != canon_bits(want[i])) {
+                Some(i) => Err(format!("element {i}: {} != {}", got[i], want[i])),
+                None => Ok(()),
+            }
+        }
+        Tolerance::RelToMax(r) => {
+            let e = max_err_rel_to_max(got, want);
+            if e <= r {
+                Ok(())
+            } else {
+                Err(format!("error {e:.3e} x max > {r:e}"))
+            }
+        }
+        Tolerance::Abs(a) => {
+            let e = got
+                .iter()
+                .zip(want)
+                .fold(0f64, |m, (g, w)| m.max((*g as f64 - *w as f64).abs()));
+            if e <= a {
+                Ok(())
+            } else {
+                Err(format!("abs error {e:.3e} > {a:e}"))
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Cell {
+    Pass,
+    Fail,
+    Unsupported,
+    Absent,
+}
+
+impl Cell {
+    fn text(self) -> &'static str {
+        match self {
+            Cell::Pass => "pass",
+            Cell::Fail => "FAIL",
+            Cell::Unsupported => "unsupported",
+            Cell::Absent => "absent",
+        }
+    }
+    fn merge(self, other: Cell) -> Cell {
+        match (self, other) {
+            (Cell::Fail, _) | (_, Cell::Fail) => Cell::Fail,
+            (Cell::Unsupported, _) | (_, Cell::Unsupported) => Cell::Unsupported,
+            (a, _) => a,
+        }
+    }
+}
+
+fn op_label(op: &OpKind) -> String {
+    let opts = match op {
+        OpKind::LinearQ4 { bias } | OpKind::Linear { bias } => format!("bias={bias}"),
+        OpKind::MatMul { transpose_b } => format!("transpose_b={transpose_b}"),
+        OpKind::LayerNorm { affine, .. } => format!("affine={affine}"),
+        OpKind::Rope { mode } => format!("{mode:?}"),
+        OpKind::Attention {
+            causal, key_mask, ..
+        } => format!("causal={causal}, key_mask={key_mask}"),
+        OpKind::Concat { axis } => format!("axis={axis}"),
+        _ => String::new(),
+    };
+    if opts.is_empty() {
+        op.name().to_string()
+    } else {
+        format!("{} ({opts})", op.name())
+    }
+}
+
+#[test]
+fn every_op_on_every_backend_matches_cpu_ref() {
+    let mut wgpu = match nibble_wgpu::WgpuBackend::new() {
+        Ok(b) => {
+            println!("wgpu adapter: {}", b.describe());
+            Some(b)
+        }
+        Err(e) => {
+            // CI installs Mesa's lavapipe and sets NIBBLE_REQUIRE_WGPU=1: there an absent adapter
+            // is a failure, not a skip.
+            assert!(
+                std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+                "wgpu required but absent: {e}"
+            );
+            println!("wgpu backend absent: {e}");
+            None
+        }
+    };
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    for op in ops() {
+        let mut cpu = Cell::Pass;
+        let mut gpu = if wgpu.is_some() {
+            Cell::Pass
+        } else {
+            Cell::Absent
+        };
+        for case in cases(&op) {
+            let inputs: Vec<&HostTensor> = case.inputs.iter().collect();
+            let q4 = case.q4.as_ref().map(|(s, p)| Q4Ref {
+                state: s,
+                packed: p,
+            });
+            let want = match cpu_ref::run(&case.op, &inputs, q4) {
+                Ok(w) => w,
+                Err(e) => {
+                    cpu = Cell::Fail;
+                    failures.push(format!("cpu_ref {} [{}]: {e}", op_label(&op), case.label));
+                    continue;
+                }
+            };
+            if want.as_f32().iter().any(|v| !v.is_finite()) {
+                cpu = Cell::Fail;
+                failures.push(format!(
+                    "cpu_ref {} [{}]: non-finite output",
+                    op_label(&op),
+                    case.label
+                ));
+            }
+            if let Some(b) = wgpu.as_mut() {
+                let cell = if !b.supports(&case.op) {
+                    Cell::Unsupported
+                } else {
+                    match b.run(&case.op, &inputs, q4) {
+                        Ok(got) if got.info != want.info => {
+                            failures.push(format!(
+                                "wgpu {} [{}]: shape {:?} != {:?}",
+                                op_label(&op),
+                                case.label,
+                                got.info,
+                                want.info
+                            ));
+                            Cell::Fail
+                        }
+                        Ok(got) => {
+                            match compare(got.as_f32(), want.as_f32(), tolerance(&case.op)) {
+                                Ok(()) => Cell::Pass,
+                                Err(e) => {
+                                    failures.push(format!(
+                                        "wgpu {} [{}]: {e}",
+                                        op_label(&op),
+                                        case.label
+                                    ));
+                                    Cell::Fail
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            failures.push(format!("wgpu {} [{}]: {e}", op_label(&op), case.label));
+                            Cell::Fail
+                        }
+                    }
+                };
+                gpu = gpu.merge(cell);
+            }
+        }
+        rows.push((op_label(&op), cpu, gpu));
+    }
+    let mut table = String::from("| op | cpu_ref | wgpu | cuda |\n|---|---|---|---|\n");
+    for (name, cpu, gpu) in &rows {
+        // The CUDA backend is not part of this build yet: absent, never passed.
+        table.push_str(&format!(
+            "| {name} | {} | {} | {} |\n",
+            cpu.text(),
+            gpu.text(),
+            Cell::Absent.text()
+        ));
+    }
+    println!("\n{table}");
+    assert!(
+        failures.is_empty(),
+        "conformance failures:\n{}",
+        failures.join("\n")
+    );
+    // Every kernel of the wgpu backend has a row.
+    for (kernel, _) in nibble_wgpu::SHADERS {
+        assert!(
+            rows.iter()
+                .any(|(n, _, _)| n.split(' ').next() == Some(kernel)),
+            "kernel {kernel} has no case"
+        );
+    }
+}
+
+/// cpu_ref itself against bitsandbytes' outputs: dequantization bit-exact and the 4-bit linear
+/// within 1e-5, through the graph op interface.
+#[test]
+fn cpu_ref_ops_match_the_bitsandbytes_fixture() {
+    let model = ModelIndex::open(&fixture("linear4bit/layers.safetensors")).expect("open");
+    let expected = Expected::open(&fixture("linear4bit/expected.safetensors"));
+    for keys in find_4bit_weights(&model).expect("find") {
+        let name = keys.base.trim_end_matches(".weight").to_string();
+        let state = QuantState::load(&model, &keys).expect("state");
+        let packed = model
+            .read_bytes(model.require(&keys.base).expect("p"))
+            .expect("read");
+        let q4 = Q4Ref {
+            state: &state,
+            packed: &packed,
+        };
+        let deq = cpu_ref::run(&OpKind::Dequant4, &[], Some(q4)).expect("dequant4");
+        assert_bits_eq(
+            deq.as_f32(),
+            &expected.f32(&format!("{name}.deq_f32")).expect("deq"),
+            &name,
+        );
+        let x = expected.f32(&format!("{name}.x")).expect("x");
+        let k = state.json.shape[1] as usize;
+        let xt = HostTensor::f32(&[x.len() / k, k], x).expect("x");
+        let bias = model
+            .get(&format!("{name}.bias"))
+            .map(|e| model.read_f32(e).expect("bias"));
+        let bt = bias.map(|b| HostTensor::f32(&[b.len()], b).expect("b"));
+        let mut inputs = vec![&xt];
+        inputs.extend(bt.as_ref());
+        let y = cpu_ref::run(&OpKind::LinearQ4 { bias: bt.is_some() }, &inputs, Some(q4))
+            .expect("linear");
+        let err = max_err_rel_to_max(y.as_f32(), &expected.f32(&format!("{name}.y")).expect("y"));
+        assert!(err <= 1e-5, "{name}: {err:e}");
+    }
+}
