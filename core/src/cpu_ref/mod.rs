@@ -35,13 +35,12 @@ fn erf(x: f64) -> f64 {
         let mut sum = x;
         let mut term = x;
         let x2 = x * x;
-        let mut n = 0.0;
-        loop {
-            n += 1.0;
+        for n in 1..200 {
+            let n = n as f64;
             term *= -x2 / n;
             let add = term / (2.0 * n + 1.0);
             sum += add;
-            if add.abs() < 1e-17 * sum.abs() {
+            if add.abs() <= 1e-17 * sum.abs() {
                 break;
             }
         }
