@@ -1,9 +1,9 @@
 // adaLN modulation: out = x * (1 + scale) + shift, scale and shift over the last dim d.
 struct Params { n: u32, d: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> shift: array<f32>;
-@group(0) @binding(3) var<storage, read> scale: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> shift: array<f32>;
+@group(0) @binding(3) var<storage, read_write> scale: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

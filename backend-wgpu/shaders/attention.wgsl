@@ -4,10 +4,10 @@
 // score matrix in memory).
 struct Params { hq: u32, hkv: u32, tq: u32, tk: u32, d: u32, causal: u32, has_mask: u32, scale: f32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k: array<f32>;
-@group(0) @binding(3) var<storage, read> v: array<f32>;
-@group(0) @binding(4) var<storage, read> key_mask: array<f32>;
+@group(0) @binding(1) var<storage, read_write> q: array<f32>;
+@group(0) @binding(2) var<storage, read_write> k: array<f32>;
+@group(0) @binding(3) var<storage, read_write> v: array<f32>;
+@group(0) @binding(4) var<storage, read_write> key_mask: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

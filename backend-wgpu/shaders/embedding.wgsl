@@ -1,8 +1,8 @@
 // Rows of table[V, D] picked by ids[T] (ids are checked against V on the host).
 struct Params { t: u32, d: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> ids: array<u32>;
-@group(0) @binding(2) var<storage, read> table: array<f32>;
+@group(0) @binding(1) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(2) var<storage, read_write> table: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -2,7 +2,7 @@
 // 7.1.26 rational form refined to |error| < 1.5e-7.
 struct Params { n: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 fn erf_approx(z: f32) -> f32 {

@@ -1,9 +1,9 @@
 // out = (x - mean) / sqrt(var + eps) (* w + b when affine) over rows of length d.
 struct Params { rows: u32, d: u32, eps: f32, affine: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
-@group(0) @binding(3) var<storage, read> b: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> b: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -1,9 +1,9 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) with a dense f32 weight. One invocation per output.
 struct Params { rows: u32, n: u32, k: u32, has_bias: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
-@group(0) @binding(3) var<storage, read> bias: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> bias: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -2,11 +2,11 @@
 // (the weight stays packed on the device). One invocation per output; f32 accumulation.
 struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> packed: array<u32>;
-@group(0) @binding(3) var<storage, read> absmax: array<f32>;
-@group(0) @binding(4) var<storage, read> code: array<f32, 16>;
-@group(0) @binding(5) var<storage, read> bias: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> packed: array<u32>;
+@group(0) @binding(3) var<storage, read_write> absmax: array<f32>;
+@group(0) @binding(4) var<storage, read_write> code: array<f32, 16>;
+@group(0) @binding(5) var<storage, read_write> bias: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 
 fn weight(i: u32) -> f32 {

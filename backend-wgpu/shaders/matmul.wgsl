@@ -1,8 +1,8 @@
 // Batched out[b, m, n] = sum_k a[b, m, k] * B[b, k, n] (B stored [b, n, k] when transposed).
 struct Params { batch: u32, m: u32, n: u32, k: u32, transpose_b: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> a: array<f32>;
-@group(0) @binding(2) var<storage, read> b: array<f32>;
+@group(0) @binding(1) var<storage, read_write> a: array<f32>;
+@group(0) @binding(2) var<storage, read_write> b: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

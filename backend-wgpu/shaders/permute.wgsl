@@ -2,7 +2,7 @@
 // axis that becomes output axis i (shapes padded to rank 4 with leading 1s).
 struct Params { n: u32, d0: u32, d1: u32, d2: u32, d3: u32, s0: u32, s1: u32, s2: u32, s3: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -1,7 +1,7 @@
 // Same values, another shape: a copy (shapes are metadata).
 struct Params { n: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

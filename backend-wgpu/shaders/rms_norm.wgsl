@@ -1,8 +1,8 @@
 // out = x / sqrt(mean(x^2) + eps) * w over rows of length d. One invocation per row.
 struct Params { rows: u32, d: u32, eps: f32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

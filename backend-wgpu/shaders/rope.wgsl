@@ -2,9 +2,9 @@
 // Llama); mode 1: interleaved pairs (2i with 2i + 1, Flux). One invocation per pair.
 struct Params { t: u32, h: u32, d: u32, mode: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> cosv: array<f32>;
-@group(0) @binding(3) var<storage, read> sinv: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> cosv: array<f32>;
+@group(0) @binding(3) var<storage, read_write> sinv: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -1,7 +1,7 @@
 // len entries from start along an axis of size n: outer rows, inner values per entry.
 struct Params { outer: u32, n: u32, start: u32, len: u32, inner: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

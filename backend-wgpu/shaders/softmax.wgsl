@@ -1,7 +1,7 @@
 // Softmax over rows of length d (max subtracted first). One invocation per row.
 struct Params { rows: u32, d: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

@@ -2,7 +2,7 @@
 // arg_i = scale * t * exp(-ln(max_period) * i / (half - shift)); [sin | cos] or [cos | sin].
 struct Params { b: u32, dim: u32, flip: u32, shift: f32, scale: f32, max_period: f32, }
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> t: array<f32>;
+@group(0) @binding(1) var<storage, read_write> t: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)

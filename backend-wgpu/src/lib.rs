@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::cpu_ref::Q4Ref;
 use nibble_core::graph::{infer, HostData, HostTensor, OpKind, RopeMode};
 use wgpu::util::DeviceExt;
@@ -81,6 +82,7 @@ pub struct WgpuBackend {
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
     pipelines: HashMap<&'static str, wgpu::ComputePipeline>,
+    resident: Option<Resident>,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -130,6 +132,7 @@ impl WgpuBackend {
             info,
             limits,
             pipelines: HashMap::new(),
+            resident: None,
         })
     }
 
@@ -208,58 +211,226 @@ impl WgpuBackend {
         self.storage(&bytes)
     }
 
-    /// Runs kernel `name` with uniform `params`, storage inputs, and an f32 output of `out_len`
-    /// elements, over `threads` invocations; returns the output.
-    fn dispatch(
+    fn q4_buffers(&self, q: &Q4Ref<'_>) -> Result<[wgpu::Buffer; 3]> {
+        Ok([
+            self.storage(q.packed)?,
+            self.f32_buf(&q.state.absmax)?,
+            self.f32_buf(&q.state.code)?,
+        ])
+    }
+
+    /// Kernel, uniform words and invocation count of `op` for these operand shapes.
+    fn kernel(
+        op: &OpKind,
+        shapes: &[Vec<usize>],
+        out: &[usize],
+        q4_blocksize: u32,
+        bn: usize,
+    ) -> (&'static str, Vec<u32>, usize) {
+        let n: usize = out.iter().product();
+        let last = |i: usize| *shapes[i].last().unwrap_or(&1) as u32;
+        let rows = |i: usize| (n as u32) / last(i).max(1);
+        match op {
+            OpKind::Dequant4 => ("dequant4", vec![n as u32, q4_blocksize], n),
+            OpKind::LinearQ4 { bias } => {
+                let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
+                (
+                    "linear_q4",
+                    vec![r, out[1] as u32, k, q4_blocksize, *bias as u32],
+                    n,
+                )
+            }
+            OpKind::Linear { bias } => {
+                let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
+                ("linear", vec![r, shapes[1][0] as u32, k, *bias as u32], n)
+            }
+            OpKind::MatMul { transpose_b } => {
+                let a = &shapes[0];
+                (
+                    "matmul",
+                    vec![
+                        a[0] as u32,
+                        a[1] as u32,
+                        out[2] as u32,
+                        a[2] as u32,
+                        *transpose_b as u32,
+                    ],
+                    n,
+                )
+            }
+            OpKind::Add => ("add", vec![n as u32, bn as u32], n),
+            OpKind::Mul => ("mul", vec![n as u32, bn as u32], n),
+            OpKind::Scale { factor } => ("scale", vec![n as u32, f(*factor)], n),
+            OpKind::Silu => ("silu", vec![n as u32], n),
+            OpKind::Gelu => ("gelu", vec![n as u32], n),
+            OpKind::GeluTanh => ("gelu_tanh", vec![n as u32], n),
+            OpKind::Reshape { .. } => ("reshape", vec![n as u32], n),
+            OpKind::RmsNorm { eps } => (
+                "rms_norm",
+                vec![rows(0), last(0), f(*eps)],
+                rows(0) as usize,
+            ),
+            OpKind::LayerNorm { eps, affine } => (
+                "layer_norm",
+                vec![rows(0), last(0), f(*eps), *affine as u32],
+                rows(0) as usize,
+            ),
+            OpKind::Softmax => ("softmax", vec![rows(0), last(0)], rows(0) as usize),
+            OpKind::Rope { mode } => {
+                let s = &shapes[0];
+                let m = match mode {
+                    RopeMode::RotateHalf => 0,
+                    RopeMode::Interleaved => 1,
+                };
+                (
+                    "rope",
+                    vec![s[0] as u32, s[1] as u32, s[2] as u32, m],
+                    n / 2,
+                )
+            }
+            OpKind::Attention {
+                causal,
+                scale,
+                key_mask,
+            } => {
+                let (q, k) = (&shapes[0], &shapes[1]);
+                let p = vec![
+                    q[0] as u32,
+                    k[0] as u32,
+                    q[1] as u32,
+                    k[1] as u32,
+                    q[2] as u32,
+                    *causal as u32,
+                    *key_mask as u32,
+                    f(*scale),
+                ];
+                ("attention", p, n)
+            }
+            OpKind::Embedding => (
+                "embedding",
+                vec![shapes[0][0] as u32, shapes[1][1] as u32],
+                n,
+            ),
+            OpKind::Concat { axis } => {
+                let outer: usize = shapes[0][..*axis].iter().product();
+                let ia: usize = shapes[0][*axis..].iter().product();
+                let ib: usize = shapes[1][*axis..].iter().product();
+                ("concat", vec![outer as u32, ia as u32, ib as u32], n)
+            }
+            OpKind::Slice { axis, start, len } => {
+                let s = &shapes[0];
+                let outer: usize = s[..*axis].iter().product();
+                let inner: usize = s[*axis + 1..].iter().product();
+                (
+                    "slice",
+                    vec![
+                        outer as u32,
+                        s[*axis] as u32,
+                        *start as u32,
+                        *len as u32,
+                        inner as u32,
+                    ],
+                    n,
+                )
+            }
+            OpKind::Permute { perm } => {
+                let s = &shapes[0];
+                let rank = s.len();
+                let mut strides = vec![1usize; rank];
+                for i in (0..rank.saturating_sub(1)).rev() {
+                    strides[i] = strides[i + 1] * s[i + 1];
+                }
+                let pad = 4 - rank;
+                let (mut dims, mut src) = ([1u32; 4], [0u32; 4]);
+                for (i, &p) in perm.iter().enumerate() {
+                    dims[pad + i] = s[p] as u32;
+                    src[pad + i] = strides[p] as u32;
+                }
+                (
+                    "permute",
+                    vec![
+                        n as u32, dims[0], dims[1], dims[2], dims[3], src[0], src[1], src[2],
+                        src[3],
+                    ],
+                    n,
+                )
+            }
+            OpKind::AdaLnModulate => ("adaln_modulate", vec![n as u32, last(0)], n),
+            OpKind::TimestepEmbedding {
+                dim,
+                flip_sin_to_cos,
+                downscale_freq_shift,
+                scale,
+                max_period,
+            } => (
+                "timestep_embedding",
+                vec![
+                    shapes[0][0] as u32,
+                    *dim as u32,
+                    *flip_sin_to_cos as u32,
+                    f(*downscale_freq_shift),
+                    f(*scale),
+                    f(*max_period),
+                ],
+                n,
+            ),
+        }
+    }
+
+    /// Storage bindings of `op` in its kernel's order: operands, the 4-bit weight's three
+    /// buffers, and a dummy for an absent optional operand.
+    fn bind_order<'a>(
+        op: &OpKind,
+        ins: &[wgpu::BindingResource<'a>],
+        q4: Option<[wgpu::BindingResource<'a>; 3]>,
+        dummy: wgpu::BindingResource<'a>,
+    ) -> Vec<wgpu::BindingResource<'a>> {
+        let i = |k: usize| ins[k].clone();
+        let opt = |present: bool, k: usize| {
+            if present {
+                ins[k].clone()
+            } else {
+                dummy.clone()
+            }
+        };
+        match (op, q4) {
+            (OpKind::Dequant4, Some([p, a, c])) => vec![p, a, c],
+            (OpKind::LinearQ4 { bias }, Some([p, a, c])) => vec![i(0), p, a, c, opt(*bias, 1)],
+            (OpKind::Linear { bias }, _) => vec![i(0), i(1), opt(*bias, 2)],
+            (OpKind::LayerNorm { affine, .. }, _) => vec![i(0), opt(*affine, 1), opt(*affine, 2)],
+            (OpKind::Attention { key_mask, .. }, _) => vec![i(0), i(1), i(2), opt(*key_mask, 3)],
+            _ => ins.to_vec(),
+        }
+    }
+
+    fn encode(
         &mut self,
         name: &'static str,
         params: &[u32],
-        inputs: &[&wgpu::Buffer],
-        out_len: usize,
+        binds: Vec<wgpu::BindingResource<'_>>,
+        out: wgpu::BindingResource<'_>,
         threads: usize,
-    ) -> Result<Vec<f32>> {
+        uniform: &wgpu::Buffer,
+    ) -> Result<wgpu::CommandEncoder> {
         let pipeline = self.pipeline(name)?;
         let mut words = params.to_vec();
-        words.resize(params.len().div_ceil(4).max(1) * 4, 0);
-        let uniform_bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let uniform = self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("params"),
-                contents: &uniform_bytes,
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-        let out_bytes = (out_len.max(1) * 4) as u64;
-        if out_bytes > self.limits.max_storage_buffer_binding_size {
-            return Err(WgpuError::Gpu(format!(
-                "output of {out_bytes} bytes exceeds the binding limit"
-            )));
-        }
-        let out = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("out"),
-            size: out_bytes,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: out_bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        words.resize(16, 0);
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.queue.write_buffer(uniform, 0, &bytes);
         let mut entries = vec![wgpu::BindGroupEntry {
             binding: 0,
             resource: uniform.as_entire_binding(),
         }];
-        for (i, b) in inputs.iter().enumerate() {
+        let nb = binds.len() as u32;
+        for (k, b) in binds.into_iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
+                binding: k as u32 + 1,
+                resource: b,
             });
         }
         entries.push(wgpu::BindGroupEntry {
-            binding: inputs.len() as u32 + 1,
-            resource: out.as_entire_binding(),
+            binding: nb + 1,
+            resource: out,
         });
         let layout = pipeline.get_bind_group_layout(0);
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -291,7 +462,22 @@ impl WgpuBackend {
             pass.set_bind_group(0, &bind, &[]);
             pass.dispatch_workgroups(gx, gy, 1);
         }
-        enc.copy_buffer_to_buffer(&out, 0, &readback, 0, out_bytes);
+        Ok(enc)
+    }
+
+    fn read_back(&self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
+        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("read"),
+            });
+        enc.copy_buffer_to_buffer(src, offset, &readback, 0, bytes);
         self.queue.submit([enc.finish()]);
         let slice = readback.slice(..);
         let (tx, rx) = std::sync::mpsc::channel();
@@ -307,22 +493,10 @@ impl WgpuBackend {
         let view = slice
             .get_mapped_range()
             .map_err(|e| WgpuError::Gpu(e.to_string()))?;
-        let mut v: Vec<f32> = view
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let v = view[..bytes as usize].to_vec();
         drop(view);
         readback.unmap();
-        v.truncate(out_len);
         Ok(v)
-    }
-
-    fn q4_buffers(&self, q: &Q4Ref<'_>) -> Result<[wgpu::Buffer; 3]> {
-        Ok([
-            self.storage(q.packed)?,
-            self.f32_buf(&q.state.absmax)?,
-            self.f32_buf(&q.state.code)?,
-        ])
     }
 
     /// Runs one op with host inputs and returns the host output (uploads, dispatch, download).
@@ -335,8 +509,16 @@ impl WgpuBackend {
         let infos: Vec<_> = inputs.iter().map(|t| &t.info).collect();
         let q4info = q4.map(|q| q.info());
         let out_info = infer(op, &infos, q4info.as_ref())?;
+        if let (OpKind::Embedding, Some(table)) = (op, inputs.get(1)) {
+            let vocab = table.info.shape[0];
+            if let Some(bad) = inputs[0].as_u32().iter().find(|&&id| id as usize >= vocab) {
+                return Err(nibble_core::Error::Invalid(format!(
+                    "embedding: token id {bad} is outside the vocabulary of {vocab}"
+                ))
+                .into());
+            }
+        }
         let n = out_info.numel();
-        let shape = |i: usize| inputs[i].info.shape.clone();
         let mut bufs = Vec::with_capacity(inputs.len());
         for t in inputs {
             bufs.push(match &t.data {
@@ -347,224 +529,231 @@ impl WgpuBackend {
                 }
             });
         }
+        let q4bufs = q4.map(|q| self.q4_buffers(&q)).transpose()?;
         let dummy = self.storage(&[0u8; 4])?;
-        let last = |i: usize| *inputs[i].info.shape.last().unwrap_or(&1) as u32;
-        let name = match op {
-            OpKind::Dequant4 => "dequant4",
-            OpKind::LinearQ4 { .. } => "linear_q4",
-            OpKind::Linear { .. } => "linear",
-            OpKind::MatMul { .. } => "matmul",
-            OpKind::Add => "add",
-            OpKind::Mul => "mul",
-            OpKind::Scale { .. } => "scale",
-            OpKind::RmsNorm { .. } => "rms_norm",
-            OpKind::LayerNorm { .. } => "layer_norm",
-            OpKind::Silu => "silu",
-            OpKind::Gelu => "gelu",
-            OpKind::GeluTanh => "gelu_tanh",
-            OpKind::Softmax => "softmax",
-            OpKind::Rope { .. } => "rope",
-            OpKind::Attention { .. } => "attention",
-            OpKind::Embedding => "embedding",
-            OpKind::Concat { .. } => "concat",
-            OpKind::Slice { .. } => "slice",
-            OpKind::Permute { .. } => "permute",
-            OpKind::Reshape { .. } => "reshape",
-            OpKind::AdaLnModulate => "adaln_modulate",
-            OpKind::TimestepEmbedding { .. } => "timestep_embedding",
+        let out_bytes = (n.max(1) * 4) as u64;
+        if out_bytes > self.limits.max_storage_buffer_binding_size {
+            return Err(WgpuError::Gpu(format!(
+                "output of {out_bytes} bytes exceeds the binding limit"
+            )));
+        }
+        let out = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("out"),
+            size: out_bytes,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let uniform = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: 64,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.info.shape.clone()).collect();
+        let bn = inputs.get(1).map(|t| t.info.numel()).unwrap_or(1);
+        let (name, params, threads) = Self::kernel(
+            op,
+            &shapes,
+            &out_info.shape,
+            q4.map(|q| q.state.json.blocksize as u32).unwrap_or(0),
+            bn,
+        );
+        let ins: Vec<wgpu::BindingResource<'_>> =
+            bufs.iter().map(|b| b.as_entire_binding()).collect();
+        let q4b = q4bufs.as_ref().map(|[p, a, c]| {
+            [
+                p.as_entire_binding(),
+                a.as_entire_binding(),
+                c.as_entire_binding(),
+            ]
+        });
+        let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
+        let enc = self.encode(
+            name,
+            &params,
+            binds,
+            out.as_entire_binding(),
+            threads,
+            &uniform,
+        )?;
+        self.queue.submit([enc.finish()]);
+        let bytes = self.read_back(&out, 0, out_bytes)?;
+        let mut v: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        v.truncate(n);
+        Ok(HostTensor::f32(&out_info.shape, v)?)
+    }
+}
+
+/// Device memory of the executor path: one arena, one weight pool, one uniform buffer.
+#[derive(Debug)]
+struct Resident {
+    arena: wgpu::Buffer,
+    pool: wgpu::Buffer,
+    uniform: wgpu::Buffer,
+    dummy: wgpu::Buffer,
+}
+
+impl WgpuBackend {
+    fn resident(&self) -> nibble_core::Result<&Resident> {
+        self.resident
+            .as_ref()
+            .ok_or_else(|| nibble_core::Error::Invalid("wgpu: allocate() was not called".into()))
+    }
+}
+
+fn core_err(e: WgpuError) -> nibble_core::Error {
+    match e {
+        WgpuError::Core(c) => c,
+        other => nibble_core::Error::Invalid(other.to_string()),
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn name(&self) -> String {
+        format!("wgpu: {}", self.describe())
+    }
+
+    fn supports(&self, op: &OpKind) -> bool {
+        WgpuBackend::supports(self, op)
+    }
+
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
+        let max = self.limits.max_buffer_size;
+        let arena_bytes = (arena_words.max(1) * 4) as u64;
+        for (what, b) in [
+            ("activation arena", arena_bytes),
+            ("weight pool", pool_bytes),
+        ] {
+            if b > max {
+                return Err(nibble_core::Error::Invalid(format!(
+                    "wgpu: the {what} needs {b} bytes, over this adapter's max_buffer_size {max}"
+                )));
+            }
+        }
+        let make = |label, size: u64, usage| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: size.max(4),
+                usage,
+                mapped_at_creation: false,
+            })
         };
-        let out = match op {
-            OpKind::Dequant4 => {
-                let q = q4.ok_or_else(|| WgpuError::Gpu("dequant4 needs a weight".into()))?;
-                let [p, a, c] = self.q4_buffers(&q)?;
-                self.dispatch(
-                    name,
-                    &[n as u32, q.state.json.blocksize as u32],
-                    &[&p, &a, &c],
-                    n,
-                    n,
-                )?
-            }
-            OpKind::LinearQ4 { bias } => {
-                let q = q4.ok_or_else(|| WgpuError::Gpu("linear_q4 needs a weight".into()))?;
-                let [p, a, c] = self.q4_buffers(&q)?;
-                let (rows, k) = (shape(0)[0] as u32, shape(0)[1] as u32);
-                let nn = out_info.shape[1] as u32;
-                let b = if *bias { &bufs[1] } else { &dummy };
-                let params = [rows, nn, k, q.state.json.blocksize as u32, *bias as u32];
-                self.dispatch(name, &params, &[&bufs[0], &p, &a, &c, b], n, n)?
-            }
-            OpKind::Linear { bias } => {
-                let (rows, k) = (shape(0)[0] as u32, shape(0)[1] as u32);
-                let nn = shape(1)[0] as u32;
-                let b = if *bias { &bufs[2] } else { &dummy };
-                self.dispatch(
-                    name,
-                    &[rows, nn, k, *bias as u32],
-                    &[&bufs[0], &bufs[1], b],
-                    n,
-                    n,
-                )?
-            }
-            OpKind::MatMul { transpose_b } => {
-                let a = shape(0);
-                let params = [
-                    a[0] as u32,
-                    a[1] as u32,
-                    out_info.shape[2] as u32,
-                    a[2] as u32,
-                    *transpose_b as u32,
-                ];
-                self.dispatch(name, &params, &[&bufs[0], &bufs[1]], n, n)?
-            }
-            OpKind::Add | OpKind::Mul => {
-                let bn = inputs[1].info.numel() as u32;
-                self.dispatch(name, &[n as u32, bn], &[&bufs[0], &bufs[1]], n, n)?
-            }
-            OpKind::Scale { factor } => {
-                self.dispatch(name, &[n as u32, f(*factor)], &[&bufs[0]], n, n)?
-            }
-            OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh | OpKind::Reshape { .. } => {
-                self.dispatch(name, &[n as u32], &[&bufs[0]], n, n)?
-            }
-            OpKind::RmsNorm { eps } => {
-                let d = last(0);
-                let rows = n as u32 / d.max(1);
-                self.dispatch(
-                    name,
-                    &[rows, d, f(*eps)],
-                    &[&bufs[0], &bufs[1]],
-                    n,
-                    rows as usize,
-                )?
-            }
-            OpKind::LayerNorm { eps, affine } => {
-                let d = last(0);
-                let rows = n as u32 / d.max(1);
-                let (w, b) = if *affine {
-                    (&bufs[1], &bufs[2])
-                } else {
-                    (&dummy, &dummy)
-                };
-                self.dispatch(
-                    name,
-                    &[rows, d, f(*eps), *affine as u32],
-                    &[&bufs[0], w, b],
-                    n,
-                    rows as usize,
-                )?
-            }
-            OpKind::Softmax => {
-                let d = last(0);
-                let rows = n as u32 / d.max(1);
-                self.dispatch(name, &[rows, d], &[&bufs[0]], n, rows as usize)?
-            }
-            OpKind::Rope { mode } => {
-                let s = shape(0);
-                let m = match mode {
-                    RopeMode::RotateHalf => 0,
-                    RopeMode::Interleaved => 1,
-                };
-                let params = [s[0] as u32, s[1] as u32, s[2] as u32, m];
-                self.dispatch(name, &params, &[&bufs[0], &bufs[1], &bufs[2]], n, n / 2)?
-            }
-            OpKind::Attention {
-                causal,
-                scale,
-                key_mask,
-            } => {
-                let (q, k) = (shape(0), shape(1));
-                let mask = if *key_mask { &bufs[3] } else { &dummy };
-                let params = [
-                    q[0] as u32,
-                    k[0] as u32,
-                    q[1] as u32,
-                    k[1] as u32,
-                    q[2] as u32,
-                    *causal as u32,
-                    *key_mask as u32,
-                    f(*scale),
-                ];
-                self.dispatch(name, &params, &[&bufs[0], &bufs[1], &bufs[2], mask], n, n)?
-            }
-            OpKind::Embedding => {
-                let vocab = shape(1)[0];
-                if let Some(bad) = inputs[0].as_u32().iter().find(|&&id| id as usize >= vocab) {
-                    return Err(nibble_core::Error::Invalid(format!(
-                        "embedding: token id {bad} is outside the vocabulary of {vocab}"
-                    ))
-                    .into());
-                }
-                let params = [shape(0)[0] as u32, shape(1)[1] as u32];
-                self.dispatch(name, &params, &[&bufs[0], &bufs[1]], n, n)?
-            }
-            OpKind::Concat { axis } => {
-                let outer: usize = shape(0)[..*axis].iter().product();
-                let ia: usize = shape(0)[*axis..].iter().product();
-                let ib: usize = shape(1)[*axis..].iter().product();
-                self.dispatch(
-                    name,
-                    &[outer as u32, ia as u32, ib as u32],
-                    &[&bufs[0], &bufs[1]],
-                    n,
-                    n,
-                )?
-            }
-            OpKind::Slice { axis, start, len } => {
-                let s = shape(0);
-                let outer: usize = s[..*axis].iter().product();
-                let inner: usize = s[*axis + 1..].iter().product();
-                let params = [
-                    outer as u32,
-                    s[*axis] as u32,
-                    *start as u32,
-                    *len as u32,
-                    inner as u32,
-                ];
-                self.dispatch(name, &params, &[&bufs[0]], n, n)?
-            }
-            OpKind::Permute { perm } => {
-                let s = shape(0);
-                let rank = s.len();
-                let mut strides = vec![1usize; rank];
-                for i in (0..rank.saturating_sub(1)).rev() {
-                    strides[i] = strides[i + 1] * s[i + 1];
-                }
-                // Pad to rank 4 with leading size-1 axes.
-                let pad = 4 - rank;
-                let mut dims = [1u32; 4];
-                let mut src = [0u32; 4];
-                for (i, &p) in perm.iter().enumerate() {
-                    dims[pad + i] = s[p] as u32;
-                    src[pad + i] = strides[p] as u32;
-                }
-                let params = [
-                    n as u32, dims[0], dims[1], dims[2], dims[3], src[0], src[1], src[2], src[3],
-                ];
-                self.dispatch(name, &params, &[&bufs[0]], n, n)?
-            }
-            OpKind::AdaLnModulate => {
-                let d = last(0);
-                self.dispatch(name, &[n as u32, d], &[&bufs[0], &bufs[1], &bufs[2]], n, n)?
-            }
-            OpKind::TimestepEmbedding {
-                dim,
-                flip_sin_to_cos,
-                downscale_freq_shift,
-                scale,
-                max_period,
-            } => {
-                let params = [
-                    shape(0)[0] as u32,
-                    *dim as u32,
-                    *flip_sin_to_cos as u32,
-                    f(*downscale_freq_shift),
-                    f(*scale),
-                    f(*max_period),
-                ];
-                self.dispatch(name, &params, &[&bufs[0]], n, n)?
-            }
+        let st = wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_DST
+            | wgpu::BufferUsages::COPY_SRC;
+        self.resident = Some(Resident {
+            arena: make("arena", arena_bytes, st),
+            pool: make("weight pool", pool_bytes, st),
+            uniform: make(
+                "params",
+                64,
+                wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            ),
+            dummy: make("dummy", 4, wgpu::BufferUsages::STORAGE),
+        });
+        Ok(())
+    }
+
+    fn arena_align_words(&self) -> usize {
+        (self.limits.min_storage_buffer_offset_alignment as usize / 4).max(1)
+    }
+
+    fn pool_align_bytes(&self) -> u64 {
+        self.limits.min_storage_buffer_offset_alignment.max(4) as u64
+    }
+
+    fn write_arena(
+        &mut self,
+        dst: nibble_core::backend::ArenaSlice,
+        words: &[u32],
+    ) -> nibble_core::Result<()> {
+        let r = self.resident()?;
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.queue
+            .write_buffer(&r.arena, dst.offset as u64 * 4, &bytes);
+        Ok(())
+    }
+
+    fn read_arena(
+        &mut self,
+        src: nibble_core::backend::ArenaSlice,
+    ) -> nibble_core::Result<Vec<u32>> {
+        let r = self.resident()?;
+        let bytes = self
+            .read_back(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
+            .map_err(core_err)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .take(src.len)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn upload(
+        &mut self,
+        offset: u64,
+        bytes: &[u8],
+    ) -> nibble_core::Result<Box<dyn nibble_core::ring::Fence>> {
+        let r = self.resident()?;
+        if bytes.len() % 4 == 0 {
+            self.queue.write_buffer(&r.pool, offset, bytes);
+        } else {
+            // Copies must be whole words; the pool region is padded to the next alignment.
+            let mut padded = bytes.to_vec();
+            padded.resize(bytes.len().div_ceil(4) * 4, 0);
+            self.queue.write_buffer(&r.pool, offset, &padded);
+        }
+        // write_buffer has copied the bytes into wgpu's own staging memory: the slot is free.
+        Ok(Box::new(nibble_core::backend::Signalled))
+    }
+
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[Operand],
+        q4: Option<&Q4View>,
+        out: &Operand,
+    ) -> nibble_core::Result<()> {
+        let r = self.resident()?;
+        let (arena, pool, uniform, dummy) = (
+            r.arena.clone(),
+            r.pool.clone(),
+            r.uniform.clone(),
+            r.dummy.clone(),
+        );
+        let slice = |s: &nibble_core::backend::ArenaSlice| {
+            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &arena,
+                offset: s.offset as u64 * 4,
+                size: std::num::NonZeroU64::new((s.len.max(1) * 4) as u64),
+            })
         };
-        Ok(HostTensor::f32(&out_info.shape, out)?)
+        let region = |p: &nibble_core::backend::PoolRegion| {
+            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &pool,
+                offset: p.offset,
+                size: std::num::NonZeroU64::new(p.len.div_ceil(4).max(1) * 4),
+            })
+        };
+        let ins: Vec<wgpu::BindingResource<'_>> = inputs.iter().map(|o| slice(&o.slice)).collect();
+        let q4b = q4.map(|v| [region(&v.packed), region(&v.absmax), region(&v.code)]);
+        let shapes: Vec<Vec<usize>> = inputs.iter().map(|o| o.info.shape.clone()).collect();
+        let bn = inputs.get(1).map(|o| o.info.numel()).unwrap_or(1);
+        let (name, params, threads) = Self::kernel(
+            op,
+            &shapes,
+            &out.info.shape,
+            q4.map(|v| v.blocksize as u32).unwrap_or(0),
+            bn,
+        );
+        let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
+        let enc = self
+            .encode(name, &params, binds, slice(&out.slice), threads, &uniform)
+            .map_err(core_err)?;
+        self.queue.submit([enc.finish()]);
+        Ok(())
     }
 }

@@ -6,11 +6,14 @@
 //! - [`cpu_ref`]: the reference backend's ops.
 //! - [`writer`]: streaming safetensors writer.
 
+pub mod backend;
 pub mod bnb;
 pub mod convert;
 pub mod cpu_ref;
 pub mod dequant_fast;
 pub mod error;
+#[cfg(feature = "native")]
+pub mod executor;
 #[cfg(feature = "native")]
 pub mod file_source;
 pub mod fuzzing;

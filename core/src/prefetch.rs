@@ -196,6 +196,11 @@ impl<S: ByteSource> Prefetcher<S> {
         })
     }
 
+    /// Gives the ring back (once every chunk handed out has been released).
+    pub fn into_ring(self) -> StagingRing {
+        self.ring
+    }
+
     /// The source.
     pub fn source(&self) -> &S {
         &self.source
@@ -204,6 +209,11 @@ impl<S: ByteSource> Prefetcher<S> {
     /// The ring.
     pub fn ring(&self) -> &StagingRing {
         &self.ring
+    }
+
+    /// The `idx`-th chunk of a step.
+    pub fn chunk_spec(&self, idx: usize) -> Option<&ChunkSpec> {
+        self.chunks.get(idx)
     }
 
     /// Chunks per step.

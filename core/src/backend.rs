@@ -1,0 +1,232 @@
+//! The backend interface: small on purpose (ggml's `graph_compute` + `supports_op`, not a
+//! 40-method storage trait). A backend owns one activation arena and one weight pool, both
+//! allocated once; the executor places every value and weight in them before the first step.
+
+use crate::cpu_ref::{self, Q4Ref};
+use crate::error::{Error, Result};
+use crate::graph::{ElemType, HostData, HostTensor, OpKind, ValueInfo};
+use crate::ring::Fence;
+
+/// A region of the activation arena, in 4-byte words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaSlice {
+    /// First word.
+    pub offset: usize,
+    /// Words.
+    pub len: usize,
+}
+
+/// A region of the weight pool, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolRegion {
+    /// First byte.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A 4-bit weight in the pool: packed codes, f32 absmax (double quantization already undone
+/// bit-exactly by the executor) and the 16-entry code table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Q4View {
+    /// Packed codes.
+    pub packed: PoolRegion,
+    /// One f32 per block.
+    pub absmax: PoolRegion,
+    /// 16 f32.
+    pub code: PoolRegion,
+    /// Logical shape.
+    pub shape: Vec<usize>,
+    /// Elements per block.
+    pub blocksize: usize,
+}
+
+/// An operand of an op: where it lives and what it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Operand {
+    /// Its arena words.
+    pub slice: ArenaSlice,
+    /// Shape and type.
+    pub info: ValueInfo,
+}
+
+/// A fence that has already signalled (the host has finished with the slot).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Signalled;
+
+impl Fence for Signalled {
+    fn is_signalled(&self) -> bool {
+        true
+    }
+    fn wait(&self) {}
+}
+
+/// What the executor needs from a device.
+pub trait Backend {
+    /// Name for tables and messages.
+    fn name(&self) -> String;
+    /// Whether `op` runs here.
+    fn supports(&self, op: &OpKind) -> bool;
+    /// Allocates the activation arena (`arena_words` 4-byte words) and the weight pool, once.
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> Result<()>;
+    /// Alignment, in words, that every arena slice must start at (binding offset rules).
+    fn arena_align_words(&self) -> usize {
+        1
+    }
+    /// Alignment, in bytes, that every pool region must start at.
+    fn pool_align_bytes(&self) -> u64 {
+        4
+    }
+    /// Writes host words into the arena.
+    fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> Result<()>;
+    /// Reads arena words back.
+    fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>>;
+    /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
+    /// fence signals when the source bytes may be overwritten.
+    fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// Runs `op` on arena operands (and a pool weight) into `out`.
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[Operand],
+        q4: Option<&Q4View>,
+        out: &Operand,
+    ) -> Result<()>;
+}
+
+/// Words of host data (u32 ids as they are, f32 as bits).
+pub fn host_words(t: &HostTensor) -> Vec<u32> {
+    match &t.data {
+        HostData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+        HostData::U32(v) => v.clone(),
+    }
+}
+
+/// The reference backend behind the [`Backend`] interface: arena and pool in host memory,
+/// every op through `cpu_ref::run`.
+#[derive(Debug, Default)]
+pub struct CpuRefBackend {
+    arena: Vec<u32>,
+    pool: Vec<u8>,
+}
+
+impl CpuRefBackend {
+    /// A backend with nothing allocated yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn arena(&self, s: ArenaSlice) -> Result<&[u32]> {
+        self.arena
+            .get(s.offset..s.offset + s.len)
+            .ok_or_else(|| Error::Invalid(format!("arena slice {s:?} out of range")))
+    }
+
+    fn pool(&self, r: PoolRegion) -> Result<&[u8]> {
+        self.pool
+            .get(r.offset as usize..(r.offset + r.len) as usize)
+            .ok_or_else(|| Error::Invalid(format!("pool region {r:?} out of range")))
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+impl Backend for CpuRefBackend {
+    fn name(&self) -> String {
+        "cpu_ref".into()
+    }
+    fn supports(&self, _op: &OpKind) -> bool {
+        true
+    }
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> Result<()> {
+        self.arena = vec![0; arena_words];
+        self.pool = vec![0; pool_bytes as usize];
+        Ok(())
+    }
+    fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> Result<()> {
+        let d = self
+            .arena
+            .get_mut(dst.offset..dst.offset + words.len())
+            .ok_or_else(|| Error::Invalid(format!("arena write {dst:?} out of range")))?;
+        d.copy_from_slice(words);
+        Ok(())
+    }
+    fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>> {
+        Ok(self.arena(src)?.to_vec())
+    }
+    fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>> {
+        let d = self
+            .pool
+            .get_mut(offset as usize..offset as usize + bytes.len())
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "pool upload at {offset} of {} bytes out of range",
+                    bytes.len()
+                ))
+            })?;
+        d.copy_from_slice(bytes);
+        Ok(Box::new(Signalled))
+    }
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[Operand],
+        q4: Option<&Q4View>,
+        out: &Operand,
+    ) -> Result<()> {
+        let mut tensors = Vec::with_capacity(inputs.len());
+        for o in inputs {
+            let words = self.arena(o.slice)?;
+            let t = match o.info.elem {
+                ElemType::F32 => HostTensor::f32(
+                    &o.info.shape,
+                    words.iter().map(|w| f32::from_bits(*w)).collect(),
+                )?,
+                ElemType::U32 => HostTensor::u32(&o.info.shape, words.to_vec())?,
+            };
+            tensors.push(t);
+        }
+        let refs: Vec<&HostTensor> = tensors.iter().collect();
+        let result = match q4 {
+            Some(v) => {
+                let state = crate::bnb::QuantState {
+                    json: crate::bnb::QuantStateJson {
+                        quant_type: crate::bnb::QuantType::Nf4,
+                        blocksize: v.blocksize as u64,
+                        dtype: crate::bnb::FloatDtype::F32,
+                        shape: v.shape.iter().map(|&d| d as u64).collect(),
+                        nested: None,
+                    },
+                    code: f32s(self.pool(v.code)?)
+                        .try_into()
+                        .map_err(|_| Error::Invalid("code table is not 16 f32".into()))?,
+                    absmax: f32s(self.pool(v.absmax)?),
+                };
+                let packed = self.pool(v.packed)?.to_vec();
+                cpu_ref::run(
+                    op,
+                    &refs,
+                    Some(Q4Ref {
+                        state: &state,
+                        packed: &packed,
+                    }),
+                )?
+            }
+            None => cpu_ref::run(op, &refs, None)?,
+        };
+        if result.info != out.info {
+            return Err(Error::Invalid(format!(
+                "{}: output {:?} does not match the planned {:?}",
+                op.name(),
+                result.info,
+                out.info
+            )));
+        }
+        self.write_arena(out.slice, &host_words(&result))
+    }
+}
