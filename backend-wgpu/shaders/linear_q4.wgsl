@@ -1,5 +1,6 @@
-// y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n]) with W in bitsandbytes 4-bit, dequantized on the fly
-// (the weight stays packed on the device). One invocation per output; f32 accumulation.
+// GEMV path of the 4-bit linear, for few rows (decode): y[m, n] = sum_k x[m, k] * W[n, k] + b[n]
+// with W in bitsandbytes 4-bit, dequantized on the fly (the weight stays packed). One workgroup
+// of 64 per output: the invocations stride over k, then reduce in workgroup memory.
 struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
@@ -9,6 +10,8 @@ struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, }
 @group(0) @binding(5) var<storage, read_write> bias: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 
+var<workgroup> partial: array<f32, 64>;
+
 fn weight(i: u32) -> f32 {
     let byte = (packed[i / 8u] >> (8u * ((i / 2u) % 4u))) & 0xffu;
     let q = select(byte & 0xfu, byte >> 4u, i % 2u == 0u);
@@ -16,15 +19,26 @@ fn weight(i: u32) -> f32 {
 }
 
 @compute @workgroup_size(64)
-fn linear_q4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let idx = linear_index(gid, nwg);
-    if (idx >= p.rows * p.n) { return; }
-    let m = idx / p.n;
-    let col = idx % p.n;
+fn linear_q4(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let idx = wg.x + wg.y * nwg.x;
+    let valid = idx < p.rows * p.n;
+    let m = idx / max(p.n, 1u);
+    let col = idx % max(p.n, 1u);
     var acc = 0.0;
-    for (var kk = 0u; kk < p.k; kk++) {
-        acc += x[m * p.k + kk] * weight(col * p.k + kk);
+    if (valid) {
+        for (var kk = lid; kk < p.k; kk += 64u) {
+            acc += x[m * p.k + kk] * weight(col * p.k + kk);
+        }
     }
-    if (p.has_bias != 0u) { acc += bias[col]; }
-    out[idx] = acc;
+    partial[lid] = acc;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s /= 2u) {
+        if (lid < s) { partial[lid] += partial[lid + s]; }
+        workgroupBarrier();
+    }
+    if (lid == 0u && valid) {
+        var y = partial[0];
+        if (p.has_bias != 0u) { y += bias[col]; }
+        out[idx] = y;
+    }
 }

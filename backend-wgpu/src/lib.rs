@@ -13,7 +13,7 @@ use nibble_core::graph::{infer, HostData, HostTensor, OpKind, RopeMode};
 use wgpu::util::DeviceExt;
 
 /// Every kernel: (op name, WGSL source).
-pub const SHADERS: [(&str, &str); 22] = [
+pub const SHADERS: [(&str, &str); 23] = [
     (
         "adaln_modulate",
         include_str!("../shaders/adaln_modulate.wgsl"),
@@ -28,6 +28,10 @@ pub const SHADERS: [(&str, &str); 22] = [
     ("layer_norm", include_str!("../shaders/layer_norm.wgsl")),
     ("linear", include_str!("../shaders/linear.wgsl")),
     ("linear_q4", include_str!("../shaders/linear_q4.wgsl")),
+    (
+        "linear_q4_tiled",
+        include_str!("../shaders/linear_q4_tiled.wgsl"),
+    ),
     ("matmul", include_str!("../shaders/matmul.wgsl")),
     ("mul", include_str!("../shaders/mul.wgsl")),
     ("permute", include_str!("../shaders/permute.wgsl")),
@@ -53,6 +57,18 @@ pub fn shader_source(name: &str) -> Option<String> {
         .iter()
         .find(|(n, _)| *n == name)
         .map(|(_, s)| format!("{COMMON}\n{s}"))
+}
+
+/// Rows up to which the 4-bit linear runs as a GEMV.
+pub const GEMV_MAX_ROWS: u32 = 8;
+
+/// How a kernel is launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dispatch {
+    /// One invocation per item, 64 per workgroup.
+    Threads(usize),
+    /// Explicit workgroup counts.
+    Groups(u32, u32),
 }
 
 /// What can go wrong in this backend.
@@ -154,6 +170,18 @@ impl WgpuBackend {
         SHADERS.iter().any(|(n, _)| *n == op.name())
     }
 
+    fn check(op: &OpKind, shapes: &[Vec<usize>]) -> nibble_core::Result<()> {
+        if let (OpKind::Attention { .. }, Some(q)) = (op, shapes.first()) {
+            if q.get(2).copied().unwrap_or(0) > 256 {
+                return Err(nibble_core::Error::Invalid(format!(
+                    "wgpu attention: head dim {} is over 256",
+                    q[2]
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn pipeline(&mut self, name: &'static str) -> Result<wgpu::ComputePipeline> {
         if let Some(p) = self.pipelines.get(name) {
             return Ok(p.clone());
@@ -219,8 +247,31 @@ impl WgpuBackend {
         ])
     }
 
-    /// Kernel, uniform words and invocation count of `op` for these operand shapes.
+    /// Kernel, uniform words and dispatch size of `op` for these operand shapes.
     fn kernel(
+        op: &OpKind,
+        shapes: &[Vec<usize>],
+        out: &[usize],
+        q4_blocksize: u32,
+        bn: usize,
+    ) -> (&'static str, Vec<u32>, Dispatch) {
+        let (name, params, threads) = Self::kernel_1d(op, shapes, out, q4_blocksize, bn);
+        if let OpKind::LinearQ4 { .. } = op {
+            let (rows, n) = (out[0] as u32, out[1] as u32);
+            // A GEMV (one workgroup per output) for decode-sized batches, 16 x 16 tiles above.
+            if rows > GEMV_MAX_ROWS {
+                return (
+                    "linear_q4_tiled",
+                    params,
+                    Dispatch::Groups(n.div_ceil(16), rows.div_ceil(16)),
+                );
+            }
+            return (name, params, Dispatch::Groups(rows * n, 1));
+        }
+        (name, params, Dispatch::Threads(threads))
+    }
+
+    fn kernel_1d(
         op: &OpKind,
         shapes: &[Vec<usize>],
         out: &[usize],
@@ -304,7 +355,7 @@ impl WgpuBackend {
                     *key_mask as u32,
                     f(*scale),
                 ];
-                ("attention", p, n)
+                ("attention", p, q[0] * q[1])
             }
             OpKind::Embedding => (
                 "embedding",
@@ -409,7 +460,7 @@ impl WgpuBackend {
         params: &[u32],
         binds: Vec<wgpu::BindingResource<'_>>,
         out: wgpu::BindingResource<'_>,
-        threads: usize,
+        dispatch: Dispatch,
         uniform: &wgpu::Buffer,
     ) -> Result<wgpu::CommandEncoder> {
         let pipeline = self.pipeline(name)?;
@@ -438,16 +489,23 @@ impl WgpuBackend {
             layout: &layout,
             entries: &entries,
         });
-        let groups = threads.div_ceil(64).max(1) as u32;
         let max = self.limits.max_compute_workgroups_per_dimension.max(1);
-        let (gx, gy) = if groups <= max {
-            (groups, 1)
-        } else {
-            (max, groups.div_ceil(max))
+        let (gx, gy) = match dispatch {
+            Dispatch::Threads(threads) => {
+                let groups = threads.div_ceil(64).max(1) as u32;
+                if groups <= max {
+                    (groups, 1)
+                } else {
+                    (max, groups.div_ceil(max))
+                }
+            }
+            // A 1-D count of workgroups folded into x and y (kernels use x + y * num_workgroups.x).
+            Dispatch::Groups(x, 1) if x > max => (max, x.div_ceil(max)),
+            Dispatch::Groups(x, y) => (x.max(1), y.max(1)),
         };
-        if gy > max {
+        if gx > max || gy > max {
             return Err(WgpuError::Gpu(format!(
-                "{threads} invocations exceed the dispatch limit"
+                "{name}: dispatch of {gx} x {gy} workgroups exceeds the limit {max}"
             )));
         }
         let mut enc = self
@@ -550,8 +608,9 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.info.shape.clone()).collect();
+        Self::check(op, &shapes)?;
         let bn = inputs.get(1).map(|t| t.info.numel()).unwrap_or(1);
-        let (name, params, threads) = Self::kernel(
+        let (name, params, dispatch) = Self::kernel(
             op,
             &shapes,
             &out_info.shape,
@@ -573,7 +632,7 @@ impl WgpuBackend {
             &params,
             binds,
             out.as_entire_binding(),
-            threads,
+            dispatch,
             &uniform,
         )?;
         self.queue.submit([enc.finish()]);
@@ -741,8 +800,9 @@ impl Backend for WgpuBackend {
         let ins: Vec<wgpu::BindingResource<'_>> = inputs.iter().map(|o| slice(&o.slice)).collect();
         let q4b = q4.map(|v| [region(&v.packed), region(&v.absmax), region(&v.code)]);
         let shapes: Vec<Vec<usize>> = inputs.iter().map(|o| o.info.shape.clone()).collect();
+        Self::check(op, &shapes)?;
         let bn = inputs.get(1).map(|o| o.info.numel()).unwrap_or(1);
-        let (name, params, threads) = Self::kernel(
+        let (name, params, dispatch) = Self::kernel(
             op,
             &shapes,
             &out.info.shape,
@@ -751,7 +811,7 @@ impl Backend for WgpuBackend {
         );
         let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
         let enc = self
-            .encode(name, &params, binds, slice(&out.slice), threads, &uniform)
+            .encode(name, &params, binds, slice(&out.slice), dispatch, &uniform)
             .map_err(core_err)?;
         self.queue.submit([enc.finish()]);
         Ok(())

@@ -133,21 +133,28 @@ fn cases(op: &OpKind) -> Vec<Case> {
             ),
         ],
         OpKind::LinearQ4 { bias } => {
+            // The GEMV path (up to 8 rows) and the tiled path (more); odd sizes, partial blocks.
             let mut v = vec![
                 cq(
-                    "1x53 by 37x53 nf4 dq",
+                    "1x53 by 37x53 nf4 dq (gemv)",
                     vec![t(&[1, 53], 4)],
                     q4_weight(37, 53, 64, QuantType::Nf4, true, 5),
                 ),
                 cq(
-                    "5x333 by 100x333 fp4",
+                    "5x333 by 100x333 fp4 (gemv)",
                     vec![t(&[5, 333], 6)],
                     q4_weight(100, 333, 128, QuantType::Fp4, false, 7),
+                ),
+                cq(
+                    "37x333 by 100x333 nf4 dq (tiled)",
+                    vec![t(&[37, 333], 39)],
+                    q4_weight(100, 333, 64, QuantType::Nf4, true, 40),
                 ),
             ];
             if *bias {
                 v[0].inputs.push(t(&[37], 8));
                 v[1].inputs.push(t(&[100], 9));
+                v[2].inputs.push(t(&[100], 41));
             }
             v
         }
@@ -486,11 +493,12 @@ fn every_op_on_every_backend_matches_cpu_ref() {
         "conformance failures:\n{}",
         failures.join("\n")
     );
-    // Every kernel of the wgpu backend has a row.
+    // Every kernel of the wgpu backend has a row (linear_q4_tiled is linear_q4's path for more
+    // than 8 rows, covered by the "(tiled)" case).
     for (kernel, _) in nibble_wgpu::SHADERS {
+        let op = kernel.trim_end_matches("_tiled");
         assert!(
-            rows.iter()
-                .any(|(n, _, _)| n.split(' ').next() == Some(kernel)),
+            rows.iter().any(|(n, _, _)| n.split(' ').next() == Some(op)),
             "kernel {kernel} has no case"
         );
     }
