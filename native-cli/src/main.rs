@@ -1,5 +1,6 @@
 //! `nibble`: run, inspect and convert 4-bit (bitsandbytes NF4/FP4) models.
 
+mod bench_kernels;
 mod bench_stream;
 mod inspect;
 mod quant_cmds;
@@ -114,6 +115,19 @@ enum SynthArch {
 
 #[derive(Debug, Subcommand)]
 enum BenchKind {
+    /// Each kernel at realistic shapes (NF4 linear GEMV and tiled, attention, norms) on one
+    /// backend: time per call, GB/s, GFLOP/s.
+    Kernels {
+        /// cpu (the cpu_ref backend), wgpu, or cuda.
+        #[arg(long, default_value = "wgpu")]
+        backend: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// 512 tokens instead of 4096 (for slow backends such as cpu_ref).
+        #[arg(long)]
+        quick: bool,
+    },
     /// Stream every weight S times through the ring into a simulated consumer, against a plain
     /// read of the same bytes.
     Stream {
@@ -219,6 +233,14 @@ fn main() -> ExitCode {
             out,
             seed,
         } => synth(arch, &size, &out, seed),
+        Command::Bench {
+            kind:
+                BenchKind::Kernels {
+                    backend,
+                    json,
+                    quick,
+                },
+        } => bench_kernels::run(&backend, json, quick),
         Command::Bench {
             kind:
                 BenchKind::Stream {

@@ -380,3 +380,21 @@ fn inspect_url_fetches_only_headers() {
     assert_eq!(q["blocksize"], 64);
     assert_eq!(q["quant_state_fetched"], true);
 }
+
+#[test]
+fn bench_kernels_refuses_unknown_and_absent_backends_clearly() {
+    let o = nibble(&["bench", "kernels", "--backend", "cuda"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("CUDA backend is not part of this build"),
+        "{}",
+        stderr(&o)
+    );
+    let o = nibble(&["bench", "kernels", "--backend", "tpu"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("expected cpu, wgpu or cuda"),
+        "{}",
+        stderr(&o)
+    );
+}
