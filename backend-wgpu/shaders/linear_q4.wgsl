@@ -1,7 +1,9 @@
 // GEMV path of the 4-bit linear, for few rows (decode): y[m, n] = sum_k x[m, k] * W[n, k] + b[n]
 // with W in bitsandbytes 4-bit, dequantized on the fly (the weight stays packed). One workgroup
 // of 64 per output: the invocations stride over k, then reduce in workgroup memory.
-struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, }
+// n: columns of this piece of W; a weight over the binding limit is split into row pieces
+// that write columns col0.. of an output n_total wide.
+struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, n_total: u32, col0: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> packed: array<u32>;
@@ -38,7 +40,7 @@ fn linear_q4(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     if (lid == 0u && valid) {
         var y = partial[0];
-        if (p.has_bias != 0u) { y += bias[col]; }
-        out[idx] = y;
+        if (p.has_bias != 0u) { y += bias[p.col0 + col]; }
+        out[m * p.n_total + p.col0 + col] = y;
     }
 }

@@ -1,7 +1,9 @@
 // Tiled path of the 4-bit linear, for many rows (prefill, DiT tokens): 16 x 16 outputs per
 // workgroup; each step stages a 16 x 16 tile of x and of the dequantized weight in workgroup
 // memory. f32 accumulation.
-struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, }
+// n: columns of this piece of W; a weight over the binding limit is split into row pieces
+// that write columns col0.. of an output n_total wide.
+struct Params { rows: u32, n: u32, k: u32, blocksize: u32, has_bias: u32, n_total: u32, col0: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> packed: array<u32>;
@@ -36,7 +38,7 @@ fn linear_q4_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocati
         workgroupBarrier();
     }
     if (row < p.rows && col < p.n) {
-        if (p.has_bias != 0u) { acc += bias[col]; }
-        out[row * p.n + col] = acc;
+        if (p.has_bias != 0u) { acc += bias[p.col0 + col]; }
+        out[row * p.n_total + p.col0 + col] = acc;
     }
 }

@@ -9,8 +9,7 @@ use std::collections::HashMap;
 
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::cpu_ref::Q4Ref;
-use nibble_core::graph::{infer, HostData, HostTensor, OpKind, RopeMode};
-use wgpu::util::DeviceExt;
+use nibble_core::graph::{infer, HostTensor, OpKind, RopeMode};
 
 /// Every kernel: (op name, WGSL source).
 pub const SHADERS: [(&str, &str); 23] = [
@@ -99,6 +98,7 @@ pub struct WgpuBackend {
     limits: wgpu::Limits,
     pipelines: HashMap<&'static str, wgpu::ComputePipeline>,
     resident: Option<Resident>,
+    max_binding: u64,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -142,6 +142,7 @@ impl WgpuBackend {
             })
             .await
             .map_err(|e| WgpuError::Device(e.to_string()))?;
+        let max_binding = limits.max_storage_buffer_binding_size;
         Ok(WgpuBackend {
             device,
             queue,
@@ -149,6 +150,7 @@ impl WgpuBackend {
             limits,
             pipelines: HashMap::new(),
             resident: None,
+            max_binding,
         })
     }
 
@@ -208,45 +210,6 @@ impl WgpuBackend {
         Ok(p)
     }
 
-    fn storage(&self, bytes: &[u8]) -> Result<wgpu::Buffer> {
-        if bytes.len() as u64 > self.limits.max_storage_buffer_binding_size {
-            return Err(WgpuError::Gpu(format!(
-                "a {}-byte buffer exceeds this adapter's max_storage_buffer_binding_size ({})",
-                bytes.len(),
-                self.limits.max_storage_buffer_binding_size
-            )));
-        }
-        // Bindings must not be empty and are read as 4-byte words.
-        let mut padded;
-        let data = if bytes.is_empty() || bytes.len() % 4 != 0 {
-            padded = bytes.to_vec();
-            padded.resize(bytes.len().max(4).div_ceil(4) * 4, 0);
-            &padded[..]
-        } else {
-            bytes
-        };
-        Ok(self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: None,
-                contents: data,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            }))
-    }
-
-    fn f32_buf(&self, v: &[f32]) -> Result<wgpu::Buffer> {
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        self.storage(&bytes)
-    }
-
-    fn q4_buffers(&self, q: &Q4Ref<'_>) -> Result<[wgpu::Buffer; 3]> {
-        Ok([
-            self.storage(q.packed)?,
-            self.f32_buf(&q.state.absmax)?,
-            self.f32_buf(&q.state.code)?,
-        ])
-    }
-
     /// Kernel, uniform words and dispatch size of `op` for these operand shapes.
     fn kernel(
         op: &OpKind,
@@ -285,10 +248,11 @@ impl WgpuBackend {
             OpKind::Dequant4 => ("dequant4", vec![n as u32, q4_blocksize], n),
             OpKind::LinearQ4 { bias } => {
                 let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
+                let n = out[1] as u32;
                 (
                     "linear_q4",
-                    vec![r, out[1] as u32, k, q4_blocksize, *bias as u32],
-                    n,
+                    vec![r, n, k, q4_blocksize, *bias as u32, n, 0],
+                    n as usize * r as usize,
                 )
             }
             OpKind::Linear { bias } => {
@@ -557,7 +521,8 @@ impl WgpuBackend {
         Ok(v)
     }
 
-    /// Runs one op with host inputs and returns the host output (uploads, dispatch, download).
+    /// Runs one op with host inputs and returns the host output, through the same arena and
+    /// pool path the executor uses (temporary buffers; the executor's allocation is kept).
     pub fn run(
         &mut self,
         op: &OpKind,
@@ -576,74 +541,88 @@ impl WgpuBackend {
                 .into());
             }
         }
-        let n = out_info.numel();
-        let mut bufs = Vec::with_capacity(inputs.len());
-        for t in inputs {
-            bufs.push(match &t.data {
-                HostData::F32(v) => self.f32_buf(v)?,
-                HostData::U32(v) => {
-                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    self.storage(&bytes)?
-                }
-            });
-        }
-        let q4bufs = q4.map(|q| self.q4_buffers(&q)).transpose()?;
-        let dummy = self.storage(&[0u8; 4])?;
-        let out_bytes = (n.max(1) * 4) as u64;
-        if out_bytes > self.limits.max_storage_buffer_binding_size {
-            return Err(WgpuError::Gpu(format!(
-                "output of {out_bytes} bytes exceeds the binding limit"
-            )));
-        }
-        let out = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("out"),
-            size: out_bytes,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let uniform = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("params"),
-            size: 64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.info.shape.clone()).collect();
-        Self::check(op, &shapes)?;
-        let bn = inputs.get(1).map(|t| t.info.numel()).unwrap_or(1);
-        let (name, params, dispatch) = Self::kernel(
-            op,
-            &shapes,
-            &out_info.shape,
-            q4.map(|q| q.state.json.blocksize as u32).unwrap_or(0),
-            bn,
-        );
-        let ins: Vec<wgpu::BindingResource<'_>> =
-            bufs.iter().map(|b| b.as_entire_binding()).collect();
-        let q4b = q4bufs.as_ref().map(|[p, a, c]| {
-            [
-                p.as_entire_binding(),
-                a.as_entire_binding(),
-                c.as_entire_binding(),
-            ]
-        });
-        let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
-        let enc = self.encode(
-            name,
-            &params,
-            binds,
-            out.as_entire_binding(),
-            dispatch,
-            &uniform,
-        )?;
-        self.queue.submit([enc.finish()]);
-        let bytes = self.read_back(&out, 0, out_bytes)?;
-        let mut v: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        let align = Backend::arena_align_words(self);
+        let mut cursor = 0usize;
+        let mut place = |n: usize| {
+            let s = nibble_core::backend::ArenaSlice {
+                offset: cursor,
+                len: n,
+            };
+            cursor = (cursor + n.max(1)).div_ceil(align) * align;
+            s
+        };
+        let ins: Vec<Operand> = inputs
+            .iter()
+            .map(|t| Operand {
+                slice: place(t.info.numel()),
+                info: t.info.clone(),
+            })
             .collect();
-        v.truncate(n);
-        Ok(HostTensor::f32(&out_info.shape, v)?)
+        let out = Operand {
+            slice: place(out_info.numel()),
+            info: out_info.clone(),
+        };
+        let pa = Backend::pool_align_bytes(self);
+        let view = q4.map(|q| {
+            let packed = nibble_core::backend::PoolRegion {
+                offset: 0,
+                len: q.packed.len() as u64,
+            };
+            let absmax = nibble_core::backend::PoolRegion {
+                offset: packed.len.div_ceil(pa) * pa,
+                len: q.state.absmax.len() as u64 * 4,
+            };
+            let code = nibble_core::backend::PoolRegion {
+                offset: (absmax.offset + absmax.len).div_ceil(pa) * pa,
+                len: 64,
+            };
+            Q4View {
+                packed,
+                absmax,
+                code,
+                shape: q.info().shape,
+                blocksize: q.info().blocksize,
+            }
+        });
+        let pool = view.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa);
+        let saved = self.resident.take();
+        let result = (|| -> nibble_core::Result<HostTensor> {
+            Backend::allocate(self, cursor.max(1), pool)?;
+            for (o, t) in ins.iter().zip(inputs) {
+                self.write_arena(o.slice, &nibble_core::backend::host_words(t))?;
+            }
+            if let (Some(v), Some(q)) = (&view, q4) {
+                drop(self.upload(v.packed.offset, q.packed)?);
+                let absmax: Vec<u8> = q
+                    .state
+                    .absmax
+                    .iter()
+                    .flat_map(|a| a.to_le_bytes())
+                    .collect();
+                drop(self.upload(v.absmax.offset, &absmax)?);
+                let code: Vec<u8> = q.state.code.iter().flat_map(|a| a.to_le_bytes()).collect();
+                drop(self.upload(v.code.offset, &code)?);
+            }
+            Backend::run(self, op, &ins, view.as_ref(), &out)?;
+            let words = self.read_arena(out.slice)?;
+            HostTensor::f32(
+                &out_info.shape,
+                words.into_iter().map(f32::from_bits).collect(),
+            )
+        })();
+        self.resident = saved;
+        Ok(result?)
     }
+}
+
+/// Rows per piece must keep every piece's packed and absmax bindings at aligned offsets: the
+/// smallest row count s with s*k a multiple of the blocksize and of 2, and s*k/2 and
+/// s*k/blocksize*4 multiples of the offset alignment.
+fn piece_step(k: u64, blocksize: u64, align: u64) -> Option<u64> {
+    (1..=1u64 << 20).find(|&s| {
+        let e = s * k;
+        e % blocksize == 0 && e % 2 == 0 && (e / 2) % align == 0 && (e / blocksize * 4) % align == 0
+    })
 }
 
 /// Device memory of the executor path: one arena, one weight pool, one uniform buffer.
@@ -660,6 +639,86 @@ impl WgpuBackend {
         self.resident
             .as_ref()
             .ok_or_else(|| nibble_core::Error::Invalid("wgpu: allocate() was not called".into()))
+    }
+}
+
+impl WgpuBackend {
+    /// Caps the size of one storage binding below the adapter's limit (a constrained adapter, or
+    /// a test of the split path with small weights).
+    pub fn with_max_binding(mut self, bytes: u64) -> Self {
+        self.max_binding = bytes
+            .min(self.limits.max_storage_buffer_binding_size)
+            .max(4);
+        self
+    }
+
+    /// A 4-bit linear whose weight is over the binding limit, as row pieces of W, each writing
+    /// its columns of the output.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_q4_pieces(
+        &mut self,
+        params: &[u32],
+        ins: &[wgpu::BindingResource<'_>],
+        v: &Q4View,
+        out: wgpu::BindingResource<'_>,
+        pool: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+        uniform: &wgpu::Buffer,
+    ) -> nibble_core::Result<()> {
+        let (n, k, bs) = (v.shape[0] as u64, v.shape[1] as u64, v.blocksize as u64);
+        let align = Backend::pool_align_bytes(self);
+        let step = piece_step(k, bs, align).ok_or_else(|| {
+            nibble_core::Error::Invalid(format!("wgpu: no aligned split of a [{n}, {k}] weight"))
+        })?;
+        let rows_fit = (self.max_binding * 2 / k.max(1)).min(self.max_binding / 4 * bs / k.max(1));
+        let per = rows_fit / step * step;
+        if per == 0 {
+            return Err(nibble_core::Error::Invalid(format!(
+                "wgpu: one aligned piece of {step} rows of the [{n}, {k}] weight exceeds the binding limit of {} bytes",
+                self.max_binding
+            )));
+        }
+        let rows = params[0];
+        let mut r0 = 0u64;
+        while r0 < n {
+            let r1 = (r0 + per).min(n);
+            let pn = (r1 - r0) as u32;
+            let region = |offset: u64, len: u64| {
+                wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: pool,
+                    offset,
+                    size: std::num::NonZeroU64::new(len.div_ceil(4).max(1) * 4),
+                })
+            };
+            let packed = region(v.packed.offset + r0 * k / 2, ((r1 - r0) * k).div_ceil(2));
+            let absmax = region(
+                v.absmax.offset + r0 * k / bs * 4,
+                ((r1 - r0) * k).div_ceil(bs) * 4,
+            );
+            let code = region(v.code.offset, 64);
+            let mut p = params.to_vec();
+            p[1] = pn;
+            p[6] = r0 as u32;
+            let (name, dispatch) = if rows > GEMV_MAX_ROWS {
+                (
+                    "linear_q4_tiled",
+                    Dispatch::Groups(pn.div_ceil(16), rows.div_ceil(16)),
+                )
+            } else {
+                ("linear_q4", Dispatch::Groups(rows * pn, 1))
+            };
+            let bias = ins
+                .get(1)
+                .cloned()
+                .unwrap_or_else(|| dummy.as_entire_binding());
+            let binds = vec![ins[0].clone(), packed, absmax, code, bias];
+            let enc = self
+                .encode(name, &p, binds, out.clone(), dispatch, uniform)
+                .map_err(core_err)?;
+            self.queue.submit([enc.finish()]);
+            r0 = r1;
+        }
+        Ok(())
     }
 }
 
@@ -809,6 +868,30 @@ impl Backend for WgpuBackend {
             q4.map(|v| v.blocksize as u32).unwrap_or(0),
             bn,
         );
+        for o in inputs.iter().chain(std::iter::once(out)) {
+            let bytes = o.slice.len as u64 * 4;
+            if bytes > self.max_binding {
+                return Err(nibble_core::Error::Invalid(format!(
+                    "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes (only 4-bit linear weights are split so far)",
+                    op.name(),
+                    o.info.shape,
+                    self.max_binding
+                )));
+            }
+        }
+        if let (OpKind::LinearQ4 { .. }, Some(v)) = (op, q4) {
+            if v.packed.len > self.max_binding || v.absmax.len > self.max_binding {
+                return self.linear_q4_pieces(
+                    &params,
+                    &ins,
+                    v,
+                    slice(&out.slice),
+                    &pool,
+                    &dummy,
+                    &uniform,
+                );
+            }
+        }
         let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
         let enc = self
             .encode(name, &params, binds, slice(&out.slice), dispatch, &uniform)

@@ -541,3 +541,34 @@ fn cpu_ref_ops_match_the_bitsandbytes_fixture() {
         assert!(err <= 1e-5, "{name}: {err:e}");
     }
 }
+
+/// A 4-bit weight larger than one storage binding is split into row pieces. The split path is
+/// driven here by capping the binding size at 4 KiB (the adapter's own limit is 128 MiB on
+/// lavapipe, too large for a quick test).
+#[test]
+fn linear_q4_over_the_binding_limit_is_split() {
+    let Ok(b) = nibble_wgpu::WgpuBackend::new() else {
+        assert!(
+            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+            "wgpu required"
+        );
+        println!("wgpu absent: skipped");
+        return;
+    };
+    let mut b = b.with_max_binding(4096);
+    let (state, packed) = q4_weight(200, 512, 64, QuantType::Nf4, true, 42);
+    assert!(packed.len() > 4096 * 10, "the weight spans many bindings");
+    for rows in [3usize, 20] {
+        let x = t(&[rows, 512], 43);
+        let bias = t(&[200], 44);
+        let op = OpKind::LinearQ4 { bias: true };
+        let q4 = Some(Q4Ref {
+            state: &state,
+            packed: &packed,
+        });
+        let want = cpu_ref::run(&op, &[&x, &bias], q4).expect("cpu_ref");
+        let got = b.run(&op, &[&x, &bias], q4).expect("wgpu split");
+        compare(got.as_f32(), want.as_f32(), tolerance(&op))
+            .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
+    }
+}
