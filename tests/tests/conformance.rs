@@ -543,7 +543,7 @@ fn cpu_ref_ops_match_the_bitsandbytes_fixture() {
 }
 
 /// A 4-bit weight larger than one storage binding is split into row pieces. The split path is
-/// driven here by capping the binding size at 4 KiB (the adapter's own limit is 128 MiB on
+/// driven here by capping the binding size at 40000 bytes (the adapter's own limit is 128 MiB on
 /// lavapipe, too large for a quick test).
 #[test]
 fn linear_q4_over_the_binding_limit_is_split() {
@@ -555,12 +555,15 @@ fn linear_q4_over_the_binding_limit_is_split() {
         println!("wgpu absent: skipped");
         return;
     };
-    let mut b = b.with_max_binding(4096);
-    let (state, packed) = q4_weight(200, 512, 64, QuantType::Nf4, true, 42);
-    assert!(packed.len() > 4096 * 10, "the weight spans many bindings");
-    for rows in [3usize, 20] {
+    let mut b = b.with_max_binding(40_000);
+    let (state, packed) = q4_weight(600, 512, 64, QuantType::Nf4, true, 42);
+    assert!(
+        packed.len() > 40_000 * 3,
+        "the weight spans several bindings"
+    );
+    for rows in [3usize, 16] {
         let x = t(&[rows, 512], 43);
-        let bias = t(&[200], 44);
+        let bias = t(&[600], 44);
         let op = OpKind::LinearQ4 { bias: true };
         let q4 = Some(Q4Ref {
             state: &state,
