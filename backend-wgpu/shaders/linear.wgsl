@@ -1,5 +1,7 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) with a dense f32 weight. One invocation per output.
-struct Params { rows: u32, n: u32, k: u32, has_bias: u32, }
+// n: rows of this piece of w; a weight over the binding limit is split into row pieces that
+// write columns col0.. of an output n_total wide.
+struct Params { rows: u32, n: u32, k: u32, has_bias: u32, n_total: u32, col0: u32, }
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> w: array<f32>;
@@ -16,6 +18,6 @@ fn linear(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     for (var kk = 0u; kk < p.k; kk++) {
         acc += x[m * p.k + kk] * w[col * p.k + kk];
     }
-    if (p.has_bias != 0u) { acc += bias[col]; }
-    out[idx] = acc;
+    if (p.has_bias != 0u) { acc += bias[p.col0 + col]; }
+    out[m * p.n_total + p.col0 + col] = acc;
 }

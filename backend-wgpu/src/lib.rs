@@ -257,7 +257,8 @@ impl WgpuBackend {
             }
             OpKind::Linear { bias } => {
                 let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
-                ("linear", vec![r, shapes[1][0] as u32, k, *bias as u32], n)
+                let nn = shapes[1][0] as u32;
+                ("linear", vec![r, nn, k, *bias as u32, nn, 0], n)
             }
             OpKind::MatMul { transpose_b } => {
                 let a = &shapes[0];
@@ -323,7 +324,12 @@ impl WgpuBackend {
             }
             OpKind::Embedding => (
                 "embedding",
-                vec![shapes[0][0] as u32, shapes[1][1] as u32],
+                vec![
+                    shapes[0][0] as u32,
+                    shapes[1][1] as u32,
+                    0,
+                    shapes[1][0] as u32,
+                ],
                 n,
             ),
             OpKind::Concat { axis } => {
@@ -643,6 +649,83 @@ impl WgpuBackend {
 }
 
 impl WgpuBackend {
+    /// A dense weight (`Linear`'s w, `Embedding`'s table) over the binding limit, as row pieces.
+    #[allow(clippy::too_many_arguments)]
+    fn dense_row_pieces(
+        &mut self,
+        op: &OpKind,
+        params: &[u32],
+        inputs: &[Operand],
+        ins: &[wgpu::BindingResource<'_>],
+        out: wgpu::BindingResource<'_>,
+        arena: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+        uniform: &wgpu::Buffer,
+    ) -> nibble_core::Result<()> {
+        let w = &inputs[1];
+        let (rows, k) = (w.info.shape[0] as u64, w.info.shape[1] as u64);
+        let align = Backend::pool_align_bytes(self);
+        let step = (1..=1u64 << 20)
+            .find(|s| (s * k * 4) % align == 0)
+            .ok_or_else(|| nibble_core::Error::Invalid("wgpu: no aligned split".into()))?;
+        let per = self.max_binding / (k * 4).max(1) / step * step;
+        if per == 0 {
+            return Err(nibble_core::Error::Invalid(format!(
+                "wgpu {}: {step} rows of {k} values exceed the binding limit of {} bytes",
+                op.name(),
+                self.max_binding
+            )));
+        }
+        let mut r0 = 0u64;
+        while r0 < rows {
+            let r1 = (r0 + per).min(rows);
+            let piece = wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: arena,
+                offset: (w.slice.offset as u64 + r0 * k) * 4,
+                size: std::num::NonZeroU64::new(((r1 - r0) * k * 4).max(4)),
+            });
+            let mut p = params.to_vec();
+            let (name, binds, threads) = match op {
+                OpKind::Linear { bias } => {
+                    p[1] = (r1 - r0) as u32;
+                    p[5] = r0 as u32;
+                    let b = if *bias {
+                        ins[2].clone()
+                    } else {
+                        dummy.as_entire_binding()
+                    };
+                    (
+                        "linear",
+                        vec![ins[0].clone(), piece, b],
+                        p[0] as usize * (r1 - r0) as usize,
+                    )
+                }
+                _ => {
+                    p[2] = r0 as u32;
+                    p[3] = (r1 - r0) as u32;
+                    (
+                        "embedding",
+                        vec![ins[0].clone(), piece],
+                        (p[0] * p[1]) as usize,
+                    )
+                }
+            };
+            let enc = self
+                .encode(
+                    name,
+                    &p,
+                    binds,
+                    out.clone(),
+                    Dispatch::Threads(threads),
+                    uniform,
+                )
+                .map_err(core_err)?;
+            self.queue.submit([enc.finish()]);
+            r0 = r1;
+        }
+        Ok(())
+    }
+
     /// Caps the size of one storage binding below the adapter's limit (a constrained adapter, or
     /// a test of the split path with small weights).
     pub fn with_max_binding(mut self, bytes: u64) -> Self {
@@ -868,16 +951,31 @@ impl Backend for WgpuBackend {
             q4.map(|v| v.blocksize as u32).unwrap_or(0),
             bn,
         );
-        for o in inputs.iter().chain(std::iter::once(out)) {
+        // A dense weight over the binding limit (an lm_head, an embedding table) is bound as row
+        // pieces; any other operand that large is refused.
+        let splittable = matches!(op, OpKind::Linear { .. } | OpKind::Embedding);
+        for (i, o) in inputs.iter().chain(std::iter::once(out)).enumerate() {
             let bytes = o.slice.len as u64 * 4;
-            if bytes > self.max_binding {
+            if bytes > self.max_binding && !(splittable && i == 1) {
                 return Err(nibble_core::Error::Invalid(format!(
-                    "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes (only 4-bit linear weights are split so far)",
+                    "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes",
                     op.name(),
                     o.info.shape,
                     self.max_binding
                 )));
             }
+        }
+        if splittable && inputs[1].slice.len as u64 * 4 > self.max_binding {
+            return self.dense_row_pieces(
+                op,
+                &params,
+                inputs,
+                &ins,
+                slice(&out.slice),
+                &arena,
+                &dummy,
+                &uniform,
+            );
         }
         if let (OpKind::LinearQ4 { .. }, Some(v)) = (op, q4) {
             if v.packed.len > self.max_binding || v.absmax.len > self.max_binding {

@@ -575,3 +575,44 @@ fn linear_q4_over_the_binding_limit_is_split() {
             .unwrap_or_else(|e| panic!("{rows} rows: {e}"));
     }
 }
+
+/// Dense weights over the binding limit (an lm_head, an embedding table) are bound as row pieces.
+#[test]
+fn dense_weights_over_the_binding_limit_are_split() {
+    let Ok(b) = nibble_wgpu::WgpuBackend::new() else {
+        assert!(
+            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+            "wgpu required"
+        );
+        return;
+    };
+    let mut b = b.with_max_binding(40_000);
+    let cases: Vec<(OpKind, Vec<HostTensor>)> = vec![
+        (
+            OpKind::Linear { bias: true },
+            vec![t(&[3, 64], 50), t(&[300, 64], 51), t(&[300], 52)],
+        ),
+        (
+            OpKind::Linear { bias: false },
+            vec![t(&[12, 64], 53), t(&[300, 64], 54)],
+        ),
+        (
+            OpKind::Embedding,
+            vec![
+                HostTensor::u32(&[6], vec![0, 299, 150, 7, 151, 298]).expect("ids"),
+                t(&[300, 64], 55),
+            ],
+        ),
+    ];
+    for (op, inputs) in cases {
+        let refs: Vec<&HostTensor> = inputs.iter().collect();
+        assert!(
+            inputs[1].info.numel() * 4 > 40_000,
+            "the weight is over the cap"
+        );
+        let want = cpu_ref::run(&op, &refs, None).expect("cpu_ref");
+        let got = b.run(&op, &refs, None).expect("split");
+        compare(got.as_f32(), want.as_f32(), tolerance(&op))
+            .unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+    }
+}
