@@ -34,6 +34,9 @@ if ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; then
 fi
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 
+echo "== CUDA kernels: NVRTC 13.0 compile check (PTX 9.0 + sm_90 cubin, no spills)"
+scripts/check-kernels.sh
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
