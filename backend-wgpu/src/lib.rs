@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::cpu_ref::Q4Ref;
-use nibble_core::graph::{infer, HostTensor, OpKind, RopeMode};
+use nibble_core::graph::{infer, HostTensor, OpKind};
 
 /// Every kernel: (op name, WGSL source).
 pub const SHADERS: [(&str, &str); 23] = [
@@ -105,10 +105,6 @@ impl std::fmt::Debug for WgpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "WgpuBackend({})", self.describe())
     }
-}
-
-fn f(v: f32) -> u32 {
-    v.to_bits()
 }
 
 impl WgpuBackend {
@@ -218,7 +214,7 @@ impl WgpuBackend {
         q4_blocksize: u32,
         bn: usize,
     ) -> (&'static str, Vec<u32>, Dispatch) {
-        let (name, params, threads) = Self::kernel_1d(op, shapes, out, q4_blocksize, bn);
+        let (name, params, threads) = nibble_core::kernels::call(op, shapes, out, q4_blocksize, bn);
         if let OpKind::LinearQ4 { .. } = op {
             let (rows, n) = (out[0] as u32, out[1] as u32);
             // A GEMV (one workgroup per output) for decode-sized batches, 16 x 16 tiles above.
@@ -234,170 +230,6 @@ impl WgpuBackend {
         (name, params, Dispatch::Threads(threads))
     }
 
-    fn kernel_1d(
-        op: &OpKind,
-        shapes: &[Vec<usize>],
-        out: &[usize],
-        q4_blocksize: u32,
-        bn: usize,
-    ) -> (&'static str, Vec<u32>, usize) {
-        let n: usize = out.iter().product();
-        let last = |i: usize| *shapes[i].last().unwrap_or(&1) as u32;
-        let rows = |i: usize| (n as u32) / last(i).max(1);
-        match op {
-            OpKind::Dequant4 => ("dequant4", vec![n as u32, q4_blocksize], n),
-            OpKind::LinearQ4 { bias } => {
-                let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
-                let n = out[1] as u32;
-                (
-                    "linear_q4",
-                    vec![r, n, k, q4_blocksize, *bias as u32, n, 0],
-                    n as usize * r as usize,
-                )
-            }
-            OpKind::Linear { bias } => {
-                let (r, k) = (shapes[0][0] as u32, shapes[0][1] as u32);
-                let nn = shapes[1][0] as u32;
-                ("linear", vec![r, nn, k, *bias as u32, nn, 0], n)
-            }
-            OpKind::MatMul { transpose_b } => {
-                let a = &shapes[0];
-                (
-                    "matmul",
-                    vec![
-                        a[0] as u32,
-                        a[1] as u32,
-                        out[2] as u32,
-                        a[2] as u32,
-                        *transpose_b as u32,
-                    ],
-                    n,
-                )
-            }
-            OpKind::Add => ("add", vec![n as u32, bn as u32], n),
-            OpKind::Mul => ("mul", vec![n as u32, bn as u32], n),
-            OpKind::Scale { factor } => ("scale", vec![n as u32, f(*factor)], n),
-            OpKind::Silu => ("silu", vec![n as u32], n),
-            OpKind::Gelu => ("gelu", vec![n as u32], n),
-            OpKind::GeluTanh => ("gelu_tanh", vec![n as u32], n),
-            OpKind::Reshape { .. } => ("reshape", vec![n as u32], n),
-            OpKind::RmsNorm { eps } => (
-                "rms_norm",
-                vec![rows(0), last(0), f(*eps)],
-                rows(0) as usize,
-            ),
-            OpKind::LayerNorm { eps, affine } => (
-                "layer_norm",
-                vec![rows(0), last(0), f(*eps), *affine as u32],
-                rows(0) as usize,
-            ),
-            OpKind::Softmax => ("softmax", vec![rows(0), last(0)], rows(0) as usize),
-            OpKind::Rope { mode } => {
-                let s = &shapes[0];
-                let m = match mode {
-                    RopeMode::RotateHalf => 0,
-                    RopeMode::Interleaved => 1,
-                };
-                (
-                    "rope",
-                    vec![s[0] as u32, s[1] as u32, s[2] as u32, m],
-                    n / 2,
-                )
-            }
-            OpKind::Attention {
-                causal,
-                scale,
-                key_mask,
-            } => {
-                let (q, k) = (&shapes[0], &shapes[1]);
-                let p = vec![
-                    q[0] as u32,
-                    k[0] as u32,
-                    q[1] as u32,
-                    k[1] as u32,
-                    q[2] as u32,
-                    *causal as u32,
-                    *key_mask as u32,
-                    f(*scale),
-                ];
-                ("attention", p, q[0] * q[1])
-            }
-            OpKind::Embedding => (
-                "embedding",
-                vec![
-                    shapes[0][0] as u32,
-                    shapes[1][1] as u32,
-                    0,
-                    shapes[1][0] as u32,
-                ],
-                n,
-            ),
-            OpKind::Concat { axis } => {
-                let outer: usize = shapes[0][..*axis].iter().product();
-                let ia: usize = shapes[0][*axis..].iter().product();
-                let ib: usize = shapes[1][*axis..].iter().product();
-                ("concat", vec![outer as u32, ia as u32, ib as u32], n)
-            }
-            OpKind::Slice { axis, start, len } => {
-                let s = &shapes[0];
-                let outer: usize = s[..*axis].iter().product();
-                let inner: usize = s[*axis + 1..].iter().product();
-                (
-                    "slice",
-                    vec![
-                        outer as u32,
-                        s[*axis] as u32,
-                        *start as u32,
-                        *len as u32,
-                        inner as u32,
-                    ],
-                    n,
-                )
-            }
-            OpKind::Permute { perm } => {
-                let s = &shapes[0];
-                let rank = s.len();
-                let mut strides = vec![1usize; rank];
-                for i in (0..rank.saturating_sub(1)).rev() {
-                    strides[i] = strides[i + 1] * s[i + 1];
-                }
-                let pad = 4 - rank;
-                let (mut dims, mut src) = ([1u32; 4], [0u32; 4]);
-                for (i, &p) in perm.iter().enumerate() {
-                    dims[pad + i] = s[p] as u32;
-                    src[pad + i] = strides[p] as u32;
-                }
-                (
-                    "permute",
-                    vec![
-                        n as u32, dims[0], dims[1], dims[2], dims[3], src[0], src[1], src[2],
-                        src[3],
-                    ],
-                    n,
-                )
-            }
-            OpKind::AdaLnModulate => ("adaln_modulate", vec![n as u32, last(0)], n),
-            OpKind::TimestepEmbedding {
-                dim,
-                flip_sin_to_cos,
-                downscale_freq_shift,
-                scale,
-                max_period,
-            } => (
-                "timestep_embedding",
-                vec![
-                    shapes[0][0] as u32,
-                    *dim as u32,
-                    *flip_sin_to_cos as u32,
-                    f(*downscale_freq_shift),
-                    f(*scale),
-                    f(*max_period),
-                ],
-                n,
-            ),
-        }
-    }
-
     /// Storage bindings of `op` in its kernel's order: operands, the 4-bit weight's three
     /// buffers, and a dummy for an absent optional operand.
     fn bind_order<'a>(
@@ -406,22 +238,17 @@ impl WgpuBackend {
         q4: Option<[wgpu::BindingResource<'a>; 3]>,
         dummy: wgpu::BindingResource<'a>,
     ) -> Vec<wgpu::BindingResource<'a>> {
-        let i = |k: usize| ins[k].clone();
-        let opt = |present: bool, k: usize| {
-            if present {
-                ins[k].clone()
-            } else {
-                dummy.clone()
-            }
-        };
-        match (op, q4) {
-            (OpKind::Dequant4, Some([p, a, c])) => vec![p, a, c],
-            (OpKind::LinearQ4 { bias }, Some([p, a, c])) => vec![i(0), p, a, c, opt(*bias, 1)],
-            (OpKind::Linear { bias }, _) => vec![i(0), i(1), opt(*bias, 2)],
-            (OpKind::LayerNorm { affine, .. }, _) => vec![i(0), opt(*affine, 1), opt(*affine, 2)],
-            (OpKind::Attention { key_mask, .. }, _) => vec![i(0), i(1), i(2), opt(*key_mask, 3)],
-            _ => ins.to_vec(),
-        }
+        use nibble_core::kernels::Slot;
+        nibble_core::kernels::operands(op, ins.len())
+            .into_iter()
+            .map(|s| match (s, &q4) {
+                (Slot::Input(i), _) => ins[i].clone(),
+                (Slot::Packed, Some(q)) => q[0].clone(),
+                (Slot::Absmax, Some(q)) => q[1].clone(),
+                (Slot::Code, Some(q)) => q[2].clone(),
+                _ => dummy.clone(),
+            })
+            .collect()
     }
 
     fn encode(

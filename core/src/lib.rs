@@ -21,6 +21,7 @@ pub mod graph;
 #[cfg(feature = "native")]
 pub mod http_source;
 pub mod index;
+pub mod kernels;
 pub mod plan;
 pub mod prefetch;
 pub mod quantize;
