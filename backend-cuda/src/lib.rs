@@ -1,0 +1,595 @@
+//! nibble's CUDA backend. cudarc loads the driver, NVRTC and cuBLAS at run time, so this crate
+//! builds and its tests pass on machines without CUDA; there [`CudaBackend::new`] answers
+//! [`CudaError::NoDriver`] (checked before any CUDA call: cudarc panics when a library is
+//! missing). Every op is a CUDA C kernel in `kernels/<op>.cu`, embedded with `include_str!` and
+//! compiled by NVRTC for the device's architecture at first use, cached per module in memory and
+//! on disk by source hash. Weights arrive through pinned ring slots, are copied on a copy stream
+//! and the compute stream waits on the copy's event; the ring reuses a slot only after that event.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use nibble_core::backend::{ArenaSlice, Backend, Operand, Q4View};
+use nibble_core::graph::OpKind;
+use nibble_core::kernels::{operands, Slot};
+use nibble_core::ring::{Fence, SlotAllocator};
+use nibble_core::source::{SlotBuffer, SlotMemory};
+
+/// Every kernel: (file and entry-point name, CUDA C source).
+pub const KERNELS: [(&str, &str); 24] = [
+    (
+        "adaln_modulate",
+        include_str!("../kernels/adaln_modulate.cu"),
+    ),
+    ("add", include_str!("../kernels/add.cu")),
+    ("attention", include_str!("../kernels/attention.cu")),
+    ("concat", include_str!("../kernels/concat.cu")),
+    ("dequant4", include_str!("../kernels/dequant4.cu")),
+    ("dequant_bf16", include_str!("../kernels/dequant_bf16.cu")),
+    ("embedding", include_str!("../kernels/embedding.cu")),
+    ("gelu", include_str!("../kernels/gelu.cu")),
+    ("gelu_tanh", include_str!("../kernels/gelu_tanh.cu")),
+    ("layer_norm", include_str!("../kernels/layer_norm.cu")),
+    ("linear", include_str!("../kernels/linear.cu")),
+    ("linear_q4", include_str!("../kernels/linear_q4.cu")),
+    ("matmul", include_str!("../kernels/matmul.cu")),
+    ("mul", include_str!("../kernels/mul.cu")),
+    ("permute", include_str!("../kernels/permute.cu")),
+    ("reshape", include_str!("../kernels/reshape.cu")),
+    ("rms_norm", include_str!("../kernels/rms_norm.cu")),
+    ("rope", include_str!("../kernels/rope.cu")),
+    ("scale", include_str!("../kernels/scale.cu")),
+    ("silu", include_str!("../kernels/silu.cu")),
+    ("slice", include_str!("../kernels/slice.cu")),
+    ("softmax", include_str!("../kernels/softmax.cu")),
+    (
+        "timestep_embedding",
+        include_str!("../kernels/timestep_embedding.cu"),
+    ),
+    ("to_bf16", include_str!("../kernels/to_bf16.cu")),
+];
+
+/// Rows up to which the 4-bit linear runs as the fused GEMV; above, it dequantizes to bf16 and
+/// calls cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// What can go wrong in this backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No usable driver, NVRTC or device.
+    #[error("no CUDA driver found: {0}")]
+    NoDriver(String),
+    /// A driver call failed.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    /// A kernel did not compile.
+    #[error("NVRTC: {0}")]
+    Nvrtc(String),
+    /// cuBLAS failed.
+    #[error("cuBLAS: {0}")]
+    Blas(String),
+}
+
+impl From<CudaError> for nibble_core::Error {
+    fn from(e: CudaError) -> Self {
+        nibble_core::Error::Invalid(e.to_string())
+    }
+}
+
+fn drv(e: impl std::fmt::Debug) -> CudaError {
+    CudaError::Driver(format!("{e:?}"))
+}
+
+/// Whether the CUDA driver library can be loaded (no CUDA call is made).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Signals when a recorded CUDA event (an upload's copy) has completed.
+struct EventFence(cudarc::driver::CudaEvent);
+
+impl Fence for EventFence {
+    fn is_signalled(&self) -> bool {
+        self.0.is_complete()
+    }
+    fn wait(&self) {
+        // An error here means the context is gone; the next CUDA call reports it.
+        let _ = self.0.synchronize();
+    }
+}
+
+/// A ring slot in page-locked host memory (so that copies run asynchronously at full speed).
+struct PinnedSlot(cudarc::driver::PinnedHostSlice<u8>);
+
+impl SlotMemory for PinnedSlot {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice().unwrap_or(&[])
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice().unwrap_or(&mut [])
+    }
+}
+
+/// Allocates staging-ring slots in pinned host memory.
+#[derive(Clone)]
+pub struct PinnedAllocator(Arc<CudaContext>);
+
+impl SlotAllocator for PinnedAllocator {
+    fn allocate(&self, bytes: usize) -> nibble_core::Result<SlotBuffer> {
+        // SAFETY: the memory is written by readers before anything reads it.
+        let slice = unsafe { self.0.alloc_pinned::<u8>(bytes) }.map_err(drv)?;
+        Ok(Box::new(PinnedSlot(slice)))
+    }
+}
+
+/// The allocations (owned here so that they live as long as the backend) and their addresses.
+struct Device {
+    _arena: CudaSlice<u8>,
+    _pool: CudaSlice<u8>,
+    _dummy: CudaSlice<u8>,
+    arena_ptr: u64,
+    pool_ptr: u64,
+    dummy_ptr: u64,
+}
+
+/// A CUDA device with its kernels, streams and memory.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    arch: String,
+    name: String,
+    functions: HashMap<&'static str, CudaFunction>,
+    device: Option<Device>,
+    blas: Option<cudarc::cublas::CudaBlas>,
+    scratch: Option<(CudaSlice<u8>, u64)>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend({}, {})", self.name, self.arch)
+    }
+}
+
+fn cache_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("NIBBLE_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/nibble"))
+        })
+        .map(|d| d.join("cuda-kernels"))
+}
+
+fn include_dirs() -> Vec<String> {
+    let mut v: Vec<String> = std::env::var("NIBBLE_CUDA_INCLUDE")
+        .ok()
+        .into_iter()
+        .collect();
+    if let Some(home) = std::env::var_os("HOME") {
+        v.push(format!(
+            "{}/.cache/nibble-tools/nvrtc-13.0.88/nvidia/cu13/include",
+            home.to_string_lossy()
+        ));
+    }
+    v.push("/usr/local/cuda/include".into());
+    v.into_iter()
+        .filter(|d| std::path::Path::new(d).join("cuda_bf16.h").is_file())
+        .collect()
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl CudaBackend {
+    /// Opens device 0, or says why it cannot.
+    pub fn new() -> Result<Self, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver(
+                "libcuda.so.1 is not on the library path".into(),
+            ));
+        }
+        if !nvrtc_present() {
+            return Err(CudaError::NoDriver(
+                "NVRTC (libnvrtc.so.13) is not on the library path: install the CUDA 13.0 toolkit or the nvidia-cuda-nvrtc==13.0.88 wheel and add its lib folder to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let n = CudaContext::device_count().map_err(|e| CudaError::NoDriver(format!("{e:?}")))?;
+        if n < 1 {
+            return Err(CudaError::NoDriver(
+                "the driver reports no CUDA device".into(),
+            ));
+        }
+        let ctx = CudaContext::new(0).map_err(drv)?;
+        let (major, minor) = ctx.compute_capability().map_err(drv)?;
+        let name = ctx.name().map_err(drv)?;
+        let compute = ctx.default_stream();
+        let copy = ctx.new_stream().map_err(drv)?;
+        Ok(CudaBackend {
+            ctx,
+            compute,
+            copy,
+            arch: format!("sm_{major}{minor}"),
+            name,
+            functions: HashMap::new(),
+            device: None,
+            blas: None,
+            scratch: None,
+        })
+    }
+
+    /// "name (sm_XY)".
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.name, self.arch)
+    }
+
+    /// Allocator of pinned ring slots on this device's context.
+    pub fn pinned_allocator(&self) -> PinnedAllocator {
+        PinnedAllocator(self.ctx.clone())
+    }
+
+    fn function(&mut self, name: &'static str) -> Result<CudaFunction, CudaError> {
+        if let Some(f) = self.functions.get(name) {
+            return Ok(f.clone());
+        }
+        let src = KERNELS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| *s)
+            .ok_or_else(|| CudaError::Nvrtc(format!("no kernel named {name}")))?;
+        let key = format!("{name}-{}-{:016x}.ptx", self.arch, fnv(src.as_bytes()));
+        let cached = cache_dir().map(|d| d.join(&key));
+        let ptx_text = match cached
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+        {
+            Some(t) => t,
+            None => {
+                let arch: &'static str = Box::leak(self.arch.clone().into_boxed_str());
+                let opts = cudarc::nvrtc::CompileOptions {
+                    arch: Some(arch),
+                    include_paths: include_dirs(),
+                    options: vec!["--std=c++17".into()],
+                    ..Default::default()
+                };
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+                    .map_err(|e| CudaError::Nvrtc(format!("{name}: {e:?}")))?;
+                let text = ptx.to_src();
+                if let Some(p) = &cached {
+                    if let Some(dir) = p.parent() {
+                        let _ = std::fs::create_dir_all(dir);
+                    }
+                    let _ = std::fs::write(p, &text);
+                }
+                text
+            }
+        };
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx_text))
+            .map_err(drv)?;
+        let f = module.load_function(name).map_err(drv)?;
+        self.functions.insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn dev(&self) -> Result<&Device, CudaError> {
+        self.device
+            .as_ref()
+            .ok_or_else(|| CudaError::Driver("allocate() was not called".into()))
+    }
+
+    fn launch(
+        &mut self,
+        name: &'static str,
+        ptrs: &[u64],
+        params: &[u32],
+        cfg: LaunchConfig,
+    ) -> Result<(), CudaError> {
+        let f = self.function(name)?;
+        let mut b = self.compute.launch_builder(&f);
+        for p in ptrs {
+            b.arg(p);
+        }
+        for p in params {
+            b.arg(p);
+        }
+        // SAFETY: pointer arguments point into the arena / pool inside their allocations (the
+        // executor placed every operand), and the argument lists follow the kernels' signatures
+        // (nibble_core::kernels).
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(())
+    }
+
+    fn scratch(&mut self, bytes: u64) -> Result<u64, CudaError> {
+        if self.scratch.as_ref().is_none_or(|(_, n)| *n < bytes) {
+            let s = self
+                .compute
+                .alloc_zeros::<u8>(bytes as usize)
+                .map_err(drv)?;
+            let p = s.device_ptr(&self.compute).0;
+            self.scratch = Some((s, bytes));
+            return Ok(p);
+        }
+        let (s, _) = self
+            .scratch
+            .as_ref()
+            .ok_or_else(|| CudaError::Driver("scratch".into()))?;
+        let (ptr, _sync) = s.device_ptr(&self.compute);
+        Ok(ptr)
+    }
+
+    /// Many rows: dequantize W to bf16, convert x to bf16, cuBLAS GEMM with f32 accumulation
+    /// into the f32 output, then the bias.
+    fn linear_q4_gemm(
+        &mut self,
+        x: u64,
+        rows: usize,
+        v: &Q4View,
+        bias: Option<u64>,
+        out: u64,
+    ) -> Result<(), CudaError> {
+        let (n, k) = (v.shape[0], v.shape[1]);
+        let pool = self.dev()?.pool_ptr;
+        let w_bytes = (n * k * 2) as u64;
+        let x_bytes = (rows * k * 2) as u64;
+        let scratch = self.scratch(w_bytes + x_bytes)?;
+        let (wb, xb) = (scratch, scratch + w_bytes);
+        let grid = |items: usize| LaunchConfig {
+            grid_dim: (items.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let total = (n * k) as u32;
+        self.launch(
+            "dequant_bf16",
+            &[
+                pool + v.packed.offset,
+                pool + v.absmax.offset,
+                pool + v.code.offset,
+                wb,
+            ],
+            &[0, 0, total, v.blocksize as u32],
+            grid(n * k),
+        )?;
+        self.launch("to_bf16", &[x, xb], &[(rows * k) as u32], grid(rows * k))?;
+        if self.blas.is_none() {
+            self.blas = Some(
+                cudarc::cublas::CudaBlas::new(self.compute.clone())
+                    .map_err(|e| CudaError::Blas(format!("{e:?}")))?,
+            );
+        }
+        let blas = self
+            .blas
+            .as_ref()
+            .ok_or_else(|| CudaError::Blas("no handle".into()))?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        use cudarc::cublas::sys;
+        // Row-major Y[rows, n] = X[rows, k] W[n, k]^T is column-major Y^T = W X^T.
+        // SAFETY: the pointers address scratch and arena memory of the sizes given.
+        let status = unsafe {
+            sys::cublasGemmEx(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                wb as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                xb as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                out as *mut _,
+                sys::cudaDataType::CUDA_R_32F,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::Blas(format!("{status:?}")));
+        }
+        if let Some(b) = bias {
+            self.launch(
+                "add",
+                &[out, b, out],
+                &[(rows * n) as u32, n as u32],
+                grid(rows * n),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn launch_config(
+    name: &str,
+    op: &OpKind,
+    shapes: &[Vec<usize>],
+    out: &[usize],
+    items: usize,
+) -> LaunchConfig {
+    let one_d = |items: usize, block: u32| LaunchConfig {
+        grid_dim: (items.div_ceil(block as usize).max(1) as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    match (name, op) {
+        // One warp per output.
+        ("linear_q4" | "linear", _) => one_d(items * 32, 256),
+        ("rms_norm" | "layer_norm" | "softmax", _) => LaunchConfig {
+            grid_dim: (items.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        ("matmul", _) => LaunchConfig {
+            grid_dim: (
+                out[2].div_ceil(16) as u32,
+                out[1].div_ceil(16) as u32,
+                out[0] as u32,
+            ),
+            block_dim: (16, 16, 1),
+            shared_mem_bytes: 0,
+        },
+        ("attention", _) => LaunchConfig {
+            grid_dim: (shapes[0][1].div_ceil(4) as u32, shapes[0][0] as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        _ => one_d(items, 256),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda: {}", self.describe())
+    }
+
+    fn supports(&self, op: &OpKind) -> bool {
+        match op {
+            OpKind::Attention { .. } => true,
+            _ => KERNELS.iter().any(|(n, _)| *n == op.name()),
+        }
+    }
+
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
+        let arena = self
+            .compute
+            .alloc_zeros::<u8>(arena_words.max(1) * 4)
+            .map_err(drv)?;
+        let pool = self
+            .compute
+            .alloc_zeros::<u8>(pool_bytes.max(4) as usize)
+            .map_err(drv)?;
+        let dummy = self.compute.alloc_zeros::<u8>(256).map_err(drv)?;
+        let arena_ptr = arena.device_ptr(&self.compute).0;
+        let pool_ptr = pool.device_ptr(&self.compute).0;
+        let dummy_ptr = dummy.device_ptr(&self.compute).0;
+        self.device = Some(Device {
+            _arena: arena,
+            _pool: pool,
+            _dummy: dummy,
+            arena_ptr,
+            pool_ptr,
+            dummy_ptr,
+        });
+        Ok(())
+    }
+
+    fn arena_align_words(&self) -> usize {
+        64 // 256 bytes: keeps 16-byte vector loads aligned
+    }
+
+    fn pool_align_bytes(&self) -> u64 {
+        256
+    }
+
+    fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> nibble_core::Result<()> {
+        let base = self.dev()?.arena_ptr;
+        // SAFETY: dst lies inside the arena (placed by the executor).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                base + dst.offset as u64 * 4,
+                words,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(drv)?;
+        self.compute.synchronize().map_err(drv)?;
+        Ok(())
+    }
+
+    fn read_arena(&mut self, src: ArenaSlice) -> nibble_core::Result<Vec<u32>> {
+        let base = self.dev()?.arena_ptr;
+        let mut out = vec![0u32; src.len];
+        // SAFETY: src lies inside the arena.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut out,
+                base + src.offset as u64 * 4,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(drv)?;
+        self.compute.synchronize().map_err(drv)?;
+        Ok(out)
+    }
+
+    fn upload(&mut self, offset: u64, bytes: &[u8]) -> nibble_core::Result<Box<dyn Fence>> {
+        let base = self.dev()?.pool_ptr;
+        // The copy runs on the copy stream; the compute stream waits for it, and the ring waits
+        // for the same event before it refills the slot.
+        // SAFETY: the destination lies inside the pool; the source slot stays untouched until
+        // the returned fence has signalled.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(base + offset, bytes, self.copy.cu_stream())
+        }
+        .map_err(drv)?;
+        let event = self.copy.record_event(None).map_err(drv)?;
+        self.compute.wait(&event).map_err(drv)?;
+        Ok(Box::new(EventFence(event)))
+    }
+
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[Operand],
+        q4: Option<&Q4View>,
+        out: &Operand,
+    ) -> nibble_core::Result<()> {
+        let dev = self.dev()?;
+        let (arena, pool, dummy) = (dev.arena_ptr, dev.pool_ptr, dev.dummy_ptr);
+        let at = |o: &Operand| arena + o.slice.offset as u64 * 4;
+        let shapes: Vec<Vec<usize>> = inputs.iter().map(|o| o.info.shape.clone()).collect();
+        if let OpKind::Attention { .. } = op {
+            if shapes[0][2] > 128 {
+                return Err(nibble_core::Error::Invalid(format!(
+                    "cuda attention: head dim {} is over 128",
+                    shapes[0][2]
+                )));
+            }
+        }
+        if let (OpKind::LinearQ4 { bias }, Some(v)) = (op, q4) {
+            if shapes[0][0] > GEMV_MAX_ROWS {
+                let b = bias.then(|| at(&inputs[1]));
+                return Ok(self.linear_q4_gemm(at(&inputs[0]), shapes[0][0], v, b, at(out))?);
+            }
+        }
+        let bn = inputs.get(1).map(|o| o.info.numel()).unwrap_or(1);
+        let (name, params, items) = nibble_core::kernels::call(
+            op,
+            &shapes,
+            &out.info.shape,
+            q4.map(|v| v.blocksize as u32).unwrap_or(0),
+            bn,
+        );
+        let mut ptrs: Vec<u64> = operands(op, inputs.len())
+            .into_iter()
+            .map(|s| match (s, q4) {
+                (Slot::Input(i), _) => at(&inputs[i]),
+                (Slot::Packed, Some(v)) => pool + v.packed.offset,
+                (Slot::Absmax, Some(v)) => pool + v.absmax.offset,
+                (Slot::Code, Some(v)) => pool + v.code.offset,
+                _ => dummy,
+            })
+            .collect();
+        ptrs.push(at(out));
+        let cfg = launch_config(name, op, &shapes, &out.info.shape, items);
+        Ok(self.launch(name, &ptrs, &params, cfg)?)
+    }
+}
