@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::cpu_ref::Q4Ref;
-use nibble_core::graph::{infer, HostTensor, OpKind};
+use nibble_core::graph::{HostTensor, OpKind};
 
 /// Every kernel: (op name, WGSL source).
 pub const SHADERS: [(&str, &str); 23] = [
@@ -362,9 +362,6 @@ impl WgpuBackend {
         inputs: &[&HostTensor],
         q4: Option<Q4Ref<'_>>,
     ) -> Result<HostTensor> {
-        let infos: Vec<_> = inputs.iter().map(|t| &t.info).collect();
-        let q4info = q4.map(|q| q.info());
-        let out_info = infer(op, &infos, q4info.as_ref())?;
         if let (OpKind::Embedding, Some(table)) = (op, inputs.get(1)) {
             let vocab = table.info.shape[0];
             if let Some(bad) = inputs[0].as_u32().iter().find(|&&id| id as usize >= vocab) {
@@ -374,75 +371,8 @@ impl WgpuBackend {
                 .into());
             }
         }
-        let align = Backend::arena_align_words(self);
-        let mut cursor = 0usize;
-        let mut place = |n: usize| {
-            let s = nibble_core::backend::ArenaSlice {
-                offset: cursor,
-                len: n,
-            };
-            cursor = (cursor + n.max(1)).div_ceil(align) * align;
-            s
-        };
-        let ins: Vec<Operand> = inputs
-            .iter()
-            .map(|t| Operand {
-                slice: place(t.info.numel()),
-                info: t.info.clone(),
-            })
-            .collect();
-        let out = Operand {
-            slice: place(out_info.numel()),
-            info: out_info.clone(),
-        };
-        let pa = Backend::pool_align_bytes(self);
-        let view = q4.map(|q| {
-            let packed = nibble_core::backend::PoolRegion {
-                offset: 0,
-                len: q.packed.len() as u64,
-            };
-            let absmax = nibble_core::backend::PoolRegion {
-                offset: packed.len.div_ceil(pa) * pa,
-                len: q.state.absmax.len() as u64 * 4,
-            };
-            let code = nibble_core::backend::PoolRegion {
-                offset: (absmax.offset + absmax.len).div_ceil(pa) * pa,
-                len: 64,
-            };
-            Q4View {
-                packed,
-                absmax,
-                code,
-                shape: q.info().shape,
-                blocksize: q.info().blocksize,
-            }
-        });
-        let pool = view.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa);
         let saved = self.resident.take();
-        let result = (|| -> nibble_core::Result<HostTensor> {
-            Backend::allocate(self, cursor.max(1), pool)?;
-            for (o, t) in ins.iter().zip(inputs) {
-                self.write_arena(o.slice, &nibble_core::backend::host_words(t))?;
-            }
-            if let (Some(v), Some(q)) = (&view, q4) {
-                drop(self.upload(v.packed.offset, q.packed)?);
-                let absmax: Vec<u8> = q
-                    .state
-                    .absmax
-                    .iter()
-                    .flat_map(|a| a.to_le_bytes())
-                    .collect();
-                drop(self.upload(v.absmax.offset, &absmax)?);
-                let code: Vec<u8> = q.state.code.iter().flat_map(|a| a.to_le_bytes()).collect();
-                drop(self.upload(v.code.offset, &code)?);
-            }
-            Backend::run(self, op, &ins, view.as_ref(), &out)?;
-            let words = self.read_arena(out.slice)?;
-            HostTensor::f32(
-                &out_info.shape,
-                words.into_iter().map(f32::from_bits).collect(),
-            )
-        })();
+        let result = nibble_core::backend::run_op(self, op, inputs, q4);
         self.resident = saved;
         Ok(result?)
     }

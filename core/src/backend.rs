@@ -4,7 +4,7 @@
 
 use crate::cpu_ref::{self, Q4Ref};
 use crate::error::{Error, Result};
-use crate::graph::{ElemType, HostData, HostTensor, OpKind, ValueInfo};
+use crate::graph::{infer, ElemType, HostData, HostTensor, OpKind, ValueInfo};
 use crate::ring::Fence;
 
 /// A region of the activation arena, in 4-byte words.
@@ -100,6 +100,86 @@ pub fn host_words(t: &HostTensor) -> Vec<u32> {
         HostData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
         HostData::U32(v) => v.clone(),
     }
+}
+
+/// Runs one op on any [`Backend`] the way the executor does (operands in a
+/// freshly allocated arena, the 4-bit weight in the pool) and reads the result back.
+pub fn run_op<B: Backend + ?Sized>(
+    b: &mut B,
+    op: &OpKind,
+    inputs: &[&HostTensor],
+    q4: Option<Q4Ref<'_>>,
+) -> Result<HostTensor> {
+    let infos: Vec<_> = inputs.iter().map(|t| &t.info).collect();
+    let out_info = infer(op, &infos, q4.map(|q| q.info()).as_ref())?;
+    let align = b.arena_align_words().max(1);
+    let mut cursor = 0usize;
+    let mut place = |n: usize| {
+        let s = ArenaSlice {
+            offset: cursor,
+            len: n,
+        };
+        cursor = (cursor + n.max(1)).div_ceil(align) * align;
+        s
+    };
+    let ins: Vec<Operand> = inputs
+        .iter()
+        .map(|t| Operand {
+            slice: place(t.info.numel()),
+            info: t.info.clone(),
+        })
+        .collect();
+    let out = Operand {
+        slice: place(out_info.numel()),
+        info: out_info.clone(),
+    };
+    let pa = b.pool_align_bytes().max(4);
+    let view = q4.map(|q| {
+        let packed = PoolRegion {
+            offset: 0,
+            len: q.packed.len() as u64,
+        };
+        let absmax = PoolRegion {
+            offset: packed.len.div_ceil(pa) * pa,
+            len: q.state.absmax.len() as u64 * 4,
+        };
+        let code = PoolRegion {
+            offset: (absmax.offset + absmax.len).div_ceil(pa) * pa,
+            len: 64,
+        };
+        Q4View {
+            packed,
+            absmax,
+            code,
+            shape: q.info().shape,
+            blocksize: q.info().blocksize,
+        }
+    });
+    b.allocate(
+        cursor.max(1),
+        view.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa),
+    )?;
+    for (o, t) in ins.iter().zip(inputs) {
+        b.write_arena(o.slice, &host_words(t))?;
+    }
+    if let (Some(v), Some(q)) = (&view, q4) {
+        b.upload(v.packed.offset, q.packed)?.wait();
+        let absmax: Vec<u8> = q
+            .state
+            .absmax
+            .iter()
+            .flat_map(|a| a.to_le_bytes())
+            .collect();
+        b.upload(v.absmax.offset, &absmax)?.wait();
+        let code: Vec<u8> = q.state.code.iter().flat_map(|a| a.to_le_bytes()).collect();
+        b.upload(v.code.offset, &code)?.wait();
+    }
+    b.run(op, &ins, view.as_ref(), &out)?;
+    let words = b.read_arena(out.slice)?;
+    HostTensor::f32(
+        &out_info.shape,
+        words.into_iter().map(f32::from_bits).collect(),
+    )
 }
 
 /// The reference backend behind the [`Backend`] interface: arena and pool in host memory,
