@@ -158,6 +158,47 @@ impl Graph {
         &self.values[v.0]
     }
 
+    /// Bytes of each weight group's tensors in `model` (every component of a 4-bit weight).
+    pub fn group_bytes(&self, model: &ModelIndex) -> Result<Vec<u64>> {
+        let keys = find_4bit_weights(model)?;
+        let mut bytes = vec![0u64; self.groups.len()];
+        for d in &self.q4 {
+            let k =
+                keys.iter()
+                    .find(|k| k.base == d.tensor)
+                    .ok_or_else(|| Error::NoSuchTensor {
+                        file: model.root.clone(),
+                        tensor: d.tensor.clone(),
+                    })?;
+            for name in k.all_keys() {
+                bytes[d.group] += model.require(name)?.len;
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for s in &self.sources {
+            if let Source::Dense { tensor, group } = s {
+                if seen.insert(tensor.clone()) {
+                    bytes[*group] += model.require(tensor)?.len;
+                }
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Device bytes the plan reserves for activations: every value at once (an upper bound of
+    /// the arena, which reuses memory between values whose lifetimes do not overlap).
+    pub fn activation_bytes(&self) -> u64 {
+        self.values.iter().map(|v| v.numel() as u64 * 4).sum()
+    }
+
+    /// The smallest device budget with which this graph runs on `model`: activations plus a
+    /// stream pool for the two largest groups, everything streamed.
+    pub fn min_device_bytes(&self, model: &ModelIndex) -> Result<u64> {
+        let mut g = self.group_bytes(model)?;
+        g.sort_unstable_by(|a, b| b.cmp(a));
+        Ok(self.activation_bytes() + g.iter().take(2).sum::<u64>())
+    }
+
     /// The ops.
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
@@ -370,7 +411,7 @@ impl<B: Backend> Executor<B> {
         }
         let align_w = backend.arena_align_words().max(1);
         // The plan decides residency; resident dense weights then live for the whole run.
-        let arena_guess: u64 = graph.values.iter().map(|v| v.numel() as u64 * 4).sum();
+        let arena_guess = graph.activation_bytes();
         let mut budgets = opts.budgets;
         budgets.device_other_bytes += arena_guess;
         // The executor does not keep a host cache yet: plan without one, so the plan is true.

@@ -22,6 +22,8 @@ pub mod graph;
 pub mod http_source;
 pub mod index;
 pub mod kernels;
+#[cfg(feature = "native")]
+pub mod models;
 pub mod plan;
 pub mod prefetch;
 pub mod quantize;

@@ -1,0 +1,3 @@
+//! Model graph builders on the core graph.
+
+pub mod llama;

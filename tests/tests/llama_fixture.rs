@@ -1,0 +1,130 @@
+//! The tiny Llama that transformers saved in NF4 (../shared/fixtures/tiny-llama-nf4), run through
+//! the decoder graph and the executor: logits of every prompt position within 1e-5 x max|logit|
+//! and the 16 greedy tokens exact, on cpu_ref and wgpu, resident and streamed through 2 slots of
+//! 64 KiB.
+
+use nibble_core::backend::{Backend, CpuRefBackend};
+use nibble_core::executor::{ExecOptions, Executor};
+use nibble_core::graph::HostTensor;
+use nibble_core::index::ModelIndex;
+use nibble_core::models::llama;
+use nibble_core::plan::Budgets;
+use nibble_tests::*;
+
+fn model() -> ModelIndex {
+    ModelIndex::open(&fixture("tiny-llama-nf4/model")).expect("tiny-llama")
+}
+
+fn ids(e: &Expected, name: &str) -> Vec<u32> {
+    let b = e.bytes(name).expect(name);
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+        .collect()
+}
+
+fn opts(streamed: bool) -> ExecOptions {
+    let budgets = if streamed {
+        Budgets {
+            device_bytes: 0,
+            ring_slots: 2,
+            slot_bytes: 64 << 10,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        }
+    } else {
+        Budgets {
+            device_bytes: 1 << 30,
+            ring_slots: 4,
+            slot_bytes: 1 << 20,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        }
+    };
+    ExecOptions {
+        budgets,
+        readers: 2,
+    }
+}
+
+/// Logits `[T, vocab]` of a token sequence.
+fn forward<B: Backend>(
+    m: &ModelIndex,
+    make: &mut impl FnMut() -> B,
+    tokens: &[u32],
+    o: ExecOptions,
+) -> (Vec<f32>, (usize, usize, usize)) {
+    let lg = llama::build(m, tokens.len()).expect("graph");
+    let (cos, sin) = lg.config.rope_tables(tokens.len());
+    let half = lg.config.head_dim / 2;
+    let mut o = o;
+    if o.budgets.device_bytes == 0 {
+        // The smallest budget that fits: every layer streams through the ring each step.
+        o.budgets.device_bytes = lg.graph.min_device_bytes(m).expect("min budget");
+    }
+    let mut ex = Executor::new(lg.graph, m, make(), o).expect("executor");
+    let counts = ex.plan().counts();
+    let inputs = [
+        HostTensor::u32(&[tokens.len()], tokens.to_vec()).expect("ids"),
+        HostTensor::f32(&[tokens.len(), half], cos).expect("cos"),
+        HostTensor::f32(&[tokens.len(), half], sin).expect("sin"),
+    ];
+    let (out, _) = ex.step(&inputs).expect("step");
+    (out[0].as_f32().to_vec(), counts)
+}
+
+fn check_backend<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    let m = model();
+    let e = Expected::open(&fixture("tiny-llama-nf4/expected.safetensors"));
+    let prompt = ids(&e, "prompt_ids");
+    let want = e.f32("logits_deq_all").expect("logits");
+    let greedy_want = ids(&e, "greedy_tokens_deq");
+    for (streamed, o) in [(false, opts(false)), (true, opts(true))] {
+        let (logits, counts) = forward(&m, &mut make, &prompt, o);
+        let err = max_err_rel_to_max(&logits, &want);
+        assert!(
+            err <= 1e-5,
+            "{label} streamed={streamed}: logits error {err:e} x max"
+        );
+        if streamed {
+            assert_eq!(
+                counts.0, 0,
+                "{label}: nothing resident at the smallest budget {counts:?}"
+            );
+        }
+        // Greedy decoding, recomputing the whole sequence each token.
+        let mut seq = prompt.clone();
+        let vocab = want.len() / prompt.len();
+        for _ in 0..greedy_want.len() {
+            let (l, _) = forward(&m, &mut make, &seq, o);
+            let last = &l[(seq.len() - 1) * vocab..];
+            let best = (0..vocab)
+                .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+                .expect("vocab");
+            seq.push(best as u32);
+        }
+        assert_eq!(
+            &seq[prompt.len()..],
+            &greedy_want[..],
+            "{label} streamed={streamed}: greedy tokens"
+        );
+    }
+}
+
+#[test]
+fn tiny_llama_on_cpu_ref() {
+    check_backend(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn tiny_llama_on_wgpu() {
+    if nibble_wgpu::WgpuBackend::new().is_err() {
+        assert!(
+            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+            "wgpu required"
+        );
+        return;
+    }
+    check_backend(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
