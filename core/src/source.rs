@@ -39,7 +39,13 @@ impl HostSlot {
 
     /// Allocates and touches `len` bytes (so they count in RSS from the start, not mid-run).
     pub fn new(len: usize) -> Self {
-        let raw = vec![0u8; len + Self::ALIGN];
+        let mut raw = vec![0u8; len + Self::ALIGN];
+        // A zeroed allocation is not resident until written: touch every page now, so that the
+        // ring counts in RSS from the start and not in the middle of a run.
+        for page in raw.chunks_mut(4096) {
+            // SAFETY: a valid, exclusive pointer into `raw`.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
         let start = raw.as_ptr().align_offset(Self::ALIGN).min(Self::ALIGN);
         HostSlot { raw, start, len }
     }

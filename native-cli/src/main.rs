@@ -4,6 +4,7 @@ mod bench_kernels;
 mod bench_stream;
 mod inspect;
 mod quant_cmds;
+mod run;
 mod serve;
 
 use std::path::PathBuf;
@@ -76,6 +77,48 @@ enum Command {
         /// lm_head, as transformers leaves them; pass --exclude '' to quantize them too).
         #[arg(long, default_value = quant_cmds::DEFAULT_EXCLUDE)]
         exclude: String,
+    },
+    /// Generate with a Llama-family model (token ids in, token ids out), streamed through the ring.
+    Run {
+        /// Model folder or URL.
+        #[arg(long)]
+        model: String,
+        /// Prompt token ids, comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        prompt_ids: Vec<u32>,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 16)]
+        max_tokens: usize,
+        /// auto (CUDA, then a wgpu adapter, then the CPU), cpu, wgpu, cuda.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Device memory for weights and activations (default: everything resident).
+        #[arg(long)]
+        device_budget: Option<String>,
+        /// Ring slots.
+        #[arg(long, default_value_t = 4)]
+        slots: u64,
+        /// Bytes per ring slot.
+        #[arg(long, default_value = "16MiB")]
+        slot_size: String,
+        /// Sampling temperature (0: greedy).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample among the k most likely tokens (0: all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Sample among the most likely tokens holding this probability.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Sampling seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write float32 logits (`logits` [prompt, vocab], `step_logits` [n, vocab]).
+        #[arg(long)]
+        logits_out: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Serve a folder over HTTP with byte ranges, ETag and CORS (models, the browser demo).
     Serve {
@@ -227,6 +270,35 @@ fn main() -> ExitCode {
             quant_state,
         } => inspect::run(&path, json, quant_state),
         Command::Serve { dir, addr } => serve::run(&dir, &addr),
+        Command::Run {
+            model,
+            prompt_ids,
+            max_tokens,
+            backend,
+            device_budget,
+            slots,
+            slot_size,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            logits_out,
+            json,
+        } => run::run(&run::RunOptions {
+            model,
+            prompt_ids,
+            max_tokens,
+            backend,
+            device_budget,
+            slots,
+            slot_size,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            logits_out,
+            json,
+        }),
         Command::Synth {
             arch,
             size,

@@ -398,3 +398,84 @@ fn bench_kernels_refuses_unknown_and_absent_backends_clearly() {
         stderr(&o)
     );
 }
+
+#[test]
+fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
+    let dir = fixtures().join("tiny-llama-nf4");
+    let exp =
+        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let ints = |name: &str| -> Vec<i64> {
+        let b = exp
+            .read_bytes(exp.require(name).expect(name))
+            .expect("read");
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8")))
+            .collect()
+    };
+    let prompt: Vec<String> = ints("prompt_ids").iter().map(|i| i.to_string()).collect();
+    let want: Vec<i64> = ints("greedy_tokens_deq");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let logits = tmp.path().join("logits.safetensors");
+    let model = dir.join("model");
+    let o = nibble(&[
+        "run",
+        "--model",
+        model.to_str().expect("utf8"),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-tokens",
+        "16",
+        "--backend",
+        "cpu",
+        "--json",
+        "--logits-out",
+        logits.to_str().expect("utf8"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let got: Vec<i64> = v["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(|t| t.as_i64())
+        .collect();
+    assert_eq!(got, want, "greedy tokens");
+    for k in [
+        "prefill_tok_s",
+        "decode_tok_s",
+        "rss_max_bytes",
+        "bytes_streamed",
+    ] {
+        assert!(v[k].is_number(), "{k}");
+    }
+    let l = nibble_core::index::ModelIndex::open(&logits).expect("logits file");
+    assert_eq!(l.require("logits").expect("logits").shape, vec![12, 256]);
+    assert_eq!(l.require("step_logits").expect("step").shape, vec![16, 256]);
+    let got = l.read_f32(l.require("logits").expect("l")).expect("read");
+    let want = exp
+        .read_f32(exp.require("logits_deq_all").expect("w"))
+        .expect("read");
+    let m = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let e = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+    assert!(e <= 1e-5 * m, "prompt logits error {e} vs max {m}");
+
+    let dit = fixtures().join("tiny-dit-nf4/model");
+    let o = nibble(&[
+        "run",
+        "--model",
+        dit.to_str().expect("utf8"),
+        "--prompt-ids",
+        "1",
+        "--backend",
+        "cpu",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not a Llama-family decoder"),
+        "{}",
+        stderr(&o)
+    );
+}
