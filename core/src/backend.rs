@@ -102,46 +102,54 @@ pub fn host_words(t: &HostTensor) -> Vec<u32> {
     }
 }
 
-/// Runs one op on any [`Backend`] the way the executor does (operands in a
-/// freshly allocated arena, the 4-bit weight in the pool) and reads the result back.
-pub fn run_op<B: Backend + ?Sized>(
-    b: &mut B,
-    op: &OpKind,
-    inputs: &[&HostTensor],
-    q4: Option<Q4Ref<'_>>,
-) -> Result<HostTensor> {
-    let infos: Vec<_> = inputs.iter().map(|t| &t.info).collect();
-    let out_info = infer(op, &infos, q4.map(|q| q.info()).as_ref())?;
+/// Where one op's operands go in a fresh arena and pool (aligned as the backend asks).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpLayout {
+    /// The inputs, in order.
+    pub inputs: Vec<Operand>,
+    /// The output.
+    pub out: Operand,
+    /// The 4-bit weight, if any.
+    pub q4: Option<Q4View>,
+    /// Arena words to allocate.
+    pub arena_words: usize,
+    /// Pool bytes to allocate.
+    pub pool_bytes: u64,
+}
+
+/// Lays out one op: `inputs` and `out` in the arena, and a 4-bit weight of logical `shape` and
+/// `blocksize` in the pool.
+pub fn layout_op<B: Backend + ?Sized>(
+    b: &B,
+    inputs: &[ValueInfo],
+    out: &ValueInfo,
+    q4: Option<(&[usize], usize)>,
+) -> OpLayout {
     let align = b.arena_align_words().max(1);
     let mut cursor = 0usize;
-    let mut place = |n: usize| {
-        let s = ArenaSlice {
+    let mut place = |info: &ValueInfo| {
+        let slice = ArenaSlice {
             offset: cursor,
-            len: n,
+            len: info.numel(),
         };
-        cursor = (cursor + n.max(1)).div_ceil(align) * align;
-        s
+        cursor = (cursor + info.numel().max(1)).div_ceil(align) * align;
+        Operand {
+            slice,
+            info: info.clone(),
+        }
     };
-    let ins: Vec<Operand> = inputs
-        .iter()
-        .map(|t| Operand {
-            slice: place(t.info.numel()),
-            info: t.info.clone(),
-        })
-        .collect();
-    let out = Operand {
-        slice: place(out_info.numel()),
-        info: out_info.clone(),
-    };
+    let ins: Vec<Operand> = inputs.iter().map(&mut place).collect();
+    let out = place(out);
     let pa = b.pool_align_bytes().max(4);
-    let view = q4.map(|q| {
+    let q4 = q4.map(|(shape, blocksize)| {
+        let n = shape.iter().product::<usize>() as u64;
         let packed = PoolRegion {
             offset: 0,
-            len: q.packed.len() as u64,
+            len: n.div_ceil(2),
         };
         let absmax = PoolRegion {
             offset: packed.len.div_ceil(pa) * pa,
-            len: q.state.absmax.len() as u64 * 4,
+            len: n.div_ceil(blocksize as u64) * 4,
         };
         let code = PoolRegion {
             offset: (absmax.offset + absmax.len).div_ceil(pa) * pa,
@@ -151,18 +159,43 @@ pub fn run_op<B: Backend + ?Sized>(
             packed,
             absmax,
             code,
-            shape: q.info().shape,
-            blocksize: q.info().blocksize,
+            shape: shape.to_vec(),
+            blocksize,
         }
     });
-    b.allocate(
-        cursor.max(1),
-        view.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa),
-    )?;
-    for (o, t) in ins.iter().zip(inputs) {
+    let pool_bytes = q4.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa);
+    OpLayout {
+        inputs: ins,
+        out,
+        q4,
+        arena_words: cursor.max(1),
+        pool_bytes,
+    }
+}
+
+/// Runs one op on any [`Backend`] the way the executor does (operands in a freshly allocated
+/// arena, the 4-bit weight in the pool) and reads the result back.
+pub fn run_op<B: Backend + ?Sized>(
+    b: &mut B,
+    op: &OpKind,
+    inputs: &[&HostTensor],
+    q4: Option<Q4Ref<'_>>,
+) -> Result<HostTensor> {
+    let infos: Vec<ValueInfo> = inputs.iter().map(|t| t.info.clone()).collect();
+    let refs: Vec<&ValueInfo> = infos.iter().collect();
+    let q4info = q4.map(|q| q.info());
+    let out_info = infer(op, &refs, q4info.as_ref())?;
+    let lay = layout_op(
+        b,
+        &infos,
+        &out_info,
+        q4info.as_ref().map(|i| (i.shape.as_slice(), i.blocksize)),
+    );
+    b.allocate(lay.arena_words, lay.pool_bytes)?;
+    for (o, t) in lay.inputs.iter().zip(inputs) {
         b.write_arena(o.slice, &host_words(t))?;
     }
-    if let (Some(v), Some(q)) = (&view, q4) {
+    if let (Some(v), Some(q)) = (&lay.q4, q4) {
         b.upload(v.packed.offset, q.packed)?.wait();
         let absmax: Vec<u8> = q
             .state
@@ -174,8 +207,8 @@ pub fn run_op<B: Backend + ?Sized>(
         let code: Vec<u8> = q.state.code.iter().flat_map(|a| a.to_le_bytes()).collect();
         b.upload(v.code.offset, &code)?.wait();
     }
-    b.run(op, &ins, view.as_ref(), &out)?;
-    let words = b.read_arena(out.slice)?;
+    b.run(op, &lay.inputs, lay.q4.as_ref(), &lay.out)?;
+    let words = b.read_arena(lay.out.slice)?;
     HostTensor::f32(
         &out_info.shape,
         words.into_iter().map(f32::from_bits).collect(),

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use nibble_core::backend::{ArenaSlice, Backend, CpuRefBackend, Operand, PoolRegion, Q4View};
+use nibble_core::backend::{layout_op, ArenaSlice, Backend, CpuRefBackend};
 use nibble_core::graph::{OpKind, ValueInfo};
 use serde_json::json;
 
@@ -72,52 +72,16 @@ fn benches(quick: bool) -> Vec<Bench> {
 }
 
 fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
-    let align = backend.arena_align_words().max(1);
-    let mut cursor = 0usize;
-    let mut place = |n: usize| {
-        let s = ArenaSlice {
-            offset: cursor,
-            len: n,
-        };
-        cursor = (cursor + n).div_ceil(align) * align;
-        s
-    };
-    let ins: Vec<Operand> = b
-        .inputs
-        .iter()
-        .map(|shape| Operand {
-            slice: place(shape.iter().product()),
-            info: ValueInfo::f32(shape),
-        })
-        .collect();
-    let out = Operand {
-        slice: place(b.out.iter().product()),
-        info: ValueInfo::f32(&b.out),
-    };
-    let pa = backend.pool_align_bytes().max(4);
-    let q4 = b.q4.map(|(n, k)| {
-        let packed = PoolRegion {
-            offset: 0,
-            len: (n * k / 2) as u64,
-        };
-        let absmax = PoolRegion {
-            offset: packed.len.div_ceil(pa) * pa,
-            len: (n * k / 64 * 4) as u64,
-        };
-        let code = PoolRegion {
-            offset: (absmax.offset + absmax.len).div_ceil(pa) * pa,
-            len: 64,
-        };
-        Q4View {
-            packed,
-            absmax,
-            code,
-            shape: vec![n, k],
-            blocksize: 64,
-        }
-    });
-    let pool = q4.as_ref().map(|v| v.code.offset + 64).unwrap_or(pa);
-    backend.allocate(cursor.max(1), pool)?;
+    let infos: Vec<ValueInfo> = b.inputs.iter().map(|s| ValueInfo::f32(s)).collect();
+    let q4_shape = b.q4.map(|(n, k)| vec![n, k]);
+    let lay = layout_op(
+        backend,
+        &infos,
+        &ValueInfo::f32(&b.out),
+        q4_shape.as_deref().map(|s| (s, 64)),
+    );
+    let (ins, out, q4) = (lay.inputs, lay.out, lay.q4);
+    backend.allocate(lay.arena_words, lay.pool_bytes)?;
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut rnd = || {
         seed ^= seed << 13;
