@@ -177,7 +177,7 @@ impl Graph {
         let mut seen = std::collections::HashSet::new();
         for s in &self.sources {
             if let Source::Dense { tensor, group } = s {
-                if seen.insert(tensor.clone()) {
+                if seen.insert((*group, tensor.clone())) {
                     bytes[*group] += model.require(tensor)?.len;
                 }
             }
@@ -283,7 +283,9 @@ pub struct Executor<B: Backend> {
     slices: Vec<Option<ArenaSlice>>,
     views: Vec<Q4View>,
     states: Vec<QuantStateJson>,
-    roles: HashMap<String, Role>,
+    /// What each (group, tensor) read feeds: a tensor used by two groups (tied embeddings) is
+    /// read once for each.
+    roles: HashMap<(usize, String), Role>,
     scratch: Vec<Q4Scratch>,
     first_use: Vec<Option<usize>>,
     prefetch: Option<Prefetcher<ThreadedSource>>,
@@ -320,7 +322,7 @@ impl<B: Backend> Executor<B> {
         let last_use = graph.last_use();
         // Which file tensors feed which weight.
         let keys = find_4bit_weights(model)?;
-        let mut roles: HashMap<String, Role> = HashMap::new();
+        let mut roles: HashMap<(usize, String), Role> = HashMap::new();
         let mut group_tensors: Vec<Vec<TensorEntry>> = vec![Vec::new(); graph.groups.len()];
         let mut states = Vec::with_capacity(graph.q4.len());
         for (wi, d) in graph.q4.iter().enumerate() {
@@ -340,13 +342,13 @@ impl<B: Backend> Executor<B> {
                 )));
             }
             states.push(state.json);
-            roles.insert(k.base.clone(), Role::Packed(wi));
-            roles.insert(k.absmax.clone(), Role::Absmax(wi));
-            roles.insert(k.quant_map.clone(), Role::QuantMap(wi));
-            roles.insert(k.quant_state.clone(), Role::QuantState);
+            roles.insert((d.group, k.base.clone()), Role::Packed(wi));
+            roles.insert((d.group, k.absmax.clone()), Role::Absmax(wi));
+            roles.insert((d.group, k.quant_map.clone()), Role::QuantMap(wi));
+            roles.insert((d.group, k.quant_state.clone()), Role::QuantState);
             if let (Some(a), Some(m)) = (&k.nested_absmax, &k.nested_quant_map) {
-                roles.insert(a.clone(), Role::NestedAbsmax(wi));
-                roles.insert(m.clone(), Role::NestedMap(wi));
+                roles.insert((d.group, a.clone()), Role::NestedAbsmax(wi));
+                roles.insert((d.group, m.clone()), Role::NestedMap(wi));
             }
             for name in k.all_keys() {
                 group_tensors[d.group].push(model.require(name)?.clone());
@@ -371,7 +373,7 @@ impl<B: Backend> Executor<B> {
                         actual: crate::index::dtype_name(e.dtype),
                     });
                 }
-                roles.insert(tensor.clone(), Role::Dense(ValueId(vi), e.dtype));
+                roles.insert((*group, tensor.clone()), Role::Dense(ValueId(vi), e.dtype));
                 group_tensors[*group].push(e.clone());
             }
         }
@@ -609,7 +611,11 @@ impl<B: Backend> Executor<B> {
                 }
                 buf[at..at + bytes.len()].copy_from_slice(bytes);
             };
-            match self.roles.get(&part.tensor).cloned() {
+            match self
+                .roles
+                .get(&(chunk.spec.group, part.tensor.clone()))
+                .cloned()
+            {
                 Some(Role::Packed(w)) => fences.push(
                     self.backend
                         .upload(self.views[w].packed.offset + part.tensor_offset, bytes)?,

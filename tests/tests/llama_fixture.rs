@@ -128,3 +128,47 @@ fn tiny_llama_on_wgpu() {
     }
     check_backend(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// Tied embeddings: the table feeds the first op and the last; streamed, it is read for both
+/// groups, and the logits equal the resident run's bit for bit.
+#[test]
+fn tied_embeddings_stream_like_resident() {
+    let src = model();
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut tensors = Vec::new();
+    for t in src.tensors().filter(|t| t.name != "lm_head.weight") {
+        tensors.push((
+            t.name.clone(),
+            t.dtype,
+            t.shape.clone(),
+            src.read_bytes(t).expect("read"),
+        ));
+    }
+    nibble_core::writer::write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &tensors,
+        &Default::default(),
+    )
+    .expect("write");
+    let mut cfg = src.config.clone().expect("config");
+    cfg["tie_word_embeddings"] = serde_json::json!(true);
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_vec(&cfg).expect("json"),
+    )
+    .expect("write");
+    let m = ModelIndex::open(dir.path()).expect("tied model");
+    let e = Expected::open(&fixture("tiny-llama-nf4/expected.safetensors"));
+    let prompt = ids(&e, "prompt_ids");
+    let mut make = CpuRefBackend::new;
+    let (resident, c1) = forward(&m, &mut make, &prompt, opts(false));
+    let (streamed, c2) = forward(&m, &mut make, &prompt, opts(true));
+    assert_eq!((c1.1, c1.2), (0, 0), "everything resident: {c1:?}");
+    assert_eq!(c2.0, 0, "everything streamed: {c2:?}");
+    assert_bits_eq(&streamed, &resident, "tied logits");
+    let untied = e.f32("logits_deq_all").expect("logits");
+    assert!(
+        max_err_rel_to_max(&resident, &untied) > 1e-3,
+        "the tied head really is the embedding table"
+    );
+}

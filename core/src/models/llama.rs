@@ -302,7 +302,10 @@ pub fn build(model: &ModelIndex, t: usize) -> Result<LlamaGraph> {
         "lm_head.weight"
     };
     let logits = if head_name == "model.embed_tokens.weight" {
-        g.op(OpKind::Linear { bias: false }, &[xn, table], None)?
+        // Tied: the table is a weight of this last group too, so that a streamed embedding group
+        // need not stay on the device from the first op to the last.
+        let tied = g.dense_weight(head_group, head_name, &[cfg.vocab, h]);
+        g.op(OpKind::Linear { bias: false }, &[xn, tied], None)?
     } else {
         proj(&mut g, head_group, xn, head_name, cfg.vocab, h)?
     };
