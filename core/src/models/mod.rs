@@ -1,3 +1,4 @@
 //! Model graph builders on the core graph.
 
+pub mod dit;
 pub mod llama;

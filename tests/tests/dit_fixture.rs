@@ -1,0 +1,165 @@
+//! The tiny Flux-style DiT that diffusers saved in NF4 (../shared/fixtures/tiny-dit-nf4): one
+//! forward within 1e-5 x max|out| on cpu_ref and wgpu, resident and with every block streamed.
+
+use nibble_core::backend::{Backend, CpuRefBackend};
+use nibble_core::executor::{ExecOptions, Executor};
+use nibble_core::graph::HostTensor;
+use nibble_core::index::ModelIndex;
+use nibble_core::models::dit;
+use nibble_core::plan::Budgets;
+use nibble_tests::*;
+
+fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, usize)) {
+    let m = ModelIndex::open(&fixture("tiny-dit-nf4/model")).expect("tiny-dit");
+    let e = Expected::open(&fixture("tiny-dit-nf4/expected.safetensors"));
+    let x = e.f32("hidden_states").expect("x");
+    let ctx = e.f32("encoder_hidden_states").expect("ctx");
+    let pooled = e.f32("pooled_projections").expect("pooled");
+    let t = e.f32("timestep").expect("t")[0];
+    let gd = e.f32("guidance").expect("g")[0];
+    let img_ids = e.f32("img_ids").expect("img");
+    let txt_ids = e.f32("txt_ids").expect("txt");
+    let dg = dit::build(&m, img_ids.len() / 3, txt_ids.len() / 3).expect("graph");
+    let cfg = dg.config.clone();
+    let ids: Vec<f32> = txt_ids.iter().chain(&img_ids).copied().collect();
+    let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
+    let (n, tt, half) = (img_ids.len() / 3, txt_ids.len() / 3, cfg.head_dim / 2);
+    let mut budgets = Budgets {
+        device_bytes: 1 << 30,
+        ring_slots: 2,
+        slot_bytes: 64 << 10,
+        host_cache_bytes: 0,
+        device_other_bytes: 0,
+        host_other_bytes: 0,
+    };
+    if streamed {
+        budgets.device_bytes = dg.graph.min_device_bytes(&m).expect("min");
+    }
+    let mut ex = Executor::new(
+        dg.graph,
+        &m,
+        backend,
+        ExecOptions {
+            budgets,
+            readers: 2,
+        },
+    )
+    .expect("executor");
+    let counts = ex.plan().counts();
+    let mut inputs = vec![
+        HostTensor::f32(&[n, cfg.in_channels], x).expect("x"),
+        HostTensor::f32(&[tt, cfg.joint_dim], ctx).expect("ctx"),
+        HostTensor::f32(&[1, cfg.pooled_dim], pooled).expect("pooled"),
+        HostTensor::f32(&[1], vec![t * 1000.0]).expect("t"),
+    ];
+    if cfg.guidance {
+        inputs.push(HostTensor::f32(&[1], vec![gd * 1000.0]).expect("g"));
+    }
+    inputs.push(HostTensor::f32(&[tt + n, half], cos).expect("cos"));
+    inputs.push(HostTensor::f32(&[tt + n, half], sin).expect("sin"));
+    let (out, _) = ex.step(&inputs).expect("step");
+    (out[0].as_f32().to_vec(), counts)
+}
+
+fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    let e = Expected::open(&fixture("tiny-dit-nf4/expected.safetensors"));
+    let want = e.f32("output_deq").expect("output");
+    for streamed in [false, true] {
+        let (got, counts) = forward(make(), streamed);
+        let err = max_err_rel_to_max(&got, &want);
+        assert!(
+            err <= 1e-5,
+            "{label} streamed={streamed}: error {err:e} x max"
+        );
+        if streamed {
+            assert_eq!(counts.0, 0, "{label}: every group streamed {counts:?}");
+        }
+    }
+}
+
+#[test]
+fn tiny_dit_forward_on_cpu_ref() {
+    check(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn tiny_dit_forward_on_wgpu() {
+    if nibble_wgpu::WgpuBackend::new().is_err() {
+        assert!(
+            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+            "wgpu required"
+        );
+        return;
+    }
+    check(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
+
+/// The fixture's 4-step flow-matching Euler loop (x_{i+1} = x_i + (sigma_{i+1} - sigma_i) v_i),
+/// one executor, every block streamed each step, final latent within 2e-5 x max.
+#[test]
+fn tiny_dit_euler_loop_streamed() {
+    let m = ModelIndex::open(&fixture("tiny-dit-nf4/model")).expect("tiny-dit");
+    let e = Expected::open(&fixture("tiny-dit-nf4/expected.safetensors"));
+    let mut x = e.f32("euler_x0").expect("x0");
+    let sigmas = e.f32("euler_sigmas").expect("sigmas");
+    let ts = e.f32("euler_model_timesteps").expect("timesteps");
+    let (img_ids, txt_ids) = (
+        e.f32("img_ids").expect("img"),
+        e.f32("txt_ids").expect("txt"),
+    );
+    let (n, tt) = (img_ids.len() / 3, txt_ids.len() / 3);
+    let dg = dit::build(&m, n, tt).expect("graph");
+    let cfg = dg.config.clone();
+    let ids: Vec<f32> = txt_ids.iter().chain(&img_ids).copied().collect();
+    let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
+    let budgets = Budgets {
+        device_bytes: dg.graph.min_device_bytes(&m).expect("min"),
+        ring_slots: 2,
+        slot_bytes: 64 << 10,
+        host_cache_bytes: 0,
+        device_other_bytes: 0,
+        host_other_bytes: 0,
+    };
+    let mut ex = Executor::new(
+        dg.graph,
+        &m,
+        CpuRefBackend::new(),
+        ExecOptions {
+            budgets,
+            readers: 2,
+        },
+    )
+    .expect("executor");
+    let half = cfg.head_dim / 2;
+    let fixed = [
+        HostTensor::f32(
+            &[tt, cfg.joint_dim],
+            e.f32("encoder_hidden_states").expect("ctx"),
+        )
+        .expect("ctx"),
+        HostTensor::f32(
+            &[1, cfg.pooled_dim],
+            e.f32("pooled_projections").expect("p"),
+        )
+        .expect("p"),
+    ];
+    let g = e.f32("guidance").expect("g")[0];
+    for i in 0..4 {
+        let mut inputs = vec![HostTensor::f32(&[n, cfg.in_channels], x.clone()).expect("x")];
+        inputs.extend(fixed.iter().cloned());
+        inputs.push(HostTensor::f32(&[1], vec![ts[i] * 1000.0]).expect("t"));
+        inputs.push(HostTensor::f32(&[1], vec![g * 1000.0]).expect("g"));
+        inputs.push(HostTensor::f32(&[tt + n, half], cos.clone()).expect("cos"));
+        inputs.push(HostTensor::f32(&[tt + n, half], sin.clone()).expect("sin"));
+        let (out, stats) = ex.step(&inputs).expect("step");
+        assert!(stats.stream.bytes > 0, "weights streamed in step {i}");
+        let dt = sigmas[i + 1] - sigmas[i];
+        x = x
+            .iter()
+            .zip(out[0].as_f32())
+            .map(|(a, v)| a + dt * v)
+            .collect();
+    }
+    let err = max_err_rel_to_max(&x, &e.f32("euler_final").expect("final"));
+    assert!(err <= 2e-5, "Euler final error {err:e} x max");
+}
