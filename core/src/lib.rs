@@ -28,6 +28,7 @@ pub mod plan;
 pub mod prefetch;
 pub mod quantize;
 pub mod ring;
+pub mod sampler;
 pub mod source;
 #[cfg(feature = "native")]
 pub mod synth;

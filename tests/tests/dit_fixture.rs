@@ -102,6 +102,11 @@ fn tiny_dit_euler_loop_streamed() {
     let e = Expected::open(&fixture("tiny-dit-nf4/expected.safetensors"));
     let mut x = e.f32("euler_x0").expect("x0");
     let sigmas = e.f32("euler_sigmas").expect("sigmas");
+    assert_eq!(
+        nibble_core::sampler::FlowMatchEuler::default().sigmas(4),
+        sigmas,
+        "diffusers' schedule, bit for bit"
+    );
     let ts = e.f32("euler_model_timesteps").expect("timesteps");
     let (img_ids, txt_ids) = (
         e.f32("img_ids").expect("img"),
