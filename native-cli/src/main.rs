@@ -5,6 +5,7 @@ mod bench_stream;
 mod inspect;
 mod quant_cmds;
 mod run;
+mod run_dit;
 mod serve;
 
 use std::path::PathBuf;
@@ -78,14 +79,46 @@ enum Command {
         #[arg(long, default_value = quant_cmds::DEFAULT_EXCLUDE)]
         exclude: String,
     },
-    /// Generate with a Llama-family model (token ids in, token ids out), streamed through the ring.
+    /// Generate with a Llama-family model (token ids in and out) or denoise with a Flux-style DiT
+    /// (the kind is read from config.json), streamed through the ring.
     Run {
         /// Model folder or URL.
         #[arg(long)]
         model: String,
-        /// Prompt token ids, comma separated.
-        #[arg(long, value_delimiter = ',', required = true)]
+        /// LLM: prompt token ids, comma separated.
+        #[arg(long, value_delimiter = ',')]
         prompt_ids: Vec<u32>,
+        /// DiT: denoising steps.
+        #[arg(long, default_value_t = 28)]
+        steps: usize,
+        /// DiT: inputs (hidden_states, encoder_hidden_states, pooled_projections, guidance,
+        /// img_ids, txt_ids); random from --seed otherwise.
+        #[arg(long)]
+        inputs: Option<PathBuf>,
+        /// DiT: latent grid height in tokens (random inputs).
+        #[arg(long, default_value_t = 4)]
+        height: usize,
+        /// DiT: latent grid width in tokens (random inputs).
+        #[arg(long, default_value_t = 4)]
+        width: usize,
+        /// DiT: text tokens (random inputs).
+        #[arg(long, default_value_t = 8)]
+        text_len: usize,
+        /// DiT: guidance scale (random inputs).
+        #[arg(long, default_value_t = 3.5)]
+        guidance: f32,
+        /// DiT: static schedule shift (1: none).
+        #[arg(long, default_value_t = 1.0)]
+        shift: f64,
+        /// DiT: resolution-dependent shift, as Flux uses.
+        #[arg(long)]
+        dynamic_shift: bool,
+        /// DiT: write the final latent (`latent`, float32).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// DiT: PNG of the final latent's first three channels.
+        #[arg(long)]
+        preview: Option<PathBuf>,
         /// Tokens to generate.
         #[arg(long, default_value_t = 16)]
         max_tokens: usize,
@@ -273,6 +306,16 @@ fn main() -> ExitCode {
         Command::Run {
             model,
             prompt_ids,
+            steps,
+            inputs,
+            height,
+            width,
+            text_len,
+            guidance,
+            shift,
+            dynamic_shift,
+            out,
+            preview,
             max_tokens,
             backend,
             device_budget,
@@ -298,6 +341,19 @@ fn main() -> ExitCode {
             seed,
             logits_out,
             json,
+            dit: run_dit::DitRun {
+                steps,
+                inputs,
+                seed,
+                height,
+                width,
+                text_len,
+                guidance,
+                shift,
+                dynamic_shift,
+                out,
+                preview,
+            },
         }),
         Command::Synth {
             arch,

@@ -46,6 +46,8 @@ pub struct RunOptions {
     pub logits_out: Option<std::path::PathBuf>,
     /// Print one JSON object.
     pub json: bool,
+    /// Options of a DiT run.
+    pub dit: crate::run_dit::DitRun,
 }
 
 struct Sampler(u64);
@@ -100,70 +102,67 @@ impl Sampler {
     }
 }
 
+/// A decoder-only language model: an `*ForCausalLM` architecture, or a Llama-family model type.
 fn is_llm(model: &ModelIndex) -> bool {
-    model
-        .config
-        .as_ref()
-        .is_some_and(|c| c.get("num_hidden_layers").is_some() && c.get("vocab_size").is_some())
+    model.config.as_ref().is_some_and(|c| {
+        let causal = c
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .is_some_and(|a| {
+                a.iter()
+                    .any(|x| x.as_str().is_some_and(|s| s.ends_with("ForCausalLM")))
+            });
+        let family = c
+            .get("model_type")
+            .and_then(|m| m.as_str())
+            .is_some_and(|m| ["llama", "mistral", "qwen2", "smollm"].contains(&m));
+        causal || family
+    })
 }
 
-/// Runs generation on the backend `o.backend` names.
+fn is_dit(model: &ModelIndex) -> bool {
+    model.config.as_ref().is_some_and(|c| {
+        c.get("num_single_layers").is_some() && c.get("joint_attention_dim").is_some()
+    })
+}
+
+/// Runs generation (LLM) or denoising (DiT), by what config.json says, on `o.backend`.
 pub fn run(o: &RunOptions) -> Result<()> {
     let model = crate::open_model(&o.model)?;
-    if !is_llm(&model) {
-        bail!("{}: not a Llama-family decoder (config.json lacks num_hidden_layers / vocab_size); DiT runs are not implemented yet", o.model);
+    if !is_llm(&model) && !is_dit(&model) {
+        bail!(
+            "{}: config.json is neither a Llama-family decoder nor a Flux-style DiT",
+            o.model
+        );
     }
-    if o.prompt_ids.is_empty() {
-        bail!("--prompt-ids is empty");
+    if is_llm(&model) && o.prompt_ids.is_empty() {
+        bail!("--prompt-ids is required for a language model");
     }
     match o.backend.as_str() {
-        "cpu" => generate(o, &model, CpuRefBackend::new, "cpu_ref"),
+        "cpu" => dispatch(o, &model, CpuRefBackend::new(), "cpu_ref"),
         "wgpu" => {
-            let probe = nibble_wgpu::WgpuBackend::new()?;
-            let label = format!("wgpu: {}", probe.describe());
-            generate(
-                o,
-                &model,
-                || nibble_wgpu::WgpuBackend::new().expect("adapter was present a moment ago"),
-                &label,
-            )
+            let b = nibble_wgpu::WgpuBackend::new()?;
+            let label = format!("wgpu: {}", b.describe());
+            dispatch(o, &model, b, &label)
         }
         "cuda" => {
-            let probe = nibble_cuda::CudaBackend::new()?;
-            let label = format!("cuda: {}", probe.describe());
-            drop(probe);
-            generate(
-                o,
-                &model,
-                || nibble_cuda::CudaBackend::new().expect("device was present a moment ago"),
-                &label,
-            )
+            let b = nibble_cuda::CudaBackend::new()?;
+            let label = format!("cuda: {}", b.describe());
+            dispatch(o, &model, b, &label)
         }
         "auto" => {
             if let Ok(b) = nibble_cuda::CudaBackend::new() {
                 let label = format!("cuda: {}", b.describe());
-                let mut first = Some(b);
-                return generate(
-                    o,
-                    &model,
-                    move || first.take().expect("one backend"),
-                    &label,
-                );
+                return dispatch(o, &model, b, &label);
             }
             match nibble_wgpu::WgpuBackend::new() {
                 Ok(b) => {
                     let label = format!("wgpu: {}", b.describe());
-                    let mut first = Some(b);
-                    generate(
-                        o,
-                        &model,
-                        move || first.take().expect("one backend"),
-                        &label,
-                    )
+                    dispatch(o, &model, b, &label)
                 }
                 Err(e) => {
                     eprintln!("no GPU backend ({e}); using the CPU reference backend");
-                    generate(o, &model, CpuRefBackend::new, "cpu_ref")
+                    dispatch(o, &model, CpuRefBackend::new(), "cpu_ref")
                 }
             }
         }
@@ -171,12 +170,15 @@ pub fn run(o: &RunOptions) -> Result<()> {
     }
 }
 
-fn generate<B: Backend>(
-    o: &RunOptions,
-    model: &ModelIndex,
-    mut make: impl FnMut() -> B,
-    label: &str,
-) -> Result<()> {
+fn dispatch<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
+    if is_llm(model) {
+        generate(o, model, backend, label)
+    } else {
+        crate::run_dit::run(o, &o.dit, model, backend, label)
+    }
+}
+
+fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
     let window = o.prompt_ids.len() + o.max_tokens;
     let lg = llama::build(model, window)?;
     let cfg = lg.config.clone();
@@ -203,7 +205,7 @@ fn generate<B: Backend>(
     let mut ex = Executor::new(
         lg.graph,
         model,
-        make(),
+        backend,
         ExecOptions {
             budgets,
             readers: 2,

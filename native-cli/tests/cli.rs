@@ -461,20 +461,89 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
         .zip(&want)
         .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
     assert!(e <= 1e-5 * m, "prompt logits error {e} vs max {m}");
+}
 
-    let dit = fixtures().join("tiny-dit-nf4/model");
+#[test]
+fn run_denoises_the_fixture_dit_like_diffusers_euler() {
+    let dir = fixtures().join("tiny-dit-nf4");
+    let exp =
+        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let f = |n: &str| exp.read_f32(exp.require(n).expect(n)).expect("read");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let inputs = tmp.path().join("inputs.safetensors");
+    let t = |name: &str, src: &str| {
+        let e = exp.require(src).expect(src);
+        (
+            name.to_string(),
+            e.dtype,
+            e.shape.clone(),
+            exp.read_bytes(e).expect("read"),
+        )
+    };
+    nibble_core::writer::write_safetensors(
+        &inputs,
+        &[
+            t("hidden_states", "euler_x0"),
+            t("encoder_hidden_states", "encoder_hidden_states"),
+            t("pooled_projections", "pooled_projections"),
+            t("guidance", "guidance"),
+            t("img_ids", "img_ids"),
+            t("txt_ids", "txt_ids"),
+        ],
+        &Default::default(),
+    )
+    .expect("inputs");
+    let out = tmp.path().join("latent.safetensors");
+    let png = tmp.path().join("preview.png");
     let o = nibble(&[
         "run",
         "--model",
-        dit.to_str().expect("utf8"),
-        "--prompt-ids",
-        "1",
+        dir.join("model").to_str().expect("utf8"),
+        "--steps",
+        "4",
+        "--inputs",
+        inputs.to_str().expect("utf8"),
+        "--backend",
+        "cpu",
+        "--out",
+        out.to_str().expect("utf8"),
+        "--preview",
+        png.to_str().expect("utf8"),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let steps = v["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 4);
+    for s in steps {
+        for k in ["step", "wall_ms", "bytes_streamed", "stall_ms", "rss_bytes"] {
+            assert!(s[k].is_number(), "{k} in {s}");
+        }
+    }
+    let l = nibble_core::index::ModelIndex::open(&out).expect("latent file");
+    let got = l
+        .read_f32(l.require("latent").expect("latent"))
+        .expect("read");
+    let want = f("euler_final");
+    let m = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let e = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+    assert!(e <= 2e-5 * m, "final latent error {e} vs max {m}");
+    let header = std::fs::read(&png).expect("png");
+    assert_eq!(&header[..8], b"\x89PNG\r\n\x1a\n");
+
+    let o = nibble(&[
+        "run",
+        "--model",
+        fixtures().join("minilm-nf4/model").to_str().expect("utf8"),
         "--backend",
         "cpu",
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("not a Llama-family decoder"),
+        stderr(&o).contains("neither a Llama-family decoder nor a Flux-style DiT"),
         "{}",
         stderr(&o)
     );
