@@ -287,7 +287,11 @@ pub struct Executor<B: Backend> {
     /// read once for each.
     roles: HashMap<(usize, String), Role>,
     scratch: Vec<Q4Scratch>,
-    first_use: Vec<Option<usize>>,
+    /// Per weight: its quant-state JSON and code table as the safetensors bytes the stream
+    /// rebuilds the state from (fixed for the executor's life, so encoded once).
+    state_bytes: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The non-resident groups as (first node, group), in the order the step loads them.
+    stream_starts: Vec<(usize, usize)>,
     prefetch: Option<Prefetcher<ThreadedSource>>,
     arena_words: usize,
     pool_bytes: u64,
@@ -527,7 +531,6 @@ impl<B: Backend> Executor<B> {
             for (wi, d) in graph.q4.iter().enumerate().filter(|(_, d)| d.group == g) {
                 let v = place(&mut c, &states[wi], d);
                 slot_views.push((wi, v));
-                let _ = si;
             }
             slot_len[si % 2] = slot_len[si % 2].max(c);
         }
@@ -544,6 +547,22 @@ impl<B: Backend> Executor<B> {
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
         let scratch = vec![Q4Scratch::default(); graph.q4.len()];
+        let state_bytes = states
+            .iter()
+            .map(|st| {
+                let code = st
+                    .quant_type
+                    .code_table()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                (st.to_json_bytes(), code)
+            })
+            .collect();
+        let stream_starts = streamed
+            .iter()
+            .filter_map(|&g| first_use[g].map(|n| (n, g)))
+            .collect();
         let mut ex = Executor {
             graph,
             backend,
@@ -553,7 +572,8 @@ impl<B: Backend> Executor<B> {
             states,
             roles,
             scratch,
-            first_use,
+            state_bytes,
+            stream_starts,
             prefetch: None,
             arena_words,
             pool_bytes,
@@ -682,20 +702,14 @@ impl<B: Backend> Executor<B> {
                 continue;
             }
             let s = &self.scratch[wi];
-            let json = self.states[wi].to_json_bytes();
-            let code: Vec<u8> = self.states[wi]
-                .quant_type
-                .code_table()
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
+            let (json, code) = &self.state_bytes[wi];
             let nested = self.states[wi].nested.is_some();
             let absmax_dtype = if nested { Dtype::U8 } else { Dtype::F32 };
             let parts = QuantStateParts {
                 key_quant_type: self.states[wi].quant_type,
-                json: &json,
+                json,
                 absmax: raw(absmax_dtype, &s.absmax),
-                quant_map: raw(Dtype::F32, &code),
+                quant_map: raw(Dtype::F32, code),
                 nested_absmax: nested.then(|| raw(Dtype::F32, &s.nested_absmax)),
                 nested_quant_map: nested.then(|| raw(Dtype::F32, &s.nested_map)),
             };
@@ -716,7 +730,7 @@ impl<B: Backend> Executor<B> {
                 self.graph.inputs.len()
             )));
         }
-        for (v, t) in self.graph.inputs.clone().iter().zip(inputs) {
+        for (v, t) in self.graph.inputs.iter().zip(inputs) {
             if t.info != self.graph.values[v.0] {
                 return Err(Error::Invalid(format!(
                     "input {}: {:?} given, {:?} expected",
@@ -726,16 +740,11 @@ impl<B: Backend> Executor<B> {
             let s = self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced input".into()))?;
             self.backend.write_arena(s, &host_words(t))?;
         }
-        let mut starts: Vec<(usize, usize)> = (0..self.graph.groups.len())
-            .filter(|&g| self.plan.placement[g] != Placement::Resident)
-            .filter_map(|g| self.first_use[g].map(|n| (n, g)))
-            .collect();
-        starts.sort_unstable();
         let mut next_group = 0;
         let mut stats = ExecStats::default();
         for ni in 0..self.graph.nodes.len() {
-            while next_group < starts.len() && starts[next_group].0 == ni {
-                let g = starts[next_group].1;
+            while next_group < self.stream_starts.len() && self.stream_starts[next_group].0 == ni {
+                let g = self.stream_starts[next_group].1;
                 let mut pf = self
                     .prefetch
                     .take()
@@ -748,7 +757,7 @@ impl<B: Backend> Executor<B> {
                 r?;
                 next_group += 1;
             }
-            let node = self.graph.nodes[ni].clone();
+            let node = &self.graph.nodes[ni];
             let operand = |v: &ValueId| -> Result<Operand> {
                 Ok(Operand {
                     slice: self.slices[v.0]
@@ -769,7 +778,7 @@ impl<B: Backend> Executor<B> {
             self.backend.run(&node.op, &ins, view.as_ref(), &out)?;
         }
         let mut outs = Vec::with_capacity(self.graph.outputs.len());
-        for v in self.graph.outputs.clone() {
+        for v in &self.graph.outputs {
             let s = self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced output".into()))?;
             let words = self.backend.read_arena(s)?;
             let info = &self.graph.values[v.0];

@@ -223,6 +223,16 @@ impl Builder<'_> {
         Ok(y)
     }
 
+    /// [a, b, c] -> [b, a, c]: tokens-major to heads-major and back.
+    fn swap01(&mut self, v: ValueId) -> Result<ValueId> {
+        self.op(
+            OpKind::Permute {
+                perm: vec![1, 0, 2],
+            },
+            &[v],
+        )
+    }
+
     /// RoPE on q and k, then attention over all `s` tokens, back to `[s, dim]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
@@ -247,24 +257,9 @@ impl Builder<'_> {
             },
             &[k, cos, sin],
         )?;
-        let q = self.op(
-            OpKind::Permute {
-                perm: vec![1, 0, 2],
-            },
-            &[q],
-        )?;
-        let k = self.op(
-            OpKind::Permute {
-                perm: vec![1, 0, 2],
-            },
-            &[k],
-        )?;
-        let v = self.op(
-            OpKind::Permute {
-                perm: vec![1, 0, 2],
-            },
-            &[v],
-        )?;
+        let q = self.swap01(q)?;
+        let k = self.swap01(k)?;
+        let v = self.swap01(v)?;
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
         let a = self.op(
             OpKind::Attention {
@@ -274,12 +269,7 @@ impl Builder<'_> {
             },
             &[q, k, v],
         )?;
-        let a = self.op(
-            OpKind::Permute {
-                perm: vec![1, 0, 2],
-            },
-            &[a],
-        )?;
+        let a = self.swap01(a)?;
         self.op(
             OpKind::Reshape {
                 shape: vec![s, cfg.dim()],
