@@ -2,7 +2,7 @@
 //! `quantize_4bit` (absmax per block in f32, `x * (1 / absmax)`, the code by a midpoint
 //! search over the sorted code table), and for double quantization the mean offset as
 //! `torch.mean` computes it and `quantize_blockwise` of the centred absmax against the signed
-//! dynamic map as the native CPU kernel does.
+//! dynamic map as the native CPU kernel does (through its 65536-bin lookup table).
 
 use crate::bnb::{
     table_from_bits, FloatDtype, NestedState, QuantStateJson, QuantType, DYNAMIC_MAP_BITS,
@@ -322,154 +322,51 @@ pub fn quantize_4bit(
     })
 }
 
-/// bitsandbytes' native CPU `quantize_blockwise` against the signed dynamic map: per block of
-/// `blocksize`, absmax = max |x|, `x / absmax`, the entry the kernel's bucketed search
-/// ("Direct2" of Cannizzo's BinSearch, which bitsandbytes vendors) returns, then the nearer of
-/// it and its right neighbour. The kernel overwrites entry 0 with -1.0 first.
+/// Bins of bitsandbytes' quantization lookup table over [-1, 1].
+const LUT_BINS: usize = 65536;
+
+/// The lookup table bitsandbytes 0.50's CPU `quantize_blockwise` builds for a sorted 256-entry
+/// map: bin `i` stands for `-1 + 2i / 65535` and holds the first code whose midpoint with its
+/// right neighbour is not below that value.
+fn quantize_lut(code: &[f32; 256]) -> Vec<u8> {
+    let mids: Vec<f32> = (0..255).map(|i| 0.5f32 * (code[i] + code[i + 1])).collect();
+    let mut lut = vec![0u8; LUT_BINS];
+    let mut ci = 0usize;
+    for (i, slot) in lut.iter_mut().enumerate() {
+        let val = -1.0f32 + (2.0f32 * i as f32) / (LUT_BINS - 1) as f32;
+        while ci < 255 && mids[ci] < val {
+            ci += 1;
+        }
+        *slot = ci as u8;
+    }
+    lut
+}
+
+/// bitsandbytes' native CPU `quantize_blockwise` (0.50) against the signed dynamic map: per block
+/// of `blocksize`, absmax = max |x|, `x * (1 / absmax)` clamped to [-1, 1], then the lookup table
+/// at bin `trunc(((v + 1) * 0.5) * 65535 + 0.5)` (so a value within half a bin of a midpoint can
+/// take the farther code, exactly as bitsandbytes does). An all-zero block gives codes 0.
 pub fn quantize_blockwise_dynamic(x: &[f32], blocksize: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut code = table_from_bits(&DYNAMIC_MAP_BITS);
-    code[0] = -1.0;
-    let search = Direct2Search::new(&code);
+    use std::sync::OnceLock;
+    static LUT: OnceLock<Vec<u8>> = OnceLock::new();
+    let lut = LUT.get_or_init(|| quantize_lut(&table_from_bits(&DYNAMIC_MAP_BITS)));
     let mut out = Vec::with_capacity(x.len());
     let mut absmaxes = Vec::with_capacity(x.len().div_ceil(blocksize));
     for block in x.chunks(blocksize) {
-        let absmax = block.iter().fold(f32::MIN, |m, v| m.max(v.abs()));
+        let absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         absmaxes.push(absmax);
+        if absmax == 0.0 {
+            out.extend(std::iter::repeat_n(0u8, block.len()));
+            continue;
+        }
+        let inv = 1.0f32 / absmax;
         for &v in block {
-            let normed = v / absmax;
-            let mut idx = search.scalar(normed);
-            if idx < 255 {
-                let dl = (normed - code[idx]).abs();
-                let dr = (normed - code[idx + 1]).abs();
-                if dr < dl {
-                    idx += 1;
-                }
-            }
-            out.push(idx as u8);
+            let normed = (v * inv).clamp(-1.0, 1.0);
+            let bin = ((normed + 1.0) * 0.5 * (LUT_BINS - 1) as f32 + 0.5) as usize;
+            out.push(lut[bin.min(LUT_BINS - 1)]);
         }
     }
     (out, absmaxes)
-}
-
-/// The "Direct2" bucketed search of BinSearch (F. Cannizzo) as bitsandbytes uses it: a bucket
-/// index `trunc(H * (z - x0))` computed in f32, a table of candidates, and two comparisons.
-/// Ported step by step so that its answers (which are not always the exact predecessor for
-/// values between two close entries) match the native kernel.
-#[derive(Debug)]
-pub struct Direct2Search {
-    /// The table padded in front with one copy of its first entry (Gap = 2).
-    pub xi: Vec<f32>,
-    pub buckets: Vec<u32>,
-    pub scaler: f32,
-    pub x0: f32,
-}
-
-impl Direct2Search {
-    fn f(scaler: f32, x0: f32, z: f32) -> u32 {
-        let t = scaler * (z - x0);
-        if t.is_nan() {
-            0
-        } else {
-            // cvttss2si: truncation toward zero.
-            t as i32 as u32
-        }
-    }
-
-    fn next_up(v: f32) -> f32 {
-        f32::from_bits(v.to_bits() + 1)
-    }
-
-    /// Builds the index.
-    pub fn new(x: &[f32]) -> Self {
-        const GAP: usize = 2;
-        let n = x.len();
-        let x0 = x[0];
-        let range = x[n - 1] - x0;
-        let mut delta_min = range;
-        for i in GAP..n {
-            let d = (x[i] - x0) - (x[i - GAP] - x0);
-            if d < delta_min {
-                delta_min = d;
-            }
-        }
-        let mut h = 1.0f32 / delta_min;
-        let mut step = {
-            let mut p = Self::next_up(h);
-            while p - h == 0.0 {
-                p = Self::next_up(p);
-            }
-            p - h
-        };
-        let mut checked_from = n;
-        loop {
-            let mut last = checked_from - 1;
-            let mut modified = false;
-            let mut i = GAP;
-            while i <= last {
-                let mut iold = Self::f(h, x0, x[i - GAP]);
-                let mut inew = Self::f(h, x0, x[i]);
-                while inew == iold {
-                    checked_from = i;
-                    last = n - 1;
-                    modified = true;
-                    h += step;
-                    step *= 2.0;
-                    iold = Self::f(h, x0, x[i - GAP]);
-                    inew = Self::f(h, x0, x[i]);
-                }
-                i += 1;
-            }
-            if !modified {
-                break;
-            }
-        }
-        let mut xi = Vec::with_capacity(n + 1);
-        xi.push(x0);
-        xi.extend_from_slice(x);
-        let nb = 1 + Self::f(h, x0, x[n - 1]) as usize;
-        let mut buckets = vec![0u32; nb];
-        let (mut i, mut b, mut j) = (xi.len() - 1, nb - 1, 0u32);
-        loop {
-            let idx = Self::f(h, x0, xi[i]) as usize;
-            while b > idx {
-                buckets[b] = j;
-                b -= 1;
-            }
-            if b == idx {
-                j = (i - (GAP - 1)) as u32;
-                buckets[b] = j;
-                if b == 0 {
-                    break;
-                }
-                b -= 1;
-            }
-            if i == 0 {
-                break;
-            }
-            i -= 1;
-        }
-        Direct2Search {
-            xi,
-            buckets,
-            scaler: h,
-            x0,
-        }
-    }
-
-    /// Index of the entry to the left of z.
-    pub fn scalar(&self, z: f32) -> usize {
-        let bidx = (Self::f(self.scaler, self.x0, z) as usize).min(self.buckets.len() - 1);
-        let mut iidx = self.buckets[bidx] as usize;
-        let p0 = self.xi[iidx];
-        let p1 = self.xi[iidx + 1];
-        if z < p0 {
-            iidx = iidx.wrapping_sub(1);
-        }
-        if z < p1 {
-            iidx = iidx.wrapping_sub(1);
-        }
-        iidx.min(255)
-    }
 }
 
 /// `torch.mean` of an f32 vector as torch 2.x computes it on one CPU thread: the cascade sum of
