@@ -19,13 +19,14 @@ use nibble_core::ring::{Fence, SlotAllocator};
 use nibble_core::source::{SlotBuffer, SlotMemory};
 
 /// Every kernel: (file and entry-point name, CUDA C source).
-pub const KERNELS: [(&str, &str); 24] = [
+pub const KERNELS: [(&str, &str); 25] = [
     (
         "adaln_modulate",
         include_str!("../kernels/adaln_modulate.cu"),
     ),
     ("add", include_str!("../kernels/add.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
+    ("cache_write", include_str!("../kernels/cache_write.cu")),
     ("concat", include_str!("../kernels/concat.cu")),
     ("dequant4", include_str!("../kernels/dequant4.cu")),
     ("dequant_bf16", include_str!("../kernels/dequant_bf16.cu")),

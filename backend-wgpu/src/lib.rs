@@ -12,13 +12,14 @@ use nibble_core::cpu_ref::Q4Ref;
 use nibble_core::graph::{HostTensor, OpKind};
 
 /// Every kernel: (op name, WGSL source).
-pub const SHADERS: [(&str, &str); 23] = [
+pub const SHADERS: [(&str, &str); 24] = [
     (
         "adaln_modulate",
         include_str!("../shaders/adaln_modulate.wgsl"),
     ),
     ("add", include_str!("../shaders/add.wgsl")),
     ("attention", include_str!("../shaders/attention.wgsl")),
+    ("cache_write", include_str!("../shaders/cache_write.wgsl")),
     ("concat", include_str!("../shaders/concat.wgsl")),
     ("dequant4", include_str!("../shaders/dequant4.wgsl")),
     ("embedding", include_str!("../shaders/embedding.wgsl")),
@@ -156,6 +157,12 @@ impl WgpuBackend {
             "{} ({:?}, {:?})",
             self.info.name, self.info.backend, self.info.device_type
         )
+    }
+
+    /// Whether the adapter is a software rasterizer on the CPU (lavapipe, SwiftShader), which
+    /// `--backend auto` passes over for nibble's own CPU backend.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
     }
 
     /// The device limits in force.

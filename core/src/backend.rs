@@ -84,6 +84,11 @@ pub trait Backend {
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// Memory for the staging ring's slots (pinned host memory for CUDA); `None`: plain host
+    /// memory.
+    fn slot_allocator(&self) -> Option<Box<dyn crate::ring::SlotAllocator>> {
+        None
+    }
     /// Runs `op` on arena operands (and a pool weight) into `out`.
     fn run(
         &mut self,
@@ -118,12 +123,14 @@ pub struct OpLayout {
 }
 
 /// Lays out one op: `inputs` and `out` in the arena, and a 4-bit weight of logical `shape` and
-/// `blocksize` in the pool.
+/// `blocksize` in the pool. The output of an in-place op (`in_place`: the input it overwrites)
+/// shares that input's slice.
 pub fn layout_op<B: Backend + ?Sized>(
     b: &B,
     inputs: &[ValueInfo],
     out: &ValueInfo,
     q4: Option<(&[usize], usize)>,
+    in_place: Option<usize>,
 ) -> OpLayout {
     let align = b.arena_align_words().max(1);
     let mut cursor = 0usize;
@@ -139,7 +146,10 @@ pub fn layout_op<B: Backend + ?Sized>(
         }
     };
     let ins: Vec<Operand> = inputs.iter().map(&mut place).collect();
-    let out = place(out);
+    let out = match in_place.and_then(|i| ins.get(i)) {
+        Some(shared) => shared.clone(),
+        None => place(out),
+    };
     let pa = b.pool_align_bytes().max(4);
     let q4 = q4.map(|(shape, blocksize)| {
         let n = shape.iter().product::<usize>() as u64;
@@ -190,6 +200,7 @@ pub fn run_op<B: Backend + ?Sized>(
         &infos,
         &out_info,
         q4info.as_ref().map(|i| (i.shape.as_slice(), i.blocksize)),
+        op.in_place_input(),
     );
     b.allocate(lay.arena_words, lay.pool_bytes)?;
     for (o, t) in lay.inputs.iter().zip(inputs) {

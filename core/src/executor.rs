@@ -13,7 +13,7 @@ use crate::convert::bytes_to_f32;
 use crate::error::{Error, Result};
 use crate::graph::{infer, ElemType, HostTensor, OpKind, Q4Info, ValueInfo};
 use crate::index::{Dtype, ModelIndex, TensorEntry};
-use crate::plan::{Budgets, MemoryPlan, Placement, WeightGroup};
+use crate::plan::{Allocation, Budgets, MemoryPlan, Placement, WeightGroup};
 use crate::prefetch::{chunk_schedule, Chunk, Prefetcher, StepStats};
 use crate::ring::{HostAllocator, StagingRing};
 use crate::source::ThreadedSource;
@@ -28,9 +28,15 @@ pub struct WeightId(pub usize);
 
 #[derive(Debug, Clone, PartialEq)]
 enum Source {
-    Input,
+    /// An input of program `.0`, written before each of its steps.
+    Input(usize),
     Node,
-    Dense { tensor: String, group: usize },
+    Dense {
+        tensor: String,
+        group: usize,
+    },
+    /// Persistent across steps and programs (a KV cache); zero at the start.
+    State,
 }
 
 /// One op of the graph.
@@ -42,7 +48,7 @@ pub struct Node {
     pub inputs: Vec<ValueId>,
     /// Its 4-bit weight, for `LinearQ4` / `Dequant4`.
     pub weight: Option<WeightId>,
-    /// Its result.
+    /// Its result (for an in-place op, the state value it updates).
     pub output: ValueId,
 }
 
@@ -53,22 +59,88 @@ struct Q4Decl {
     info: Q4Info,
 }
 
-/// A computation over activations and model weights, built op by op with shape checks.
-#[derive(Debug, Clone, Default)]
-pub struct Graph {
-    values: Vec<ValueInfo>,
-    sources: Vec<Source>,
-    nodes: Vec<Node>,
-    q4: Vec<Q4Decl>,
-    groups: Vec<String>,
+/// One entry point of a graph: a run of nodes with its own inputs and outputs. Programs share
+/// the weights and the state values, so that a language model's prefill (many tokens) and
+/// decode (one token) run against one weight pool and one KV cache.
+#[derive(Debug, Clone, PartialEq)]
+struct Program {
+    name: String,
+    start: usize,
+    end: usize,
     inputs: Vec<ValueId>,
     outputs: Vec<ValueId>,
 }
 
+/// A computation over activations and model weights, built op by op with shape checks.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    values: Vec<ValueInfo>,
+    sources: Vec<Source>,
+    /// Index of the node that defines each value (node outputs only).
+    def_node: Vec<Option<usize>>,
+    nodes: Vec<Node>,
+    q4: Vec<Q4Decl>,
+    groups: Vec<String>,
+    programs: Vec<Program>,
+}
+
+impl Default for Graph {
+    fn default() -> Self {
+        Graph {
+            values: Vec::new(),
+            sources: Vec::new(),
+            def_node: Vec::new(),
+            nodes: Vec::new(),
+            q4: Vec::new(),
+            groups: Vec::new(),
+            programs: vec![Program {
+                name: "main".into(),
+                start: 0,
+                end: 0,
+                inputs: Vec::new(),
+                outputs: Vec::new(),
+            }],
+        }
+    }
+}
+
 impl Graph {
-    /// An empty graph.
+    /// An empty graph with one program, "main".
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Starts a new program (entry point); inputs, ops and outputs added from now on belong to
+    /// it. Returns its index (the first program is 0). A graph whose first program has no nodes
+    /// yet renames it instead.
+    pub fn program(&mut self, name: &str) -> usize {
+        let cur = self.programs.len() - 1;
+        if self.programs[cur].start == self.nodes.len() && self.programs[cur].inputs.is_empty() {
+            self.programs[cur].name = name.to_string();
+            return cur;
+        }
+        self.programs.push(Program {
+            name: name.to_string(),
+            start: self.nodes.len(),
+            end: self.nodes.len(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+        });
+        self.programs.len() - 1
+    }
+
+    /// Number of programs.
+    pub fn programs(&self) -> usize {
+        self.programs.len()
+    }
+
+    /// Index of the program named `name`.
+    pub fn program_index(&self, name: &str) -> Option<usize> {
+        self.programs.iter().position(|p| p.name == name)
+    }
+
+    fn current(&self) -> usize {
+        self.programs.len() - 1
     }
 
     /// Declares a weight group (e.g. one layer); weights are loaded a group at a time.
@@ -83,13 +155,15 @@ impl Graph {
     fn value(&mut self, info: ValueInfo, source: Source) -> ValueId {
         self.values.push(info);
         self.sources.push(source);
+        self.def_node.push(None);
         ValueId(self.values.len() - 1)
     }
 
-    /// A graph input, written by the caller before each step.
+    /// An input of the current program, written by the caller before each step.
     pub fn input(&mut self, info: ValueInfo) -> ValueId {
-        let v = self.value(info, Source::Input);
-        self.inputs.push(v);
+        let p = self.current();
+        let v = self.value(info, Source::Input(p));
+        self.programs[p].inputs.push(v);
         v
     }
 
@@ -104,6 +178,12 @@ impl Graph {
         )
     }
 
+    /// A value that persists across steps and programs (a KV cache), zero at the start and
+    /// changed only by in-place ops such as [`OpKind::CacheWrite`].
+    pub fn state(&mut self, info: ValueInfo) -> ValueId {
+        self.value(info, Source::State)
+    }
+
     /// A 4-bit model weight (`tensor` is its base name, e.g. `model.layers.0.mlp.up_proj.weight`).
     pub fn q4_weight(&mut self, group: usize, tensor: &str, info: Q4Info) -> WeightId {
         self.q4.push(Q4Decl {
@@ -114,21 +194,36 @@ impl Graph {
         WeightId(self.q4.len() - 1)
     }
 
-    /// Appends an op; its output's shape is checked and inferred now.
+    /// Appends an op to the current program; its output's shape is checked and inferred now.
+    /// An in-place op returns the state value it updates.
     pub fn op(
         &mut self,
         op: OpKind,
         inputs: &[ValueId],
         weight: Option<WeightId>,
     ) -> Result<ValueId> {
-        let infos: Vec<&ValueInfo> = inputs
-            .iter()
-            .map(|v| {
-                self.values
-                    .get(v.0)
-                    .ok_or_else(|| Error::Invalid(format!("{}: unknown value {}", op.name(), v.0)))
-            })
-            .collect::<Result<_>>()?;
+        let prog = self.current();
+        let pstart = self.programs[prog].start;
+        for v in inputs {
+            let src = self
+                .sources
+                .get(v.0)
+                .ok_or_else(|| Error::Invalid(format!("{}: unknown value {}", op.name(), v.0)))?;
+            let ok = match src {
+                Source::Input(p) => *p == prog,
+                Source::Node => self.def_node[v.0].is_some_and(|n| n >= pstart),
+                Source::Dense { .. } | Source::State => true,
+            };
+            if !ok {
+                return Err(Error::Invalid(format!(
+                    "{}: value {} belongs to another program than '{}'",
+                    op.name(),
+                    v.0,
+                    self.programs[prog].name
+                )));
+            }
+        }
+        let infos: Vec<&ValueInfo> = inputs.iter().map(|v| &self.values[v.0]).collect();
         let q4 = weight
             .map(|w| {
                 self.q4
@@ -138,19 +233,37 @@ impl Graph {
             })
             .transpose()?;
         let info = infer(&op, &infos, q4)?;
-        let out = self.value(info, Source::Node);
+        let out = match op.in_place_input() {
+            Some(i) => {
+                let target = inputs[i];
+                if self.sources[target.0] != Source::State || self.values[target.0] != info {
+                    return Err(Error::Invalid(format!(
+                        "{}: works in place on a state value of the output's shape",
+                        op.name()
+                    )));
+                }
+                target
+            }
+            None => {
+                let v = self.value(info, Source::Node);
+                self.def_node[v.0] = Some(self.nodes.len());
+                v
+            }
+        };
         self.nodes.push(Node {
             op,
             inputs: inputs.to_vec(),
             weight,
             output: out,
         });
+        self.programs[prog].end = self.nodes.len();
         Ok(out)
     }
 
-    /// Marks a value as an output, read back after each step.
+    /// Marks a value as an output of the current program, read back after each step.
     pub fn output(&mut self, v: ValueId) {
-        self.outputs.push(v);
+        let p = self.current();
+        self.programs[p].outputs.push(v);
     }
 
     /// Shape and type of a value.
@@ -185,18 +298,64 @@ impl Graph {
         Ok(bytes)
     }
 
-    /// Device bytes the plan reserves for activations: every value at once (an upper bound of
-    /// the arena, which reuses memory between values whose lifetimes do not overlap).
+    /// Bytes every weight group takes on a device (4-bit codes + f32 absmax + code table, dense
+    /// tensors as f32).
+    pub fn group_device_bytes(&self) -> Vec<u64> {
+        let mut bytes = vec![0u64; self.groups.len()];
+        for d in &self.q4 {
+            let n = d.info.shape.iter().product::<usize>() as u64;
+            bytes[d.group] += n.div_ceil(2) + n.div_ceil(d.info.blocksize as u64) * 4 + 64;
+        }
+        for (vi, s) in self.sources.iter().enumerate() {
+            if let Source::Dense { group, .. } = s {
+                bytes[*group] += self.values[vi].numel() as u64 * 4;
+            }
+        }
+        bytes
+    }
+
+    /// Bytes of the persistent state values (KV cache).
+    pub fn state_bytes(&self) -> u64 {
+        (0..self.values.len())
+            .filter(|&v| self.sources[v] == Source::State)
+            .map(|v| self.values[v].numel() as u64 * 4)
+            .sum()
+    }
+
+    /// Device bytes of every value at once: an upper bound of the arena.
     pub fn activation_bytes(&self) -> u64 {
         self.values.iter().map(|v| v.numel() as u64 * 4).sum()
     }
 
-    /// The smallest device budget with which this graph runs on `model`: activations plus a
-    /// stream pool for the two largest groups, everything streamed.
-    pub fn min_device_bytes(&self, model: &ModelIndex) -> Result<u64> {
-        let mut g = self.group_bytes(model)?;
+    /// The smallest device budget with which this graph runs on `backend` (everything
+    /// streamed), as the executor lays it out.
+    pub fn min_device_bytes<B: Backend + ?Sized>(&self, backend: &B) -> u64 {
+        let all_streamed = vec![false; self.groups.len()];
+        let arena = self
+            .arena_layout(&all_streamed, backend.arena_align_words().max(1))
+            .1
+            .max(1) as u64
+            * 4;
+        let pa = backend.pool_align_bytes().max(4);
+        let mut g = self.group_device_bytes();
+        // Only 4-bit parts go through the pool (each region aligned); dense ones are in the
+        // arena figure already.
+        let dense = self.dense_device_bytes();
+        for (i, (b, d)) in g.iter_mut().zip(dense).enumerate() {
+            *b = *b - d + 3 * pa * self.q4.iter().filter(|q| q.group == i).count() as u64;
+        }
         g.sort_unstable_by(|a, b| b.cmp(a));
-        Ok(self.activation_bytes() + g.iter().take(2).sum::<u64>())
+        arena + g.iter().take(2).sum::<u64>() + pa
+    }
+
+    fn dense_device_bytes(&self) -> Vec<u64> {
+        let mut bytes = vec![0u64; self.groups.len()];
+        for (vi, s) in self.sources.iter().enumerate() {
+            if let Source::Dense { group, .. } = s {
+                bytes[*group] += self.values[vi].numel() as u64 * 4;
+            }
+        }
+        bytes
     }
 
     /// The ops.
@@ -204,40 +363,143 @@ impl Graph {
         &self.nodes
     }
 
-    /// Index of the first node using each group (`None` for unused groups).
-    fn first_use(&self) -> Vec<Option<usize>> {
-        let mut first = vec![None; self.groups.len()];
-        for (ni, n) in self.nodes.iter().enumerate() {
-            let mut mark = |g: usize| {
-                if first[g].is_none() {
-                    first[g] = Some(ni);
-                }
-            };
-            if let Some(w) = n.weight {
-                mark(self.q4[w.0].group);
-            }
-            for v in &n.inputs {
-                if let Source::Dense { group, .. } = &self.sources[v.0] {
-                    mark(*group);
-                }
-            }
-        }
-        first
+    fn groups_of<'a>(&'a self, n: &'a Node) -> impl Iterator<Item = usize> + 'a {
+        let w = n.weight.map(|w| self.q4[w.0].group);
+        let d = n.inputs.iter().filter_map(|v| match &self.sources[v.0] {
+            Source::Dense { group, .. } => Some(*group),
+            _ => None,
+        });
+        w.into_iter().chain(d)
     }
 
-    fn last_use(&self) -> Vec<usize> {
-        let mut last = vec![0usize; self.groups.len()];
-        for (ni, n) in self.nodes.iter().enumerate() {
-            if let Some(w) = n.weight {
-                last[self.q4[w.0].group] = ni;
+    /// Per group: the first and last node of program `p` that use it.
+    fn group_uses(&self, p: usize) -> Vec<Option<(usize, usize)>> {
+        let mut uses: Vec<Option<(usize, usize)>> = vec![None; self.groups.len()];
+        let pr = &self.programs[p];
+        for ni in pr.start..pr.end {
+            for g in self.groups_of(&self.nodes[ni]) {
+                let u = uses[g].get_or_insert((ni, ni));
+                u.1 = ni;
             }
-            for v in &n.inputs {
-                if let Source::Dense { group, .. } = &self.sources[v.0] {
-                    last[*group] = ni;
+        }
+        uses
+    }
+
+    /// Live intervals of every value (inclusive node indices over all programs; a program's
+    /// outputs live to its end, state and resident dense weights for the whole run).
+    fn intervals(&self, resident_group: &[bool]) -> Vec<Vec<(usize, usize)>> {
+        let n = self.nodes.len();
+        let mut iv: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.values.len()];
+        for (p, pr) in self.programs.iter().enumerate() {
+            let uses = self.group_uses(p);
+            // Per value: (first, last) within this program.
+            let mut span: HashMap<usize, (usize, usize)> = HashMap::new();
+            let mut touch = |v: usize, at: usize| {
+                let e = span.entry(v).or_insert((at, at));
+                e.0 = e.0.min(at);
+                e.1 = e.1.max(at);
+            };
+            for &v in &pr.inputs {
+                touch(v.0, pr.start);
+            }
+            for ni in pr.start..pr.end {
+                let node = &self.nodes[ni];
+                touch(node.output.0, ni);
+                for v in &node.inputs {
+                    touch(v.0, ni);
+                }
+            }
+            for &v in &pr.outputs {
+                touch(v.0, pr.end);
+            }
+            // Streamed dense weights are written when their group loads, whether or not this
+            // program reads them.
+            for (vi, s) in self.sources.iter().enumerate() {
+                if let Source::Dense { group, .. } = s {
+                    if let Some((first, last)) = uses[*group] {
+                        touch(vi, first);
+                        touch(vi, last);
+                    }
+                }
+            }
+            for (v, (a, b)) in span {
+                let whole = match &self.sources[v] {
+                    Source::State => true,
+                    Source::Dense { group, .. } => resident_group[*group],
+                    _ => false,
+                };
+                if !whole {
+                    let lo = match &self.sources[v] {
+                        Source::Dense { group, .. } => uses[*group].map_or(a, |u| u.0.min(a)),
+                        _ => a,
+                    };
+                    iv[v].push((lo, b));
                 }
             }
         }
-        last
+        for (v, s) in self.sources.iter().enumerate() {
+            let whole = match s {
+                Source::State => true,
+                Source::Dense { group, .. } => resident_group[*group],
+                _ => false,
+            };
+            if whole {
+                iv[v] = vec![(0, n)];
+            }
+        }
+        iv
+    }
+
+    /// Arena placement of every value (None: never live) and the arena's size in words, for a
+    /// given residency of the groups and word alignment.
+    fn arena_layout(
+        &self,
+        resident_group: &[bool],
+        align_w: usize,
+    ) -> (Vec<Option<ArenaSlice>>, usize) {
+        let iv = self.intervals(resident_group);
+        let overlap = |a: &[(usize, usize)], b: &[(usize, usize)]| {
+            a.iter()
+                .any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 <= e2 && s2 <= e1))
+        };
+        let mut order: Vec<usize> = (0..self.values.len())
+            .filter(|&v| !iv[v].is_empty())
+            .collect();
+        // Long-lived values first (they pin the bottom of the arena), then by first use.
+        order.sort_by_key(|&v| {
+            let first = iv[v].iter().map(|i| i.0).min().unwrap_or(0);
+            let whole = iv[v] == [(0, self.nodes.len())];
+            (!whole, first, v)
+        });
+        let mut placed: Vec<(usize, usize, usize)> = Vec::new(); // (offset, len, value)
+        let mut slices = vec![None; self.values.len()];
+        let mut words = 0usize;
+        let mut conflicts: Vec<(usize, usize)> = Vec::new();
+        for v in order {
+            let len = self.values[v].numel().max(1);
+            conflicts.clear();
+            conflicts.extend(
+                placed
+                    .iter()
+                    .filter(|p| overlap(&iv[p.2], &iv[v]))
+                    .map(|p| (p.0, p.1)),
+            );
+            conflicts.sort_unstable();
+            let mut off = 0usize;
+            for &(o, l) in &conflicts {
+                if off + len <= o {
+                    break;
+                }
+                off = off.max((o + l).div_ceil(align_w) * align_w);
+            }
+            placed.push((off, len, v));
+            slices[v] = Some(ArenaSlice {
+                offset: off,
+                len: self.values[v].numel(),
+            });
+            words = words.max(off + len);
+        }
+        (slices, words)
     }
 }
 
@@ -290,11 +552,14 @@ pub struct Executor<B: Backend> {
     /// Per weight: its quant-state JSON and code table as the safetensors bytes the stream
     /// rebuilds the state from (fixed for the executor's life, so encoded once).
     state_bytes: Vec<(Vec<u8>, Vec<u8>)>,
-    /// The non-resident groups as (first node, group), in the order the step loads them.
-    stream_starts: Vec<(usize, usize)>,
+    /// Per program: the non-resident groups as (first node, group), in the order a step loads
+    /// them (the same group order in every program: the ring streams one schedule).
+    stream_starts: Vec<Vec<(usize, usize)>>,
     prefetch: Option<Prefetcher<ThreadedSource>>,
     arena_words: usize,
     pool_bytes: u64,
+    /// Zeros written over the state values before the first step and on `reset_state`.
+    state_slices: Vec<ArenaSlice>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -314,6 +579,159 @@ fn element_size(d: Dtype) -> usize {
     (crate::index::dtype_bits(d) / 8) as usize
 }
 
+/// Where everything lives for one residency choice.
+struct Layout {
+    slices: Vec<Option<ArenaSlice>>,
+    arena_words: usize,
+    views: Vec<Q4View>,
+    pool_bytes: u64,
+    streamed: Vec<usize>,
+    stream_starts: Vec<Vec<(usize, usize)>>,
+    resident_group: Vec<bool>,
+}
+
+impl Layout {
+    fn allocation(&self, graph: &Graph) -> Allocation {
+        let resident_dense: u64 = graph
+            .sources
+            .iter()
+            .enumerate()
+            .filter(
+                |(_, s)| matches!(s, Source::Dense { group, .. } if self.resident_group[*group]),
+            )
+            .map(|(v, _)| graph.values[v].numel() as u64 * 4)
+            .sum();
+        Allocation {
+            pool_bytes: self.pool_bytes,
+            arena_bytes: self.arena_words.max(1) as u64 * 4,
+            state_bytes: graph.state_bytes(),
+            resident_dense_bytes: resident_dense,
+        }
+    }
+}
+
+/// Lays out the arena and the pool for a residency choice, and orders the streamed groups.
+fn layout(
+    graph: &Graph,
+    states: &[QuantStateJson],
+    resident_group: &[bool],
+    align_w: usize,
+    pa: u64,
+) -> Result<Layout> {
+    let n_groups = graph.groups.len();
+    let (slices, arena_words) = graph.arena_layout(resident_group, align_w);
+    // Streamed groups, in the order of their first use in program 0; every program must
+    // use them in that order (the ring streams one schedule).
+    let uses: Vec<Vec<Option<(usize, usize)>>> = (0..graph.programs.len())
+        .map(|p| graph.group_uses(p))
+        .collect();
+    let is_streamed = |g: usize| !resident_group[g] && uses.iter().any(|u| u[g].is_some());
+    let streamed: Vec<usize> = {
+        let mut g: Vec<usize> = (0..n_groups).filter(|&g| is_streamed(g)).collect();
+        g.sort_by_key(|&g| uses[0][g].map(|u| u.0).unwrap_or(usize::MAX));
+        g
+    };
+    let mut stream_starts = Vec::with_capacity(graph.programs.len());
+    for (p, u) in uses.iter().enumerate() {
+        let pname = &graph.programs[p].name;
+        let mut order: Vec<usize> = streamed
+            .iter()
+            .copied()
+            .filter(|&g| u[g].is_some())
+            .collect();
+        order.sort_by_key(|&g| u[g].map(|x| x.0));
+        if !order.is_empty() && order != streamed {
+            return Err(Error::Invalid(format!(
+                "program '{pname}' does not use the streamed weight groups in the order the ring streams them"
+            )));
+        }
+        for w in order.windows(3) {
+            let (a, c) = (u[w[0]].map(|x| x.1), u[w[2]].map(|x| x.0));
+            if let (Some(last_a), Some(first_c)) = (a, c) {
+                if last_a >= first_c {
+                    return Err(Error::Invalid(format!(
+                        "weight group '{}' is still used after group '{}' starts: streamed groups must be used in order",
+                        graph.groups[w[0]], graph.groups[w[2]]
+                    )));
+                }
+            }
+        }
+        stream_starts.push(
+            order
+                .iter()
+                .filter_map(|&g| u[g].map(|x| (x.0, g)))
+                .collect::<Vec<_>>(),
+        );
+    }
+
+    // Pool: resident weights in their own regions; streamed ones in two alternating slots.
+    let need = |s: &QuantStateJson| -> [u64; 3] { [s.packed_bytes(), s.num_blocks() * 4, 64] };
+    let mut views = vec![
+        Q4View {
+            packed: Default::default(),
+            absmax: Default::default(),
+            code: Default::default(),
+            shape: vec![],
+            blocksize: 0
+        };
+        graph.q4.len()
+    ];
+    let mut cursor = 0u64;
+    let place = |cursor: &mut u64, s: &QuantStateJson, d: &Q4Decl| -> Q4View {
+        let [p, a, c] = need(s);
+        let mut region = |len: u64| {
+            let r = PoolRegion {
+                offset: align(*cursor, pa),
+                len,
+            };
+            *cursor = r.offset + len;
+            r
+        };
+        Q4View {
+            packed: region(p),
+            absmax: region(a),
+            code: region(c),
+            shape: d.info.shape.clone(),
+            blocksize: d.info.blocksize,
+        }
+    };
+    for (wi, d) in graph.q4.iter().enumerate() {
+        if resident_group[d.group] {
+            views[wi] = place(&mut cursor, &states[wi], d);
+        }
+    }
+    let slot_base = [align(cursor, pa), 0];
+    let mut slot_len = [0u64; 2];
+    let mut slot_views: Vec<(usize, Q4View)> = Vec::new();
+    for (si, &g) in streamed.iter().enumerate() {
+        let mut c = 0u64;
+        for (wi, d) in graph.q4.iter().enumerate().filter(|(_, d)| d.group == g) {
+            let v = place(&mut c, &states[wi], d);
+            slot_views.push((wi, v));
+        }
+        slot_len[si % 2] = slot_len[si % 2].max(c);
+    }
+    let slot_base = [slot_base[0], align(slot_base[0] + slot_len[0], pa)];
+    for (wi, mut v) in slot_views {
+        let g = graph.q4[wi].group;
+        let si = streamed.iter().position(|&x| x == g).unwrap_or(0) % 2;
+        for r in [&mut v.packed, &mut v.absmax, &mut v.code] {
+            r.offset += slot_base[si];
+        }
+        views[wi] = v;
+    }
+    let pool_bytes = align(slot_base[1] + slot_len[1], pa).max(pa);
+    Ok(Layout {
+        slices,
+        arena_words,
+        views,
+        pool_bytes,
+        streamed,
+        stream_starts,
+        resident_group: resident_group.to_vec(),
+    })
+}
+
 impl<B: Backend> Executor<B> {
     /// Plans memory, allocates the backend's arena and pool once, and loads resident weights.
     pub fn new(
@@ -322,8 +740,6 @@ impl<B: Backend> Executor<B> {
         mut backend: B,
         opts: ExecOptions,
     ) -> Result<Self> {
-        let first_use = graph.first_use();
-        let last_use = graph.last_use();
         // Which file tensors feed which weight.
         let keys = find_4bit_weights(model)?;
         let mut roles: HashMap<(usize, String), Role> = HashMap::new();
@@ -385,165 +801,68 @@ impl<B: Backend> Executor<B> {
             ts.sort_by_key(|t| (t.shard, t.offset));
             ts.dedup_by(|a, b| a.name == b.name);
         }
-
-        // Arena: each value lives from its definition (or its group's load) to its last use.
-        let n_nodes = graph.nodes.len();
-        let mut start = vec![0usize; graph.values.len()];
-        let mut end = vec![0usize; graph.values.len()];
-        for (ni, n) in graph.nodes.iter().enumerate() {
-            start[n.output.0] = ni;
-            end[n.output.0] = end[n.output.0].max(ni);
-            for v in &n.inputs {
-                end[v.0] = end[v.0].max(ni);
-            }
-        }
-        let mut streamed_dense = vec![false; graph.values.len()];
         let group_bytes: Vec<u64> = group_tensors
             .iter()
             .map(|ts| ts.iter().map(|t| t.len).sum())
             .collect();
-        for (vi, s) in graph.sources.iter().enumerate() {
-            match s {
-                Source::Input => start[vi] = 0,
-                Source::Dense { group, .. } => {
-                    start[vi] = first_use[*group].unwrap_or(0);
-                    streamed_dense[vi] = true;
-                }
-                Source::Node => {}
-            }
-        }
-        for o in &graph.outputs {
-            end[o.0] = n_nodes;
-        }
-        let align_w = backend.arena_align_words().max(1);
-        // The plan decides residency; resident dense weights then live for the whole run.
-        let arena_guess = graph.activation_bytes();
-        let mut budgets = opts.budgets;
-        budgets.device_other_bytes += arena_guess;
-        // The executor does not keep a host cache yet: plan without one, so the plan is true.
-        budgets.host_cache_bytes = 0;
-        let plan = MemoryPlan::new(
-            graph
-                .groups
-                .iter()
-                .zip(&group_bytes)
-                .map(|(n, &b)| WeightGroup {
-                    name: n.clone(),
-                    bytes: b,
-                })
-                .collect(),
-            budgets,
-        )?;
-        for (vi, s) in graph.sources.iter().enumerate() {
-            if let Source::Dense { group, .. } = s {
-                if plan.placement[*group] == Placement::Resident {
-                    start[vi] = 0;
-                    end[vi] = n_nodes;
-                    streamed_dense[vi] = false;
-                }
-            }
-        }
-        let mut order: Vec<usize> = (0..graph.values.len())
-            .filter(|&v| start[v] <= end[v])
-            .collect();
-        order.sort_by_key(|&v| (start[v], v));
-        let mut live: Vec<(usize, usize, usize)> = Vec::new(); // (offset, len, end)
-        let mut slices = vec![None; graph.values.len()];
-        let mut arena_words = 0usize;
-        for v in order {
-            live.retain(|&(_, _, e)| e >= start[v]);
-            let len = graph.values[v].numel().max(1);
-            live.sort_unstable();
-            let mut off = 0usize;
-            for &(o, l, _) in &live {
-                if off + len <= o {
-                    break;
-                }
-                off = off.max((o + l).div_ceil(align_w) * align_w);
-            }
-            live.push((off, len, end[v]));
-            slices[v] = Some(ArenaSlice {
-                offset: off,
-                len: graph.values[v].numel(),
-            });
-            arena_words = arena_words.max(off + len);
-        }
 
-        // Pool: resident weights in their own regions; streamed ones in two alternating slots.
+        // The plan decides residency against the arena every value needs when everything
+        // streams; resident dense weights then move to whole-run slices.
+        let align_w = backend.arena_align_words().max(1);
+        let n_groups = graph.groups.len();
+        let (_, streamed_arena) = graph.arena_layout(&vec![false; n_groups], align_w);
+        let mut budgets = opts.budgets;
+        budgets.device_other_bytes += streamed_arena as u64 * 4;
+        // The executor does not keep a host cache: plan without one, so the plan is true.
+        budgets.host_cache_bytes = 0;
         let pa = backend.pool_align_bytes().max(4);
-        let need = |s: &QuantStateJson| -> [u64; 3] { [s.packed_bytes(), s.num_blocks() * 4, 64] };
-        let mut views = vec![
-            Q4View {
-                packed: Default::default(),
-                absmax: Default::default(),
-                code: Default::default(),
-                shape: vec![],
-                blocksize: 0
-            };
-            graph.q4.len()
-        ];
-        let mut cursor = 0u64;
-        let place = |cursor: &mut u64, s: &QuantStateJson, d: &Q4Decl| -> Q4View {
-            let [p, a, c] = need(s);
-            let mut region = |len: u64| {
-                let r = PoolRegion {
-                    offset: align(*cursor, pa),
-                    len,
-                };
-                *cursor = r.offset + len;
-                r
-            };
-            Q4View {
-                packed: region(p),
-                absmax: region(a),
-                code: region(c),
-                shape: d.info.shape.clone(),
-                blocksize: d.info.blocksize,
-            }
-        };
-        for (wi, d) in graph.q4.iter().enumerate() {
-            if plan.placement[d.group] != Placement::Streamed
-                && plan.placement[d.group] != Placement::HostCached
-            {
-                views[wi] = place(&mut cursor, &states[wi], d);
-            }
-        }
-        let streamed: Vec<usize> = {
-            let mut g: Vec<usize> = (0..graph.groups.len())
-                .filter(|&g| plan.placement[g] != Placement::Resident && first_use[g].is_some())
+        let device_bytes = graph.group_device_bytes();
+        let dense_bytes = graph.dense_device_bytes();
+        let weights_in = |g: usize| graph.q4.iter().filter(|d| d.group == g).count() as u64;
+        let groups: Vec<WeightGroup> = (0..n_groups)
+            .map(|g| WeightGroup {
+                name: graph.groups[g].clone(),
+                bytes: group_bytes[g],
+                // Each of a 4-bit weight's three regions is aligned in the pool.
+                device_bytes: device_bytes[g] + 3 * pa * weights_in(g),
+                slot_bytes: device_bytes[g] - dense_bytes[g] + 3 * pa * weights_in(g),
+            })
+            .collect();
+        // Resident dense weights take whole-run arena slices, and the arena of the other values
+        // need not shrink by as much: plan, lay out, and if the layout is over the budget, plan
+        // again for a budget smaller by the excess.
+        let mut shrink = 0u64;
+        let (plan, lay) = loop {
+            let mut b = budgets;
+            b.device_bytes = budgets.device_bytes.saturating_sub(shrink);
+            let mut plan = MemoryPlan::new(groups.clone(), b)?;
+            let resident_group: Vec<bool> = plan
+                .placement
+                .iter()
+                .map(|p| *p == Placement::Resident)
                 .collect();
-            g.sort_by_key(|&g| first_use[g]);
-            g
+            let lay = layout(&graph, &states, &resident_group, align_w, pa)?;
+            plan.budgets.device_bytes = budgets.device_bytes;
+            let total = lay.pool_bytes + lay.arena_words.max(1) as u64 * 4;
+            match plan.set_allocation(lay.allocation(&graph)) {
+                Ok(()) => break (plan, lay),
+                Err(e) if plan.counts().0 == 0 => return Err(e),
+                Err(_) => shrink += total.saturating_sub(budgets.device_bytes) + pa,
+            }
         };
-        for w in streamed.windows(3) {
-            if last_use[w[0]] >= first_use[w[2]].unwrap_or(usize::MAX) {
-                return Err(Error::Invalid(format!(
-                    "weight group '{}' is still used after group '{}' starts: streamed groups must be used in order",
-                    graph.groups[w[0]], graph.groups[w[2]]
-                )));
-            }
-        }
-        let slot_base = [align(cursor, pa), 0];
-        let mut slot_len = [0u64; 2];
-        let mut slot_views: Vec<(usize, Q4View)> = Vec::new();
-        for (si, &g) in streamed.iter().enumerate() {
-            let mut c = 0u64;
-            for (wi, d) in graph.q4.iter().enumerate().filter(|(_, d)| d.group == g) {
-                let v = place(&mut c, &states[wi], d);
-                slot_views.push((wi, v));
-            }
-            slot_len[si % 2] = slot_len[si % 2].max(c);
-        }
-        let slot_base = [slot_base[0], align(slot_base[0] + slot_len[0], pa)];
-        for (wi, mut v) in slot_views {
-            let g = graph.q4[wi].group;
-            let si = streamed.iter().position(|&x| x == g).unwrap_or(0) % 2;
-            for r in [&mut v.packed, &mut v.absmax, &mut v.code] {
-                r.offset += slot_base[si];
-            }
-            views[wi] = v;
-        }
-        let pool_bytes = align(slot_base[1] + slot_len[1], pa).max(pa);
+        let Layout {
+            slices,
+            arena_words,
+            views,
+            pool_bytes,
+            streamed,
+            stream_starts,
+            resident_group,
+        } = lay;
+        let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
+            .filter(|&v| graph.sources[v] == Source::State)
+            .filter_map(|v| slices[v])
+            .collect();
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
         let scratch = vec![Q4Scratch::default(); graph.q4.len()];
@@ -559,10 +878,6 @@ impl<B: Backend> Executor<B> {
                 (st.to_json_bytes(), code)
             })
             .collect();
-        let stream_starts = streamed
-            .iter()
-            .filter_map(|&g| first_use[g].map(|n| (n, g)))
-            .collect();
         let mut ex = Executor {
             graph,
             backend,
@@ -577,13 +892,17 @@ impl<B: Backend> Executor<B> {
             prefetch: None,
             arena_words,
             pool_bytes,
+            state_slices,
         };
+        ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
         let b = opts.budgets;
-        let ring = StagingRing::new(b.ring_slots as usize, b.slot_bytes as usize, &HostAllocator)?;
-        let resident: Vec<usize> = (0..ex.graph.groups.len())
-            .filter(|&g| ex.plan.placement[g] == Placement::Resident)
-            .collect();
+        let alloc = ex
+            .backend
+            .slot_allocator()
+            .unwrap_or_else(|| Box::new(HostAllocator));
+        let ring = StagingRing::new(b.ring_slots as usize, b.slot_bytes as usize, alloc.as_ref())?;
+        let resident: Vec<usize> = (0..n_groups).filter(|&g| resident_group[g]).collect();
         let chunks = chunk_schedule(
             resident.iter().map(|&g| (g, group_tensors[g].as_slice())),
             b.slot_bytes as usize,
@@ -603,6 +922,32 @@ impl<B: Backend> Executor<B> {
             ex.prefetch = Some(Prefetcher::new(src, ring, chunks, None)?);
         }
         Ok(ex)
+    }
+
+    /// Sets every state value (KV cache) back to zero, as before the first step.
+    pub fn reset_state(&mut self) -> Result<()> {
+        for s in self.state_slices.clone() {
+            // In pieces, so that a large cache needs no host buffer of its size.
+            let zeros = vec![0u32; s.len.clamp(1, 1 << 16)];
+            let mut at = 0;
+            while at < s.len {
+                let n = (s.len - at).min(zeros.len());
+                self.backend.write_arena(
+                    ArenaSlice {
+                        offset: s.offset + at,
+                        len: n,
+                    },
+                    &zeros[..n],
+                )?;
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// The graph being run.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
     }
 
     /// The memory plan in force.
@@ -720,17 +1065,33 @@ impl<B: Backend> Executor<B> {
         Ok(())
     }
 
-    /// Runs one step: writes `inputs` (in graph-input order), runs every op (streaming the
-    /// non-resident groups), returns the outputs.
+    /// Runs one step of program 0 (see [`Executor::step_program`]).
     pub fn step(&mut self, inputs: &[HostTensor]) -> Result<(Vec<HostTensor>, ExecStats)> {
-        if inputs.len() != self.graph.inputs.len() {
+        self.step_program(0, inputs)
+    }
+
+    /// Runs one step of program `p`: writes `inputs` (in the program's input order), runs its
+    /// ops (streaming the non-resident groups), returns its outputs.
+    pub fn step_program(
+        &mut self,
+        p: usize,
+        inputs: &[HostTensor],
+    ) -> Result<(Vec<HostTensor>, ExecStats)> {
+        let prog = self
+            .graph
+            .programs
+            .get(p)
+            .ok_or_else(|| Error::Invalid(format!("no program {p}")))?;
+        let (start, end) = (prog.start, prog.end);
+        if inputs.len() != prog.inputs.len() {
             return Err(Error::Invalid(format!(
-                "{} inputs given, the graph has {}",
+                "{} inputs given, program '{}' has {}",
                 inputs.len(),
-                self.graph.inputs.len()
+                prog.name,
+                prog.inputs.len()
             )));
         }
-        for (v, t) in self.graph.inputs.iter().zip(inputs) {
+        for (v, t) in prog.inputs.iter().zip(inputs) {
             if t.info != self.graph.values[v.0] {
                 return Err(Error::Invalid(format!(
                     "input {}: {:?} given, {:?} expected",
@@ -742,9 +1103,12 @@ impl<B: Backend> Executor<B> {
         }
         let mut next_group = 0;
         let mut stats = ExecStats::default();
-        for ni in 0..self.graph.nodes.len() {
-            while next_group < self.stream_starts.len() && self.stream_starts[next_group].0 == ni {
-                let g = self.stream_starts[next_group].1;
+        let mut ins: Vec<Operand> = Vec::with_capacity(8);
+        for ni in start..end {
+            while next_group < self.stream_starts[p].len()
+                && self.stream_starts[p][next_group].0 == ni
+            {
+                let g = self.stream_starts[p][next_group].1;
                 let mut pf = self
                     .prefetch
                     .take()
@@ -765,9 +1129,12 @@ impl<B: Backend> Executor<B> {
                     info: self.graph.values[v.0].clone(),
                 })
             };
-            let ins: Vec<Operand> = node.inputs.iter().map(operand).collect::<Result<_>>()?;
+            ins.clear();
+            for v in &node.inputs {
+                ins.push(operand(v)?);
+            }
             let out = operand(&node.output)?;
-            let view = node.weight.map(|w| self.views[w.0].clone());
+            let view = node.weight.map(|w| &self.views[w.0]);
             if !self.backend.supports(&node.op) {
                 return Err(Error::Invalid(format!(
                     "{} does not support {}",
@@ -775,10 +1142,11 @@ impl<B: Backend> Executor<B> {
                     node.op.name()
                 )));
             }
-            self.backend.run(&node.op, &ins, view.as_ref(), &out)?;
+            self.backend.run(&node.op, &ins, view, &out)?;
         }
-        let mut outs = Vec::with_capacity(self.graph.outputs.len());
-        for v in &self.graph.outputs {
+        let prog = &self.graph.programs[p];
+        let mut outs = Vec::with_capacity(prog.outputs.len());
+        for v in &prog.outputs {
             let s = self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced output".into()))?;
             let words = self.backend.read_arena(s)?;
             let info = &self.graph.values[v.0];

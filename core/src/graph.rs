@@ -105,6 +105,10 @@ pub enum OpKind {
     },
     /// adaLN modulation: `x * (1 + scale) + shift`, scale and shift over the last dim.
     AdaLnModulate,
+    /// KV-cache append, in place: `cache[H, C, D]` with rows `pos .. pos + T` of every head
+    /// replaced by `x[H, T, D]`; `pos` is a runtime `u32[1]`. The output is the cache itself
+    /// (input 0): kernels write only the new rows.
+    CacheWrite,
     /// Sinusoidal timestep embedding of `t[B]` to `[B, dim]` (diffusers' `get_timestep_embedding`).
     TimestepEmbedding {
         /// Output width (even).
@@ -145,7 +149,16 @@ impl OpKind {
             OpKind::Permute { .. } => "permute",
             OpKind::Reshape { .. } => "reshape",
             OpKind::AdaLnModulate => "adaln_modulate",
+            OpKind::CacheWrite => "cache_write",
             OpKind::TimestepEmbedding { .. } => "timestep_embedding",
+        }
+    }
+
+    /// The input whose storage the output shares (in-place ops), if any.
+    pub fn in_place_input(&self) -> Option<usize> {
+        match self {
+            OpKind::CacheWrite => Some(0),
+            _ => None,
         }
     }
 }
@@ -216,7 +229,7 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
         | OpKind::Embedding => 2,
         OpKind::RmsNorm { .. } => 2,
         OpKind::LayerNorm { affine, .. } => 1 + 2 * *affine as usize,
-        OpKind::Rope { .. } | OpKind::AdaLnModulate => 3,
+        OpKind::Rope { .. } | OpKind::AdaLnModulate | OpKind::CacheWrite => 3,
         OpKind::Attention { key_mask, .. } => 3 + *key_mask as usize,
         _ => 1,
     };
@@ -238,7 +251,8 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
         );
     }
     for (i, v) in inputs.iter().enumerate() {
-        let ids = matches!(op, OpKind::Embedding) && i == 0;
+        let ids = (matches!(op, OpKind::Embedding) && i == 0)
+            || (matches!(op, OpKind::CacheWrite) && i == 2);
         if !ids {
             want_f32(op, &format!("input {i}"), v)?;
         }
@@ -434,6 +448,25 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
             }
             shape.clone()
         }
+        OpKind::CacheWrite => {
+            let (c, x, pos) = (s(0), s(1), inputs[2]);
+            if c.len() != 3 || x.len() != 3 || c[0] != x[0] || c[2] != x[2] || x[1] > c[1] {
+                return err(
+                    op,
+                    format!("expects cache[H,C,D] and x[H,T,D] with T <= C, got {c:?} and {x:?}"),
+                );
+            }
+            if pos.elem != ElemType::U32 || pos.shape != [1] {
+                return err(
+                    op,
+                    format!(
+                        "the position must be u32[1], is {:?} {:?}",
+                        pos.elem, pos.shape
+                    ),
+                );
+            }
+            c.to_vec()
+        }
         OpKind::TimestepEmbedding { dim, .. } => {
             if s(0).len() != 1 || *dim == 0 || dim % 2 != 0 {
                 return err(
@@ -502,6 +535,14 @@ impl HostTensor {
         match &self.data {
             HostData::F32(v) => v,
             HostData::U32(_) => &[],
+        }
+    }
+
+    /// The f32 values, moved out (empty for u32 tensors).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self.data {
+            HostData::F32(v) => v,
+            HostData::U32(_) => Vec::new(),
         }
     }
 

@@ -407,6 +407,35 @@ impl ModelIndex {
         Ok(me)
     }
 
+    /// A small file beside the weights (`tokenizer.json`, `generation_config.json`, ...), read
+    /// from the model's folder or fetched from its URL; `Ok(None)` when there is none.
+    #[cfg(feature = "native")]
+    pub fn side_file(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        const LIMIT: u64 = 64 << 20;
+        let root = self.root.trim_end_matches('/');
+        if root.starts_with("http://") || root.starts_with("https://") {
+            let dir = if root.ends_with(".safetensors") {
+                root.rsplit_once('/').map(|(d, _)| d).unwrap_or(root)
+            } else {
+                root
+            };
+            let http = crate::http_source::HttpSource::new(Default::default());
+            return http.get_small(&format!("{dir}/{name}"), LIMIT);
+        }
+        let p = Path::new(root);
+        let dir = if p.is_dir() {
+            p
+        } else {
+            p.parent().unwrap_or(Path::new("."))
+        };
+        let path = dir.join(name);
+        match std::fs::read(&path) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io(path.display().to_string(), e)),
+        }
+    }
+
     /// Opens a local `.safetensors` file or model folder and validates every header.
     #[cfg(feature = "native")]
     pub fn open(path: &Path) -> Result<Self> {

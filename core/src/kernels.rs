@@ -50,6 +50,8 @@ pub fn operands(op: &OpKind, n_inputs: usize) -> Vec<Slot> {
             Slot::Input(2),
             opt(*key_mask, 3),
         ],
+        // In place: the cache is the output binding; only the new rows and the position are read.
+        OpKind::CacheWrite => vec![Slot::Input(1), Slot::Input(2)],
         _ => (0..n_inputs).map(Slot::Input).collect(),
     }
 }
@@ -198,6 +200,15 @@ pub fn call(
             )
         }
         OpKind::AdaLnModulate => ("adaln_modulate", vec![n as u32, last(0)], n),
+        OpKind::CacheWrite => {
+            let (c, x) = (&shapes[0], &shapes[1]);
+            let items = x[0] * x[1] * x[2];
+            (
+                "cache_write",
+                vec![x[0] as u32, c[1] as u32, x[1] as u32, x[2] as u32],
+                items,
+            )
+        }
         OpKind::TimestepEmbedding {
             dim,
             flip_sin_to_cos,

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod bnb;
 pub mod convert;
+pub mod cpu;
 pub mod cpu_ref;
 pub mod dequant_fast;
 pub mod error;
@@ -17,6 +18,10 @@ pub mod executor;
 #[cfg(feature = "native")]
 pub mod file_source;
 pub mod fuzzing;
+#[cfg(feature = "native")]
+pub mod gguf;
+#[cfg(all(feature = "native", feature = "text"))]
+pub mod gguf_convert;
 pub mod graph;
 #[cfg(feature = "native")]
 pub mod http_source;
@@ -33,6 +38,8 @@ pub mod source;
 #[cfg(feature = "native")]
 pub mod synth;
 pub mod sys;
+#[cfg(feature = "text")]
+pub mod text;
 pub mod writer;
 
 pub use error::{Error, QuantProblem, Result};

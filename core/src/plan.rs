@@ -12,8 +12,14 @@ pub const MIN_SLOT_BYTES: u64 = 4096;
 pub struct WeightGroup {
     /// Name for messages, e.g. `model.layers.3`.
     pub name: String,
-    /// Bytes of all its tensors as stored (packed 4-bit data included).
+    /// Bytes of all its tensors as stored (packed 4-bit data included): what a step reads.
     pub bytes: u64,
+    /// Bytes it takes on the device (4-bit codes, f32 absmax and code table; dense tensors as
+    /// f32): what keeping it resident costs.
+    pub device_bytes: u64,
+    /// Bytes of its stream-pool slot when it streams (the 4-bit parts; streamed dense tensors
+    /// live in the activation arena, which `Budgets::device_other_bytes` covers).
+    pub slot_bytes: u64,
 }
 
 /// What the user allows.
@@ -71,6 +77,21 @@ pub struct MemoryPlan {
     pub peak_device_bytes: u64,
     /// Predicted peak host bytes.
     pub peak_host_bytes: u64,
+    /// The allocation made for the plan, once the executor has laid everything out.
+    pub allocation: Option<Allocation>,
+}
+
+/// What the executor actually allocated on the device for a plan (allocated once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Allocation {
+    /// Weight pool: resident 4-bit weights plus the two stream slots.
+    pub pool_bytes: u64,
+    /// Activation arena, resident dense weights and persistent state included.
+    pub arena_bytes: u64,
+    /// Of the arena: persistent state (KV cache).
+    pub state_bytes: u64,
+    /// Of the arena: resident dense weights (f32).
+    pub resident_dense_bytes: u64,
 }
 
 /// Human-readable sizes (binary units).
@@ -117,10 +138,11 @@ pub fn parse_size(s: &str) -> Result<u64> {
 fn pool_for(groups: &[WeightGroup], streamed: &[bool]) -> u64 {
     let mut largest = [0u64; 2];
     for (g, _) in groups.iter().zip(streamed).filter(|(_, s)| **s) {
-        if g.bytes > largest[0] {
-            largest = [g.bytes, largest[0]];
-        } else if g.bytes > largest[1] {
-            largest[1] = g.bytes;
+        let b = g.slot_bytes;
+        if b > largest[0] {
+            largest = [b, largest[0]];
+        } else if b > largest[1] {
+            largest[1] = b;
         }
     }
     largest[0] + largest[1]
@@ -151,7 +173,7 @@ impl MemoryPlan {
         let min_pool = pool_for(&groups, &all_streamed);
         let min_device = budgets.device_other_bytes + min_pool;
         let Some(avail) = device_for_weights.filter(|&a| a >= min_pool) else {
-            let largest = groups.iter().max_by_key(|g| g.bytes);
+            let largest = groups.iter().max_by_key(|g| g.slot_bytes);
             return Err(Error::Invalid(format!(
                 "device budget {} cannot hold the run: activations and caches need {}, and the \
                  streaming pool needs room for the two largest weight groups ({}{}): use \
@@ -160,7 +182,7 @@ impl MemoryPlan {
                 fmt_bytes(budgets.device_other_bytes),
                 fmt_bytes(min_pool),
                 largest
-                    .map(|g| format!(", largest '{}' {}", g.name, fmt_bytes(g.bytes)))
+                    .map(|g| format!(", largest '{}' {}", g.name, fmt_bytes(g.slot_bytes)))
                     .unwrap_or_default(),
                 fmt_bytes(min_device)
             )));
@@ -171,8 +193,8 @@ impl MemoryPlan {
         for i in 0..n {
             streamed[i] = false;
             let pool = pool_for(&groups, &streamed);
-            if resident + groups[i].bytes + pool <= avail {
-                resident += groups[i].bytes;
+            if resident + groups[i].device_bytes + pool <= avail {
+                resident += groups[i].device_bytes;
             } else {
                 streamed[i] = true;
             }
@@ -208,7 +230,28 @@ impl MemoryPlan {
             uploaded_bytes_per_step: uploaded,
             peak_device_bytes: resident + pool_bytes + budgets.device_other_bytes,
             peak_host_bytes: ring_bytes + cache_used + budgets.host_other_bytes,
+            allocation: None,
         })
+    }
+
+    /// Records what was allocated for this plan and makes the device figures exact; refuses an
+    /// allocation over the device budget (with the budget that would fit).
+    pub fn set_allocation(&mut self, a: Allocation) -> Result<()> {
+        let peak = a.pool_bytes + a.arena_bytes;
+        if peak > self.budgets.device_bytes {
+            return Err(Error::Invalid(format!(
+                "device budget {} cannot hold the run as laid out: weight pool {} + arena {} = {}: \
+                 use --device-budget {} or more",
+                fmt_bytes(self.budgets.device_bytes),
+                fmt_bytes(a.pool_bytes),
+                fmt_bytes(a.arena_bytes),
+                fmt_bytes(peak),
+                fmt_bytes(peak)
+            )));
+        }
+        self.peak_device_bytes = peak;
+        self.allocation = Some(a);
+        Ok(())
     }
 
     /// Number of groups with each placement: (resident, streamed, host-cached).
@@ -232,14 +275,26 @@ impl MemoryPlan {
             self.groups.len(),
             fmt_bytes(total)
         ));
-        t.push_str(&format!(
-            "  device  budget {:>10}  peak {:>10} = resident {} ({r} groups) + stream pool {} + activations/caches {}\n",
-            fmt_bytes(b.device_bytes),
-            fmt_bytes(self.peak_device_bytes),
-            fmt_bytes(self.resident_bytes),
-            fmt_bytes(self.pool_bytes),
-            fmt_bytes(b.device_other_bytes)
-        ));
+        match &self.allocation {
+            Some(a) => t.push_str(&format!(
+                "  device  budget {:>10}  allocated {:>10} = weight pool {} ({r} groups resident, {s} streamed through 2 slots) + arena {} (activations {}, resident dense weights {}, KV cache {})\n",
+                fmt_bytes(b.device_bytes),
+                fmt_bytes(self.peak_device_bytes),
+                fmt_bytes(a.pool_bytes),
+                fmt_bytes(a.arena_bytes),
+                fmt_bytes(a.arena_bytes - a.state_bytes - a.resident_dense_bytes),
+                fmt_bytes(a.resident_dense_bytes),
+                fmt_bytes(a.state_bytes)
+            )),
+            None => t.push_str(&format!(
+                "  device  budget {:>10}  peak {:>10} = resident {} ({r} groups) + stream pool {} + activations/caches {}\n",
+                fmt_bytes(b.device_bytes),
+                fmt_bytes(self.peak_device_bytes),
+                fmt_bytes(self.resident_bytes),
+                fmt_bytes(self.pool_bytes),
+                fmt_bytes(b.device_other_bytes)
+            )),
+        }
         t.push_str(&format!(
             "  host    ring {} x {} = {}, cache {} of {} ({h} groups), other {}: peak {}\n",
             b.ring_slots,
@@ -271,6 +326,8 @@ mod tests {
             .map(|(i, &b)| WeightGroup {
                 name: format!("g{i}"),
                 bytes: b,
+                device_bytes: b,
+                slot_bytes: b,
             })
             .collect()
     }

@@ -79,6 +79,7 @@ fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
         &infos,
         &ValueInfo::f32(&b.out),
         q4_shape.as_deref().map(|s| (s, 64)),
+        b.op.in_place_input(),
     );
     let (ins, out, q4) = (lay.inputs, lay.out, lay.q4);
     backend.allocate(lay.arena_words, lay.pool_bytes)?;

@@ -1,5 +1,6 @@
 //! `nibble`: run, inspect and convert 4-bit (bitsandbytes NF4/FP4) models.
 
+mod backends;
 mod bench_kernels;
 mod bench_stream;
 mod inspect;
@@ -21,6 +22,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process; boxing the large `run` variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// List a model's tensors, its 4-bit weights with their quant state, totals and config.
@@ -85,9 +88,18 @@ enum Command {
         /// Model folder or URL.
         #[arg(long)]
         model: String,
+        /// LLM: prompt text (tokenized with the model's tokenizer.json).
+        #[arg(long, conflicts_with = "prompt_ids")]
+        prompt: Option<String>,
+        /// LLM: send the prompt as a user message through the model's chat template.
+        #[arg(long, requires = "prompt")]
+        chat: bool,
         /// LLM: prompt token ids, comma separated.
         #[arg(long, value_delimiter = ',')]
         prompt_ids: Vec<u32>,
+        /// LLM: keep generating after an end-of-sequence token.
+        #[arg(long)]
+        ignore_eos: bool,
         /// DiT: denoising steps.
         #[arg(long, default_value_t = 28)]
         steps: usize,
@@ -122,10 +134,11 @@ enum Command {
         /// Tokens to generate.
         #[arg(long, default_value_t = 16)]
         max_tokens: usize,
-        /// auto (CUDA, then a wgpu adapter, then the CPU), cpu, wgpu, cuda.
+        /// auto (CUDA, then a wgpu GPU adapter, then the CPU), cpu, cpu-ref, wgpu, cuda.
         #[arg(long, default_value = "auto")]
         backend: String,
-        /// Device memory for weights and activations (default: everything resident).
+        /// Device memory for weights, activations and the KV cache (default: everything
+        /// resident).
         #[arg(long)]
         device_budget: Option<String>,
         /// Ring slots.
@@ -152,6 +165,24 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+    },
+    /// Convert a llama.cpp GGUF (llama, qwen2) to a transformers NF4 model folder: weights,
+    /// config.json, tokenizer.json, tokenizer_config.json (chat template).
+    Convert {
+        /// The `.gguf` file.
+        gguf: PathBuf,
+        /// Output folder.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// 4-bit data type.
+        #[arg(long = "quant", value_enum, default_value_t = quant_cmds::QuantArg::Nf4)]
+        quant: quant_cmds::QuantArg,
+        /// Quantize absmax to 8 bits too (`bnb_4bit_use_double_quant`).
+        #[arg(long)]
+        double_quant: bool,
+        /// Dtype of the tensors kept unquantized (embeddings, norms, lm_head): bf16 or f16.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
     },
     /// Serve a folder over HTTP with byte ranges, ETag and CORS (models, the browser demo).
     Serve {
@@ -303,9 +334,19 @@ fn main() -> ExitCode {
             quant_state,
         } => inspect::run(&path, json, quant_state),
         Command::Serve { dir, addr } => serve::run(&dir, &addr),
+        Command::Convert {
+            gguf,
+            out,
+            quant,
+            double_quant,
+            dtype,
+        } => quant_cmds::convert(&gguf, &out, quant, double_quant, &dtype),
         Command::Run {
             model,
+            prompt,
+            chat,
             prompt_ids,
+            ignore_eos,
             steps,
             inputs,
             height,
@@ -329,8 +370,11 @@ fn main() -> ExitCode {
             json,
         } => run::run(&run::RunOptions {
             model,
+            prompt,
+            chat,
             prompt_ids,
             max_tokens,
+            ignore_eos,
             backend,
             device_budget,
             slots,

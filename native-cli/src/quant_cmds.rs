@@ -178,3 +178,46 @@ pub fn quantize(
     );
     Ok(())
 }
+
+/// `nibble convert`: GGUF to a transformers NF4 folder.
+pub fn convert(
+    gguf: &Path,
+    out: &Path,
+    quant: QuantArg,
+    double_quant: bool,
+    dtype: &str,
+) -> Result<()> {
+    use nibble_core::gguf_convert::{convert, ConvertOptions};
+    let dtype = match dtype {
+        "bf16" | "bfloat16" => FloatDtype::BF16,
+        "f16" | "float16" => FloatDtype::F16,
+        other => anyhow::bail!("--dtype '{other}': expected bf16 or f16"),
+    };
+    let opts = ConvertOptions {
+        quant_type: match quant {
+            QuantArg::Nf4 => QuantType::Nf4,
+            QuantArg::Fp4 => QuantType::Fp4,
+        },
+        double_quant,
+        dtype,
+    };
+    let t = std::time::Instant::now();
+    let r = convert(gguf, out, opts, |done, total, name| {
+        eprint!("\r[{done}/{total}] {name:<60}");
+        if done == total {
+            eprintln!();
+        }
+    })
+    .with_context(|| format!("converting {}", gguf.display()))?;
+    eprintln!(
+        "wrote {} ({} tensors, {} linears in {}, {} bytes) and {} in {:.1} s",
+        out.join("model.safetensors").display(),
+        r.tensors,
+        r.quantized,
+        opts.quant_type.name(),
+        r.bytes,
+        r.files[1..].join(", "),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,20 +1,18 @@
 //! `nibble run`: generate with a Llama-family model, streamed through the ring on the chosen
-//! backend. The plan is printed first; tokens appear as they are generated.
-//!
-//! This first version runs the decoder over a fixed window (prompt + max tokens, later positions
-//! padded; the attention is causal, so they do not change earlier logits): one executor, one
-//! memory plan, and every generated token is one pass over the layers, streamed like a
-//! denoising step. There is no KV cache yet, so each pass recomputes the window.
+//! backend. The plan is printed first (the KV cache is part of it); the prompt runs in one
+//! prefill pass, then every generated token is one decode pass over the layers through the KV
+//! cache, streamed like a denoising step; text appears as it is generated.
 
+use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::executor::{ExecOptions, Executor};
-use nibble_core::graph::HostTensor;
+use nibble_core::backend::Backend;
+use nibble_core::executor::ExecOptions;
 use nibble_core::index::ModelIndex;
-use nibble_core::models::llama;
+use nibble_core::models::llama::{self, Decoder, LlamaShape};
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
+use nibble_core::text::{Message, TextStream, TextTokenizer};
 use serde_json::json;
 
 /// Options of `nibble run`.
@@ -22,11 +20,17 @@ use serde_json::json;
 pub struct RunOptions {
     /// Model path or URL.
     pub model: String,
+    /// Prompt text (tokenized with the model's tokenizer.json).
+    pub prompt: Option<String>,
+    /// Wrap the prompt in the model's chat template as a user message.
+    pub chat: bool,
     /// Prompt token ids.
     pub prompt_ids: Vec<u32>,
     /// Tokens to generate.
     pub max_tokens: usize,
-    /// auto, cpu, wgpu, cuda.
+    /// Keep generating after an end-of-sequence token.
+    pub ignore_eos: bool,
+    /// auto, cpu, cpu-ref, wgpu, cuda.
     pub backend: String,
     /// Device budget (None: everything resident).
     pub device_budget: Option<String>,
@@ -135,63 +139,95 @@ pub fn run(o: &RunOptions) -> Result<()> {
             o.model
         );
     }
-    if is_llm(&model) && o.prompt_ids.is_empty() {
-        bail!("--prompt-ids is required for a language model");
+    if is_llm(&model) && o.prompt_ids.is_empty() && o.prompt.is_none() {
+        bail!("a language model needs --prompt TEXT or --prompt-ids 1,2,3");
     }
-    match o.backend.as_str() {
-        "cpu" => dispatch(o, &model, CpuRefBackend::new(), "cpu_ref"),
-        "wgpu" => {
-            let b = nibble_wgpu::WgpuBackend::new()?;
-            let label = format!("wgpu: {}", b.describe());
-            dispatch(o, &model, b, &label)
+    crate::backends::select(&o.backend)?.run(Dispatch { o, model: &model })
+}
+
+/// The model kind's run on one backend.
+struct Dispatch<'a> {
+    o: &'a RunOptions,
+    model: &'a ModelIndex,
+}
+
+impl crate::backends::WithBackend for Dispatch<'_> {
+    type Output = ();
+    fn call<B: Backend>(self, backend: B, label: &str) -> Result<()> {
+        if is_llm(self.model) {
+            generate(self.o, self.model, backend, label)
+        } else {
+            crate::run_dit::run(self.o, &self.o.dit, self.model, backend, label)
         }
-        "cuda" => {
-            let b = nibble_cuda::CudaBackend::new()?;
-            let label = format!("cuda: {}", b.describe());
-            dispatch(o, &model, b, &label)
-        }
-        "auto" => {
-            if let Ok(b) = nibble_cuda::CudaBackend::new() {
-                let label = format!("cuda: {}", b.describe());
-                return dispatch(o, &model, b, &label);
-            }
-            match nibble_wgpu::WgpuBackend::new() {
-                Ok(b) => {
-                    let label = format!("wgpu: {}", b.describe());
-                    dispatch(o, &model, b, &label)
-                }
-                Err(e) => {
-                    eprintln!("no GPU backend ({e}); using the CPU reference backend");
-                    dispatch(o, &model, CpuRefBackend::new(), "cpu_ref")
-                }
-            }
-        }
-        other => bail!("--backend '{other}': expected auto, cpu, wgpu or cuda"),
     }
 }
 
-fn dispatch<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
-    if is_llm(model) {
-        generate(o, model, backend, label)
-    } else {
-        crate::run_dit::run(o, &o.dit, model, backend, label)
+/// End-of-sequence ids: config.json's and generation_config.json's.
+fn eos_ids(model: &ModelIndex, cfg: &llama::LlamaConfig) -> Vec<u32> {
+    let mut ids = cfg.eos.clone();
+    if let Ok(Some(b)) = model.side_file("generation_config.json") {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
+            match v.get("eos_token_id") {
+                Some(serde_json::Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
+                Some(serde_json::Value::Array(a)) => {
+                    ids.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)))
+                }
+                _ => {}
+            }
+        }
     }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
-    let window = o.prompt_ids.len() + o.max_tokens;
-    let lg = llama::build(model, window)?;
-    let cfg = lg.config.clone();
-    if let Some(bad) = o.prompt_ids.iter().find(|&&t| t as usize >= cfg.vocab) {
+    let cfg = llama::config(model)?;
+    let tokenizer = match (&o.prompt, TextTokenizer::for_model(model)) {
+        (Some(_), Err(e)) => return Err(e.into()),
+        (_, t) => t.ok(),
+    };
+    let prompt_ids: Vec<u32> = match (&o.prompt, &tokenizer) {
+        (Some(text), Some(tok)) => {
+            if o.chat {
+                let rendered = tok.apply_chat_template(&[Message::new("user", text)], true)?;
+                tok.encode(&rendered, false)?
+            } else {
+                tok.encode(text, true)?
+            }
+        }
+        _ => o.prompt_ids.clone(),
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    if o.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let capacity = prompt_ids.len() + o.max_tokens;
+    if capacity > cfg.max_positions {
         bail!(
-            "prompt token id {bad} is outside the vocabulary of {}",
-            cfg.vocab
+            "prompt ({}) + --max-tokens ({}) exceed the model's {} positions",
+            prompt_ids.len(),
+            o.max_tokens,
+            cfg.max_positions
         );
     }
+    let shape = LlamaShape {
+        prompt: prompt_ids.len(),
+        capacity,
+        all_logits: o.logits_out.is_some(),
+        hidden_states: false,
+    };
+    let lg = llama::build(model, shape)?;
     let slot_bytes = parse_size(&o.slot_size)?;
     let device_bytes = match &o.device_budget {
         Some(s) => parse_size(s)?,
-        None => lg.graph.group_bytes(model)?.iter().sum::<u64>() + lg.graph.activation_bytes() * 2,
+        // Everything resident: every group plus the arena, with room to spare for alignment.
+        None => {
+            lg.graph.group_device_bytes().iter().sum::<u64>() * 2
+                + lg.graph.min_device_bytes(&backend)
+        }
     };
     let budgets = Budgets {
         device_bytes,
@@ -202,8 +238,8 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         host_other_bytes: 0,
     };
     let t_setup = Instant::now();
-    let mut ex = Executor::new(
-        lg.graph,
+    let mut dec = Decoder::from_graph(
+        lg,
         model,
         backend,
         ExecOptions {
@@ -214,54 +250,64 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
     .with_context(|| format!("planning {} on {label}", o.model))?;
     if !o.json {
         eprintln!("backend {label}");
-        eprint!("{}", ex.plan().explain());
-        eprintln!("setup {:.0} ms", t_setup.elapsed().as_secs_f64() * 1e3);
+        eprint!("{}", dec.executor().plan().explain());
+        eprintln!(
+            "prompt {} tokens, up to {} new; setup {:.0} ms",
+            prompt_ids.len(),
+            o.max_tokens,
+            t_setup.elapsed().as_secs_f64() * 1e3
+        );
     }
-    let (cos, sin) = cfg.rope_tables(window);
-    let half = cfg.head_dim / 2;
-    let cos = HostTensor::f32(&[window, half], cos)?;
-    let sin = HostTensor::f32(&[window, half], sin)?;
-    let mut seq = o.prompt_ids.clone();
+    let eos = if o.ignore_eos {
+        Vec::new()
+    } else {
+        eos_ids(model, &cfg)
+    };
     let mut sampler = Sampler(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let mut prompt_logits = Vec::new();
-    // The logits that chose each generated token.
-    let mut chose: Vec<f32> = Vec::new();
+    let mut stream = TextStream::default();
     let mut generated = Vec::new();
+    let mut chose: Vec<f32> = Vec::new();
     let mut bytes_streamed = 0u64;
-    let (mut prefill_s, mut decode_s) = (0.0f64, 0.0f64);
-    let mut rss_max = 0u64;
-    for step in 0..=o.max_tokens {
-        let mut ids = seq.clone();
-        ids.resize(window, 0);
-        let t = Instant::now();
-        let (out, stats) =
-            ex.step(&[HostTensor::u32(&[window], ids)?, cos.clone(), sin.clone()])?;
-        let dt = t.elapsed().as_secs_f64();
-        bytes_streamed += stats.stream.bytes;
-        rss_max = rss_max.max(nibble_core::sys::rss_bytes().unwrap_or(0));
-        let logits = out[0].as_f32();
-        let last = &logits[(seq.len() - 1) * cfg.vocab..seq.len() * cfg.vocab];
-        if step == 0 {
-            prefill_s = dt;
-            prompt_logits = logits[..seq.len() * cfg.vocab].to_vec();
-        } else {
-            decode_s += dt;
+    let t = Instant::now();
+    let (logits, stats) = dec.prefill(&prompt_ids)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    bytes_streamed += stats.stream.bytes;
+    let vocab = cfg.vocab;
+    let prompt_logits = if o.logits_out.is_some() {
+        logits.clone()
+    } else {
+        Vec::new()
+    };
+    let mut last: Vec<f32> = logits[logits.len() - vocab..].to_vec();
+    let mut out = std::io::stdout().lock();
+    let t_dec = Instant::now();
+    let mut decode_steps = 0usize;
+    loop {
+        if o.logits_out.is_some() {
+            chose.extend_from_slice(&last);
         }
-        if step == o.max_tokens {
-            break;
-        }
-        chose.extend_from_slice(last);
-        let next = sampler.pick(last, o);
-        seq.push(next);
+        let next = sampler.pick(&last, o);
         generated.push(next);
         if !o.json {
-            print!("{next} ");
-            use std::io::Write;
-            let _ = std::io::stdout().flush();
+            let piece = match &tokenizer {
+                Some(tok) => stream.push(tok, next)?,
+                None => format!("{next} "),
+            };
+            let _ = out.write_all(piece.as_bytes());
+            let _ = out.flush();
         }
+        if generated.len() >= o.max_tokens || eos.contains(&next) {
+            break;
+        }
+        let (l, st) = dec.decode(next)?;
+        decode_steps += 1;
+        bytes_streamed += st.stream.bytes;
+        last = l;
     }
-    let prefill_tok_s = o.prompt_ids.len() as f64 / prefill_s.max(1e-9);
-    let decode_tok_s = o.max_tokens as f64 / decode_s.max(1e-9);
+    let decode_s = t_dec.elapsed().as_secs_f64();
+    let prefill_tok_s = prompt_ids.len() as f64 / prefill_s.max(1e-9);
+    let decode_tok_s = decode_steps as f64 / decode_s.max(1e-9);
+    let rss_max = nibble_core::sys::peak_rss_bytes().unwrap_or(0);
     if let Some(path) = &o.logits_out {
         use nibble_core::convert::f32_to_bytes;
         use nibble_core::index::Dtype;
@@ -272,23 +318,28 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
                 (
                     "logits".into(),
                     Dtype::F32,
-                    vec![o.prompt_ids.len() as u64, cfg.vocab as u64],
+                    vec![prompt_ids.len() as u64, vocab as u64],
                     f32_to_bytes(&prompt_logits),
                 ),
                 (
                     "step_logits".into(),
                     Dtype::F32,
-                    vec![n, cfg.vocab as u64],
+                    vec![n, vocab as u64],
                     f32_to_bytes(&chose),
                 ),
             ],
             &Default::default(),
         )?;
     }
+    let text = match &tokenizer {
+        Some(tok) => Some(stream.text(tok)?),
+        None => None,
+    };
     if o.json {
         let v = json!({
             "tokens": generated,
-            "text": null,
+            "prompt_ids": prompt_ids,
+            "text": text,
             "prefill_tok_s": prefill_tok_s,
             "decode_tok_s": decode_tok_s,
             "rss_max_bytes": rss_max,
@@ -296,10 +347,12 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         });
         crate::write_stdout(&format!("{v}\n"))?;
     } else {
-        println!();
+        let _ = writeln!(out);
         eprintln!(
-            "prefill {:.1} tok/s, decode {:.2} tok/s, peak RSS {}, streamed {} (no KV cache yet: each token recomputes a window of {window})",
+            "prefill {} tokens at {:.1} tok/s; decode {} tokens at {:.2} tok/s; peak RSS {}; streamed {}",
+            prompt_ids.len(),
             prefill_tok_s,
+            decode_steps,
             decode_tok_s,
             fmt_bytes(rss_max),
             fmt_bytes(bytes_streamed)

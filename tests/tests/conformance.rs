@@ -45,6 +45,7 @@ fn tolerance(op: &OpKind) -> Tolerance {
         }
         OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh => Tolerance::RelToMax(1e-5),
         OpKind::Rope { .. } | OpKind::Attention { .. } => Tolerance::RelToMax(1e-5),
+        OpKind::CacheWrite => Tolerance::Exact,
         OpKind::TimestepEmbedding { .. } => Tolerance::Abs(2e-4),
     }
 }
@@ -161,11 +162,30 @@ fn cases(op: &OpKind) -> Vec<Case> {
                     vec![t(&[37, 333], 39)],
                     q4_weight(100, 333, 64, QuantType::Nf4, true, 40),
                 ),
+                // Whole blocks per row: the CPU backend's SIMD paths, split across threads.
+                cq(
+                    "3x512 by 200x512 nf4 dq bs64 (rows of whole blocks, gemv)",
+                    vec![t(&[3, 512], 58)],
+                    q4_weight(200, 512, 64, QuantType::Nf4, true, 59),
+                ),
+                cq(
+                    "29x256 by 77x256 fp4 bs32 (rows of whole blocks, tiles)",
+                    vec![t(&[29, 256], 60)],
+                    q4_weight(77, 256, 32, QuantType::Fp4, false, 61),
+                ),
+                cq(
+                    "6x512 by 200x512 nf4 bs128 (rows of whole blocks, tiles, threads)",
+                    vec![t(&[6, 512], 62)],
+                    q4_weight(200, 512, 128, QuantType::Nf4, false, 63),
+                ),
             ];
             if *bias {
-                v[0].inputs.push(t(&[37], 8));
-                v[1].inputs.push(t(&[100], 9));
-                v[2].inputs.push(t(&[100], 41));
+                for (case, (n, seed)) in
+                    v.iter_mut()
+                        .zip([(37, 8), (100, 9), (100, 41), (200, 64), (77, 65), (200, 66)])
+                {
+                    case.inputs.push(t(&[n], seed));
+                }
             }
             v
         }
@@ -174,7 +194,14 @@ fn cases(op: &OpKind) -> Vec<Case> {
             if *bias {
                 inputs.push(t(&[33], 12));
             }
-            vec![c("7x65 by 33x65", inputs)]
+            let mut big = vec![t(&[9, 200], 67), t(&[150, 200], 68)];
+            if *bias {
+                big.push(t(&[150], 69));
+            }
+            vec![
+                c("7x65 by 33x65", inputs),
+                c("9x200 by 150x200 (threads)", big),
+            ]
         }
         OpKind::MatMul { transpose_b } => {
             let b = if *transpose_b {
@@ -225,6 +252,21 @@ fn cases(op: &OpKind) -> Vec<Case> {
                 inputs.push(HostTensor::f32(&[11], m).expect("mask"));
             }
             vec![c("q 4x7x16, kv 2x11x16 (GQA)", inputs)]
+                .into_iter()
+                .chain(key_mask.then(|| {
+                    // A decode step over a KV cache: one query, keys valid up to its position.
+                    let m: Vec<f32> = (0..40).map(|j| if j < 23 { 1.0 } else { 0.0 }).collect();
+                    c(
+                        "decode: q 9x1x64 over a cache 3x40x64, 23 valid",
+                        vec![
+                            t(&[9, 1, 64], 70),
+                            t(&[3, 40, 64], 71),
+                            t(&[3, 40, 64], 72),
+                            HostTensor::f32(&[40], m).expect("mask"),
+                        ],
+                    )
+                }))
+                .collect()
         }
         OpKind::Embedding => {
             let ids = HostTensor::u32(&[9], vec![0, 5, 5, 76, 1, 30, 75, 2, 40]).expect("ids");
@@ -248,6 +290,14 @@ fn cases(op: &OpKind) -> Vec<Case> {
             "37x96",
             vec![t(&[37, 96], 36), t(&[96], 37), t(&[96], 38)],
         )],
+        OpKind::CacheWrite => {
+            // Rows 5..8 of a 3-head cache of 11; the rest of the cache must stay as it was.
+            let pos = HostTensor::u32(&[1], vec![5]).expect("pos");
+            vec![c(
+                "3 rows into 3x11x16 at 5",
+                vec![t(&[3, 11, 16], 56), t(&[3, 3, 16], 57), pos],
+            )]
+        }
         OpKind::TimestepEmbedding { .. } => {
             let ts = HostTensor::f32(&[4], vec![0.0, 1.0, 250.5, 999.0]).expect("t");
             vec![c("t in [0, 1000)", vec![ts])]
@@ -309,6 +359,7 @@ fn ops() -> Vec<OpKind> {
         },
         OpKind::Reshape { shape: vec![5, 42] },
         OpKind::AdaLnModulate,
+        OpKind::CacheWrite,
         OpKind::TimestepEmbedding {
             dim: 256,
             flip_sin_to_cos: true,
@@ -428,10 +479,13 @@ fn every_op_on_every_backend_matches_cpu_ref() {
             None
         }
     };
+    let mut fast = nibble_core::cpu::CpuBackend::new();
+    println!("cpu backend: {}", fast.describe());
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     for op in ops() {
         let mut cpu = Cell::Pass;
+        let mut cpu_fast = Cell::Pass;
         let mut gpu = if wgpu.is_some() {
             Cell::Pass
         } else {
@@ -463,6 +517,22 @@ fn every_op_on_every_backend_matches_cpu_ref() {
                     op_label(&op),
                     case.label
                 ));
+            }
+            {
+                let cell = match run_on_backend(&mut fast, &case.op, &inputs, q4) {
+                    Ok(got) => match compare(got.as_f32(), want.as_f32(), tolerance(&case.op)) {
+                        Ok(()) => Cell::Pass,
+                        Err(e) => {
+                            failures.push(format!("cpu {} [{}]: {e}", op_label(&op), case.label));
+                            Cell::Fail
+                        }
+                    },
+                    Err(e) => {
+                        failures.push(format!("cpu {} [{}]: {e}", op_label(&op), case.label));
+                        Cell::Fail
+                    }
+                };
+                cpu_fast = cpu_fast.merge(cell);
             }
             if let Some(b) = wgpu.as_mut() {
                 let cell = if !b.supports(&case.op) {
@@ -530,14 +600,15 @@ fn every_op_on_every_backend_matches_cpu_ref() {
                 cu = cu.merge(cell);
             }
         }
-        rows.push((op_label(&op), cpu, gpu, cu));
+        rows.push((op_label(&op), cpu, cpu_fast, gpu, cu));
     }
-    let mut table = String::from("| op | cpu_ref | wgpu | cuda |\n|---|---|---|---|\n");
-    for (name, cpu, gpu, cu) in &rows {
+    let mut table = String::from("| op | cpu_ref | cpu | wgpu | cuda |\n|---|---|---|---|---|\n");
+    for (name, cpu, cpu_fast, gpu, cu) in &rows {
         // A backend that is absent on this machine is printed as absent, never as passed.
         table.push_str(&format!(
-            "| {name} | {} | {} | {} |\n",
+            "| {name} | {} | {} | {} | {} |\n",
             cpu.text(),
+            cpu_fast.text(),
             gpu.text(),
             cu.text()
         ));
@@ -553,8 +624,7 @@ fn every_op_on_every_backend_matches_cpu_ref() {
     for (kernel, _) in nibble_wgpu::SHADERS {
         let op = kernel.trim_end_matches("_tiled");
         assert!(
-            rows.iter()
-                .any(|(n, _, _, _)| n.split(' ').next() == Some(op)),
+            rows.iter().any(|(n, ..)| n.split(' ').next() == Some(op)),
             "kernel {kernel} has no case"
         );
     }

@@ -1,13 +1,14 @@
 //! The tiny Llama that transformers saved in NF4 (../shared/fixtures/tiny-llama-nf4), run through
 //! the decoder graph and the executor: logits of every prompt position within 1e-5 x max|logit|
-//! and the 16 greedy tokens exact, on cpu_ref and wgpu, resident and streamed through 2 slots of
-//! 64 KiB.
+//! (prefill) and the 16 greedy tokens exact (prefill, then one token at a time through the KV
+//! cache), on cpu_ref, the optimized CPU backend and wgpu, resident and streamed through 2 slots
+//! of 64 KiB.
 
 use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::executor::{ExecOptions, Executor};
-use nibble_core::graph::HostTensor;
+use nibble_core::cpu::CpuBackend;
+use nibble_core::executor::ExecOptions;
 use nibble_core::index::ModelIndex;
-use nibble_core::models::llama;
+use nibble_core::models::llama::{self, Decoder, LlamaShape};
 use nibble_core::plan::Budgets;
 use nibble_tests::*;
 
@@ -48,30 +49,44 @@ fn opts(streamed: bool) -> ExecOptions {
     }
 }
 
-/// Logits `[T, vocab]` of a token sequence.
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len())
+        .max_by(|&a, &b| v[a].total_cmp(&v[b]))
+        .expect("non-empty") as u32
+}
+
+/// A decoder for `shape`; at the smallest budget (every layer streamed) when `o` has none.
+fn decoder<B: Backend>(
+    m: &ModelIndex,
+    make: &mut impl FnMut() -> B,
+    shape: LlamaShape,
+    o: ExecOptions,
+) -> Decoder<B> {
+    let lg = llama::build(m, shape).expect("graph");
+    let mut o = o;
+    if o.budgets.device_bytes == 0 {
+        o.budgets.device_bytes = lg.graph.min_device_bytes(&make());
+    }
+    Decoder::from_graph(lg, m, make(), o).expect("decoder")
+}
+
+/// Logits `[T, vocab]` of every position of a token sequence, and the plan's
+/// (resident, streamed, cached) group counts.
 fn forward<B: Backend>(
     m: &ModelIndex,
     make: &mut impl FnMut() -> B,
     tokens: &[u32],
     o: ExecOptions,
 ) -> (Vec<f32>, (usize, usize, usize)) {
-    let lg = llama::build(m, tokens.len()).expect("graph");
-    let (cos, sin) = lg.config.rope_tables(tokens.len());
-    let half = lg.config.head_dim / 2;
-    let mut o = o;
-    if o.budgets.device_bytes == 0 {
-        // The smallest budget that fits: every layer streams through the ring each step.
-        o.budgets.device_bytes = lg.graph.min_device_bytes(m).expect("min budget");
-    }
-    let mut ex = Executor::new(lg.graph, m, make(), o).expect("executor");
-    let counts = ex.plan().counts();
-    let inputs = [
-        HostTensor::u32(&[tokens.len()], tokens.to_vec()).expect("ids"),
-        HostTensor::f32(&[tokens.len(), half], cos).expect("cos"),
-        HostTensor::f32(&[tokens.len(), half], sin).expect("sin"),
-    ];
-    let (out, _) = ex.step(&inputs).expect("step");
-    (out[0].as_f32().to_vec(), counts)
+    let shape = LlamaShape {
+        prompt: tokens.len(),
+        capacity: tokens.len(),
+        all_logits: true,
+        hidden_states: false,
+    };
+    let mut d = decoder(m, make, shape, o);
+    let counts = d.executor().plan().counts();
+    (d.prefill(tokens).expect("prefill").0, counts)
 }
 
 fn check_backend<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
@@ -93,20 +108,20 @@ fn check_backend<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
                 "{label}: nothing resident at the smallest budget {counts:?}"
             );
         }
-        // Greedy decoding, recomputing the whole sequence each token.
-        let mut seq = prompt.clone();
-        let vocab = want.len() / prompt.len();
-        for _ in 0..greedy_want.len() {
-            let (l, _) = forward(&m, &mut make, &seq, o);
-            let last = &l[(seq.len() - 1) * vocab..];
-            let best = (0..vocab)
-                .max_by(|&a, &b| last[a].total_cmp(&last[b]))
-                .expect("vocab");
-            seq.push(best as u32);
+        // Greedy decoding through the KV cache: the prompt once, then one token per step.
+        let shape = LlamaShape::generate(prompt.len(), greedy_want.len());
+        let mut d = decoder(&m, &mut make, shape, o);
+        if streamed {
+            assert_eq!(d.executor().plan().counts().0, 0, "{label}: all streamed");
+        }
+        let (last, _) = d.prefill(&prompt).expect("prefill");
+        let mut got = vec![argmax(&last)];
+        while got.len() < greedy_want.len() {
+            let (l, _) = d.decode(*got.last().expect("token")).expect("decode");
+            got.push(argmax(&l));
         }
         assert_eq!(
-            &seq[prompt.len()..],
-            &greedy_want[..],
+            got, greedy_want,
             "{label} streamed={streamed}: greedy tokens"
         );
     }
@@ -115,6 +130,11 @@ fn check_backend<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
 #[test]
 fn tiny_llama_on_cpu_ref() {
     check_backend(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn tiny_llama_on_cpu() {
+    check_backend(CpuBackend::new, "cpu");
 }
 
 #[test]

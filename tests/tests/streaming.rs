@@ -205,10 +205,14 @@ fn impossible_budget_is_refused_before_any_io() {
         WeightGroup {
             name: "layers.0".into(),
             bytes: 300 << 20,
+            device_bytes: 300 << 20,
+            slot_bytes: 300 << 20,
         },
         WeightGroup {
             name: "layers.1".into(),
             bytes: 200 << 20,
+            device_bytes: 200 << 20,
+            slot_bytes: 200 << 20,
         },
     ];
     let b = Budgets {

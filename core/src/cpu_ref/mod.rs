@@ -323,6 +323,26 @@ pub fn run(op: &OpKind, inputs: &[&HostTensor], q4: Option<Q4Ref<'_>>) -> Result
                 .map(|(i, &a)| a * (1.0 + sc[i % d]) + shift[i % d])
                 .collect()
         }
+        OpKind::CacheWrite => {
+            let (cache, new) = (x(0), x(1));
+            let (h, c, d) = (shape(0)[0], shape(0)[1], shape(0)[2]);
+            let t = shape(1)[1];
+            let pos = inputs[2].as_u32()[0] as usize;
+            if pos + t > c {
+                return Err(Error::Invalid(format!(
+                    "cache_write: rows {pos}..{} do not fit a cache of {c}",
+                    pos + t
+                )));
+            }
+            let mut o = cache.to_vec();
+            for hi in 0..h {
+                for ti in 0..t {
+                    o[(hi * c + pos + ti) * d..][..d]
+                        .copy_from_slice(&new[(hi * t + ti) * d..][..d]);
+                }
+            }
+            o
+        }
         OpKind::TimestepEmbedding {
             dim,
             flip_sin_to_cos,

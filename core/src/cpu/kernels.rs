@@ -1,0 +1,408 @@
+//! The optimized CPU path's inner loops: AVX2 + FMA on x86-64 (detected at run time), portable
+//! loops elsewhere. Every decoded 4-bit weight is exactly bitsandbytes' dequantized value
+//! (`code[q] * absmax` in f32); only the order of the f32 sums differs from `cpu_ref`.
+//!
+//! 4-bit rows are handled in a "paired" element order: for every 8 packed bytes (16 elements),
+//! the 8 high nibbles (elements 0, 2, .., 14) then the 8 low nibbles (1, 3, .., 15). Activations
+//! are permuted the same way once per call, so a dot product needs no shuffles.
+
+/// Whether the AVX2 + FMA paths can run here.
+pub fn have_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAVE: OnceLock<bool> = OnceLock::new();
+        *HAVE.get_or_init(|| {
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Permutes `x[k]` (k a multiple of 16) into paired order.
+pub fn pair_order(x: &[f32], out: &mut [f32]) {
+    for (src, dst) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+        for i in 0..8 {
+            dst[i] = src[2 * i];
+            dst[8 + i] = src[2 * i + 1];
+        }
+    }
+}
+
+/// Dequantizes one 4-bit row of `k` elements (k a multiple of `bs`, `bs` a multiple of 16) into
+/// paired order: `packed` holds k/2 bytes, `absmax` k/bs scales.
+pub fn dequant_row_paired(
+    packed: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    code: &[f32; 16],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present; lengths are checked by the slices below.
+        unsafe { avx2::dequant_row_paired(packed, absmax, bs, code, out) };
+        return;
+    }
+    for (b, &a) in absmax.iter().enumerate() {
+        let scaled: [f32; 16] = std::array::from_fn(|i| code[i] * a);
+        let bytes = &packed[b * bs / 2..(b + 1) * bs / 2];
+        let o = &mut out[b * bs..(b + 1) * bs];
+        for (c, chunk) in bytes.chunks_exact(8).enumerate() {
+            for (i, &byte) in chunk.iter().enumerate() {
+                o[c * 16 + i] = scaled[(byte >> 4) as usize];
+                o[c * 16 + 8 + i] = scaled[(byte & 15) as usize];
+            }
+        }
+    }
+}
+
+/// `out[m] = dot(W_row, xp[m])` for one 4-bit row against up to 4 activation rows in paired
+/// order, decoding the row once.
+pub fn q4_row_dots(
+    packed: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    code: &[f32; 16],
+    xp: &[&[f32]],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present; every slice holds k = absmax.len() * bs values.
+        unsafe {
+            match xp.len() {
+                1 => avx2::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
+                2 => avx2::q4_row_dots::<2>(packed, absmax, bs, code, xp, out),
+                3 => avx2::q4_row_dots::<3>(packed, absmax, bs, code, xp, out),
+                _ => avx2::q4_row_dots::<4>(packed, absmax, bs, code, xp, out),
+            }
+        }
+        return;
+    }
+    let k = absmax.len() * bs;
+    let mut row = vec![0f32; k];
+    dequant_row_paired(packed, absmax, bs, code, &mut row);
+    for (m, x) in xp.iter().enumerate() {
+        out[m] = dot(&row, x);
+    }
+}
+
+/// Plain dot product (f32 accumulation in 8 lanes).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present.
+        return unsafe { avx2::dot(a, b) };
+    }
+    let mut acc = [0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        for l in 0..8 {
+            acc[l] += a[i + l] * b[i + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+/// `out[i * out_stride + j] = dot(x row i, w row j)` for `mr` rows of x (stride `xs`) and `nr`
+/// rows of w (stride `ws`), each `k` long; mr <= 4, nr <= 3.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_tile(
+    x: &[f32],
+    xs: usize,
+    mr: usize,
+    w: &[f32],
+    ws: usize,
+    nr: usize,
+    k: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    debug_assert!(mr <= 4 && nr <= 3);
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present; the asserts below bound every access.
+        assert!(x.len() >= (mr - 1) * xs + k && w.len() >= (nr - 1) * ws + k);
+        assert!(out.len() >= (mr - 1) * out_stride + nr);
+        unsafe {
+            macro_rules! call {
+                ($m:literal, $n:literal) => {
+                    avx2::dot_tile::<$m, $n>(
+                        x.as_ptr(),
+                        xs,
+                        w.as_ptr(),
+                        ws,
+                        k,
+                        out.as_mut_ptr(),
+                        out_stride,
+                    )
+                };
+            }
+            match (mr, nr) {
+                (1, 1) => call!(1, 1),
+                (1, 2) => call!(1, 2),
+                (1, 3) => call!(1, 3),
+                (2, 1) => call!(2, 1),
+                (2, 2) => call!(2, 2),
+                (2, 3) => call!(2, 3),
+                (3, 1) => call!(3, 1),
+                (3, 2) => call!(3, 2),
+                (3, 3) => call!(3, 3),
+                (4, 1) => call!(4, 1),
+                (4, 2) => call!(4, 2),
+                _ => call!(4, 3),
+            }
+        }
+        return;
+    }
+    for i in 0..mr {
+        for j in 0..nr {
+            out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], &w[j * ws..j * ws + k]);
+        }
+    }
+}
+
+// Every function here is an intrinsics kernel whose callers check AVX2/FMA and the bounds; an
+// `unsafe` block around each intrinsic call would add nothing.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_op_in_unsafe_fn)]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// 16-entry table lookup of 8 indices (0..15): two in-lane permutes and a blend on bit 3.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn lut(lo: __m256, hi: __m256, idx: __m256i) -> __m256 {
+        let a = _mm256_permutevar8x32_ps(lo, idx);
+        let b = _mm256_permutevar8x32_ps(hi, idx);
+        _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scaled_tables(code: &[f32; 16], a: f32) -> (__m256, __m256) {
+        let s = _mm256_set1_ps(a);
+        (
+            _mm256_mul_ps(_mm256_loadu_ps(code.as_ptr()), s),
+            _mm256_mul_ps(_mm256_loadu_ps(code.as_ptr().add(8)), s),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dequant_row_paired(
+        packed: &[u8],
+        absmax: &[f32],
+        bs: usize,
+        code: &[f32; 16],
+        out: &mut [f32],
+    ) {
+        let k = absmax.len() * bs;
+        assert!(packed.len() >= k / 2 && out.len() >= k && bs % 16 == 0);
+        let m4 = _mm256_set1_epi32(15);
+        let (p, o) = (packed.as_ptr(), out.as_mut_ptr());
+        for (b, &a) in absmax.iter().enumerate() {
+            let (tl, th) = scaled_tables(code, a);
+            for c in 0..bs / 16 {
+                let off = b * bs + c * 16;
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(off / 2) as *const __m128i));
+                let hi = _mm256_srli_epi32(v, 4);
+                let lo = _mm256_and_si256(v, m4);
+                _mm256_storeu_ps(o.add(off), lut(tl, th, hi));
+                _mm256_storeu_ps(o.add(off + 8), lut(tl, th, lo));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_row_dots<const M: usize>(
+        packed: &[u8],
+        absmax: &[f32],
+        bs: usize,
+        code: &[f32; 16],
+        xp: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        let k = absmax.len() * bs;
+        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs % 16 == 0);
+        let xs: [*const f32; M] = std::array::from_fn(|m| {
+            assert!(xp[m].len() >= k);
+            xp[m].as_ptr()
+        });
+        let m4 = _mm256_set1_epi32(15);
+        let p = packed.as_ptr();
+        // Two accumulators per row (high and low nibbles) for each chunk parity: four
+        // independent FMA chains per row.
+        let mut acc = [[_mm256_setzero_ps(); 4]; M];
+        for (b, &a) in absmax.iter().enumerate() {
+            let (tl, th) = scaled_tables(code, a);
+            let mut c = 0;
+            while c < bs / 16 {
+                let off = b * bs + c * 16;
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(off / 2) as *const __m128i));
+                let wh = lut(tl, th, _mm256_srli_epi32(v, 4));
+                let wl = lut(tl, th, _mm256_and_si256(v, m4));
+                let par = (c & 1) * 2;
+                for m in 0..M {
+                    acc[m][par] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xs[m].add(off)), acc[m][par]);
+                    acc[m][par + 1] =
+                        _mm256_fmadd_ps(wl, _mm256_loadu_ps(xs[m].add(off + 8)), acc[m][par + 1]);
+                }
+                c += 1;
+            }
+        }
+        for m in 0..M {
+            let s = _mm256_add_ps(
+                _mm256_add_ps(acc[m][0], acc[m][1]),
+                _mm256_add_ps(acc[m][2], acc[m][3]),
+            );
+            out[m] = hsum(s);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (j, slot) in acc.iter_mut().enumerate() {
+                *slot = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8 * j)),
+                    _mm256_loadu_ps(pb.add(i + 8 * j)),
+                    *slot,
+                );
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i)),
+                _mm256_loadu_ps(pb.add(i)),
+                acc[0],
+            );
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_tile<const MR: usize, const NR: usize>(
+        x: *const f32,
+        xs: usize,
+        w: *const f32,
+        ws: usize,
+        k: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+        let k8 = k / 8 * 8;
+        let mut kk = 0;
+        while kk < k8 {
+            let wv: [__m256; NR] = std::array::from_fn(|j| _mm256_loadu_ps(w.add(j * ws + kk)));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(i * xs + kk));
+                for j in 0..NR {
+                    row[j] = _mm256_fmadd_ps(xv, wv[j], row[j]);
+                }
+            }
+            kk += 8;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, a) in row.iter().enumerate() {
+                let mut s = hsum(*a);
+                for t in k8..k {
+                    s += *x.add(i * xs + t) * *w.add(j * ws + t);
+                }
+                *out.add(i * out_stride + j) = s;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dot_tile_matches_scalar_dots_for_every_tile_shape() {
+        let k = 37;
+        let x = vals(4 * 40, 1);
+        let w = vals(3 * 41, 2);
+        for mr in 1..=4 {
+            for nr in 1..=3 {
+                let mut out = vec![0f32; 4 * 5];
+                dot_tile(&x, 40, mr, &w, 41, nr, k, &mut out, 5);
+                for i in 0..mr {
+                    for j in 0..nr {
+                        let want: f64 = (0..k)
+                            .map(|t| x[i * 40 + t] as f64 * w[j * 41 + t] as f64)
+                            .sum();
+                        assert!(
+                            (out[i * 5 + j] as f64 - want).abs() < 1e-5,
+                            "{mr}x{nr} [{i},{j}]"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn paired_dequant_is_code_times_absmax() {
+        let (bs, k) = (32usize, 64usize);
+        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let absmax = [0.5f32, -1.25];
+        let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.0 - 1.0);
+        let mut out = vec![0f32; k];
+        dequant_row_paired(&packed, &absmax, bs, &code, &mut out);
+        for e in 0..k {
+            let byte = packed[e / 2];
+            let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
+            let want = code[q as usize] * absmax[e / bs];
+            let (g, r) = (e / 16, e % 16);
+            let paired = g * 16 + if r % 2 == 0 { r / 2 } else { 8 + r / 2 };
+            assert_eq!(out[paired].to_bits(), want.to_bits(), "element {e}");
+        }
+    }
+}
