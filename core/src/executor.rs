@@ -457,7 +457,25 @@ impl Graph {
         resident_group: &[bool],
         align_w: usize,
     ) -> (Vec<Option<ArenaSlice>>, usize) {
-        let iv = self.intervals(resident_group);
+        let mut iv = self.intervals(resident_group);
+        // A tensor that is a resident dense weight of two groups (tied embeddings) is stored once.
+        let mut alias: Vec<Option<usize>> = vec![None; self.values.len()];
+        let mut first_of: HashMap<&str, usize> = HashMap::new();
+        for (v, src) in self.sources.iter().enumerate() {
+            if let Source::Dense { tensor, group } = src {
+                if resident_group[*group] {
+                    match first_of.get(tensor.as_str()) {
+                        Some(&f) if self.values[f] == self.values[v] => {
+                            alias[v] = Some(f);
+                            iv[v].clear();
+                        }
+                        _ => {
+                            first_of.insert(tensor, v);
+                        }
+                    }
+                }
+            }
+        }
         let overlap = |a: &[(usize, usize)], b: &[(usize, usize)]| {
             a.iter()
                 .any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 <= e2 && s2 <= e1))
@@ -498,6 +516,11 @@ impl Graph {
                 len: self.values[v].numel(),
             });
             words = words.max(off + len);
+        }
+        for (v, a) in alias.iter().enumerate() {
+            if let Some(f) = a {
+                slices[v] = slices[*f];
+            }
         }
         (slices, words)
     }
@@ -560,6 +583,8 @@ pub struct Executor<B: Backend> {
     pool_bytes: u64,
     /// Zeros written over the state values before the first step and on `reset_state`.
     state_slices: Vec<ArenaSlice>,
+    /// Per op kind (name, with the weight's shape for linears): calls and time, when profiling.
+    profile: Option<HashMap<String, (u64, std::time::Duration)>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -596,10 +621,14 @@ impl Layout {
             .sources
             .iter()
             .enumerate()
-            .filter(
-                |(_, s)| matches!(s, Source::Dense { group, .. } if self.resident_group[*group]),
-            )
-            .map(|(v, _)| graph.values[v].numel() as u64 * 4)
+            .filter_map(|(v, s)| match s {
+                Source::Dense { tensor, group } if self.resident_group[*group] => {
+                    Some((tensor.as_str(), graph.values[v].numel() as u64 * 4))
+                }
+                _ => None,
+            })
+            .collect::<HashMap<&str, u64>>()
+            .values()
             .sum();
         Allocation {
             pool_bytes: self.pool_bytes,
@@ -893,6 +922,7 @@ impl<B: Backend> Executor<B> {
             arena_words,
             pool_bytes,
             state_slices,
+            profile: None,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -943,6 +973,24 @@ impl<B: Backend> Executor<B> {
             }
         }
         Ok(())
+    }
+
+    /// Starts (or stops) timing every op; the backend is synchronized after each op when it has
+    /// to be (`read_arena` of nothing), so GPU figures include the kernel.
+    pub fn set_profile(&mut self, on: bool) {
+        self.profile = on.then(HashMap::new);
+    }
+
+    /// The op profile: (op, calls, total time), slowest first.
+    pub fn profile(&self) -> Vec<(String, u64, std::time::Duration)> {
+        let mut v: Vec<_> = self
+            .profile
+            .iter()
+            .flatten()
+            .map(|(k, (n, t))| (k.clone(), *n, *t))
+            .collect();
+        v.sort_by(|a, b| b.2.cmp(&a.2));
+        v
     }
 
     /// The graph being run.
@@ -1142,7 +1190,32 @@ impl<B: Backend> Executor<B> {
                     node.op.name()
                 )));
             }
+            let t0 = self.profile.is_some().then(std::time::Instant::now);
             self.backend.run(&node.op, &ins, view, &out)?;
+            if let Some(t0) = t0 {
+                // Wait for the device so that the time is the op's.
+                self.backend.read_arena(ArenaSlice {
+                    offset: out.slice.offset,
+                    len: 1,
+                })?;
+                let key = match (&node.op, node.weight) {
+                    (OpKind::LinearQ4 { .. }, Some(w)) => {
+                        format!(
+                            "linear_q4 {}x{:?}",
+                            ins[0].info.shape[0], self.graph.q4[w.0].info.shape
+                        )
+                    }
+                    (OpKind::Linear { .. }, _) => {
+                        format!("linear {}x{:?}", ins[0].info.shape[0], ins[1].info.shape)
+                    }
+                    (op, _) => op.name().to_string(),
+                };
+                let e = self.profile.as_mut().map(|p| p.entry(key).or_default());
+                if let Some(e) = e {
+                    e.0 += 1;
+                    e.1 += t0.elapsed();
+                }
+            }
         }
         let prog = &self.graph.programs[p];
         let mut outs = Vec::with_capacity(prog.outputs.len());

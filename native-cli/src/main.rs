@@ -165,6 +165,9 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Time every op and print the slowest op kinds at the end.
+        #[arg(long)]
+        profile: bool,
     },
     /// Convert a llama.cpp GGUF (llama, qwen2) to a transformers NF4 model folder: weights,
     /// config.json, tokenizer.json, tokenizer_config.json (chat template).
@@ -368,6 +371,7 @@ fn main() -> ExitCode {
             seed,
             logits_out,
             json,
+            profile,
         } => run::run(&run::RunOptions {
             model,
             prompt,
@@ -385,6 +389,7 @@ fn main() -> ExitCode {
             seed,
             logits_out,
             json,
+            profile,
             dit: run_dit::DitRun {
                 steps,
                 inputs,

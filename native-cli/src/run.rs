@@ -50,6 +50,8 @@ pub struct RunOptions {
     pub logits_out: Option<std::path::PathBuf>,
     /// Print one JSON object.
     pub json: bool,
+    /// Time every op and print the slowest kinds at the end.
+    pub profile: bool,
     /// Options of a DiT run.
     pub dit: crate::run_dit::DitRun,
 }
@@ -258,6 +260,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
             t_setup.elapsed().as_secs_f64() * 1e3
         );
     }
+    dec.executor_mut().set_profile(o.profile);
     let eos = if o.ignore_eos {
         Vec::new()
     } else {
@@ -331,6 +334,9 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
             &Default::default(),
         )?;
     }
+    if o.profile {
+        crate::run::print_profile(&dec.executor().profile());
+    }
     let text = match &tokenizer {
         Some(tok) => Some(stream.text(tok)?),
         None => None,
@@ -359,4 +365,19 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         );
     }
     Ok(())
+}
+
+/// Prints an op profile (slowest first) to stderr.
+pub fn print_profile(p: &[(String, u64, std::time::Duration)]) {
+    let total: f64 = p.iter().map(|x| x.2.as_secs_f64()).sum();
+    eprintln!("op profile ({:.1} ms in ops):", total * 1e3);
+    for (name, calls, t) in p.iter().take(20) {
+        eprintln!(
+            "  {:>9.2} ms {:>5.1}%  {:>7} calls  {:>8.1} us/call  {name}",
+            t.as_secs_f64() * 1e3,
+            t.as_secs_f64() * 100.0 / total.max(1e-12),
+            calls,
+            t.as_secs_f64() * 1e6 / (*calls).max(1) as f64
+        );
+    }
 }

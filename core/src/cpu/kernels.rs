@@ -60,8 +60,25 @@ pub fn dequant_row_paired(
     }
 }
 
-/// `out[m] = dot(W_row, xp[m])` for one 4-bit row against up to 4 activation rows in paired
-/// order, decoding the row once.
+/// Where element `e` of each 32-element chunk sits in the "lane" order the GEMV decodes into:
+/// the order of 32 floats assembled from byte-plane lookups without crossing 128-bit lanes.
+pub const LANE_ORDER: [usize; 32] = [
+    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13,
+    14, 15, 28, 29, 30, 31,
+];
+
+/// Permutes `x[k]` (k a multiple of 32) into lane order: `out[32c + i] = x[32c + LANE_ORDER[i]]`.
+pub fn lane_order(x: &[f32], out: &mut [f32]) {
+    for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        for (d, &i) in dst.iter_mut().zip(LANE_ORDER.iter()) {
+            *d = src[i];
+        }
+    }
+}
+
+/// `out[m] = dot(W_row, xp[m])` for one 4-bit row of `k = absmax.len() * bs` elements (`bs` a
+/// multiple of 32) against up to 4 activation rows in lane order: each weight is decoded once,
+/// the per-block dot products are scaled by the block's absmax.
 pub fn q4_row_dots(
     packed: &[u8],
     absmax: &[f32],
@@ -72,7 +89,7 @@ pub fn q4_row_dots(
 ) {
     #[cfg(target_arch = "x86_64")]
     if have_avx2() {
-        // SAFETY: AVX2 and FMA are present; every slice holds k = absmax.len() * bs values.
+        // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
         unsafe {
             match xp.len() {
                 1 => avx2::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
@@ -85,7 +102,13 @@ pub fn q4_row_dots(
     }
     let k = absmax.len() * bs;
     let mut row = vec![0f32; k];
-    dequant_row_paired(packed, absmax, bs, code, &mut row);
+    for e in 0..k {
+        let byte = packed[e / 2];
+        let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
+        let (c, i) = (e / 32, e % 32);
+        let pos = LANE_ORDER.iter().position(|&l| l == i).unwrap_or(i);
+        row[c * 32 + pos] = code[q as usize] * absmax[e / bs];
+    }
     for (m, x) in xp.iter().enumerate() {
         out[m] = dot(&row, x);
     }
@@ -232,6 +255,50 @@ mod avx2 {
         }
     }
 
+    /// The code table's f32 bit patterns as four byte planes, each in both 128-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn planes(code: &[f32; 16]) -> [__m256i; 4] {
+        let mut plane = [[0u8; 16]; 4];
+        for (k, c) in code.iter().enumerate() {
+            for (b, p) in plane.iter_mut().enumerate() {
+                p[k] = (c.to_bits() >> (8 * b)) as u8;
+            }
+        }
+        std::array::from_fn(|b| {
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(plane[b].as_ptr() as *const __m128i))
+        })
+    }
+
+    /// 16 packed bytes (32 codes) to their 32 code values in lane order: nibbles to byte
+    /// indices, one `pshufb` per byte plane, then in-lane byte and word interleaves.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn decode32(p: *const u8, m4: __m128i, pl: &[__m256i; 4]) -> [__m256; 4] {
+        let raw = _mm_loadu_si128(p as *const __m128i);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        let lo = _mm_and_si128(raw, m4);
+        let idx = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_unpacklo_epi8(hi, lo)),
+            _mm_unpackhi_epi8(hi, lo),
+            1,
+        );
+        let b0 = _mm256_shuffle_epi8(pl[0], idx);
+        let b1 = _mm256_shuffle_epi8(pl[1], idx);
+        let b2 = _mm256_shuffle_epi8(pl[2], idx);
+        let b3 = _mm256_shuffle_epi8(pl[3], idx);
+        let w01l = _mm256_unpacklo_epi8(b0, b1);
+        let w01h = _mm256_unpackhi_epi8(b0, b1);
+        let w23l = _mm256_unpacklo_epi8(b2, b3);
+        let w23h = _mm256_unpackhi_epi8(b2, b3);
+        [
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01l, w23l)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01l, w23l)),
+            _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01h, w23h)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01h, w23h)),
+        ]
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn q4_row_dots<const M: usize>(
         packed: &[u8],
@@ -242,39 +309,48 @@ mod avx2 {
         out: &mut [f32],
     ) {
         let k = absmax.len() * bs;
-        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs % 16 == 0);
+        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs % 32 == 0);
         let xs: [*const f32; M] = std::array::from_fn(|m| {
             assert!(xp[m].len() >= k);
             xp[m].as_ptr()
         });
-        let m4 = _mm256_set1_epi32(15);
+        let pl = planes(code);
+        let m4 = _mm_set1_epi8(15);
         let p = packed.as_ptr();
-        // Two accumulators per row (high and low nibbles) for each chunk parity: four
-        // independent FMA chains per row.
-        let mut acc = [[_mm256_setzero_ps(); 4]; M];
+        // Independent FMA chains per row: four for one row, two for two, one above.
+        let nb = match M {
+            1 => 4,
+            2 => 2,
+            _ => 1,
+        };
+        let mut acc = [_mm256_setzero_ps(); M];
         for (b, &a) in absmax.iter().enumerate() {
-            let (tl, th) = scaled_tables(code, a);
-            let mut c = 0;
-            while c < bs / 16 {
-                let off = b * bs + c * 16;
-                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(off / 2) as *const __m128i));
-                let wh = lut(tl, th, _mm256_srli_epi32(v, 4));
-                let wl = lut(tl, th, _mm256_and_si256(v, m4));
-                let par = (c & 1) * 2;
+            let mut bacc = [[_mm256_setzero_ps(); 4]; M];
+            for c in 0..bs / 32 {
+                let off = b * bs + c * 32;
+                let w = decode32(p.add(off / 2), m4, &pl);
                 for m in 0..M {
-                    acc[m][par] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xs[m].add(off)), acc[m][par]);
-                    acc[m][par + 1] =
-                        _mm256_fmadd_ps(wl, _mm256_loadu_ps(xs[m].add(off + 8)), acc[m][par + 1]);
+                    for (j, wj) in w.iter().enumerate() {
+                        let slot = j % nb;
+                        bacc[m][slot] = _mm256_fmadd_ps(
+                            *wj,
+                            _mm256_loadu_ps(xs[m].add(off + 8 * j)),
+                            bacc[m][slot],
+                        );
+                    }
                 }
-                c += 1;
+            }
+            let s = _mm256_set1_ps(a);
+            for m in 0..M {
+                let mut t = bacc[m][0];
+                for slot in 1..nb {
+                    t = _mm256_add_ps(t, bacc[m][slot]);
+                }
+                acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
             }
         }
         for m in 0..M {
-            let s = _mm256_add_ps(
-                _mm256_add_ps(acc[m][0], acc[m][1]),
-                _mm256_add_ps(acc[m][2], acc[m][3]),
-            );
-            out[m] = hsum(s);
+            out[m] = hsum(acc[m]);
         }
     }
 
@@ -384,6 +460,42 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_row_dots_match_the_element_formula() {
+        let (bs, k) = (64usize, 256usize);
+        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 73 % 256) as u8).collect();
+        let absmax: Vec<f32> = (0..k / bs).map(|b| 0.25 + b as f32 * 0.5).collect();
+        let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
+        let xs: Vec<Vec<f32>> = (0..4).map(|s| vals(k, s + 10)).collect();
+        for m in 1..=4 {
+            let perm: Vec<Vec<f32>> = xs[..m]
+                .iter()
+                .map(|x| {
+                    let mut p = vec![0f32; k];
+                    lane_order(x, &mut p);
+                    p
+                })
+                .collect();
+            let refs: Vec<&[f32]> = perm.iter().map(|v| v.as_slice()).collect();
+            let mut out = [0f32; 4];
+            q4_row_dots(&packed, &absmax, bs, &code, &refs, &mut out[..m]);
+            for (r, x) in xs[..m].iter().enumerate() {
+                let want: f64 = (0..k)
+                    .map(|e| {
+                        let b = packed[e / 2];
+                        let q = if e % 2 == 0 { b >> 4 } else { b & 15 };
+                        (code[q as usize] * absmax[e / bs]) as f64 * x[e] as f64
+                    })
+                    .sum();
+                assert!(
+                    (out[r] as f64 - want).abs() < 1e-4,
+                    "{m} rows, row {r}: {} vs {want}",
+                    out[r]
+                );
             }
         }
     }

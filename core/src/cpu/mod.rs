@@ -12,7 +12,7 @@ use crate::backend::{ArenaSlice, Backend, Operand, PoolRegion, Q4View, Signalled
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::ring::Fence;
-use kernels::{dequant_row_paired, dot, dot_tile, pair_order, q4_row_dots};
+use kernels::{dequant_row_paired, dot, dot_tile, lane_order, pair_order, q4_row_dots};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
@@ -723,10 +723,17 @@ impl CpuBackend {
             });
             return Ok(());
         }
-        // Activations in paired order, once per call.
+        // Activations in the order the kernel decodes weights into, once per call: lane order
+        // for the GEMV (blocks of at least 32), paired order for the tiles.
+        let gemv = m <= GEMV_MAX_ROWS && bs % 32 == 0;
         let mut xp = vec![0f32; m * k];
         for i in 0..m {
-            pair_order(&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
+            let (src, dst) = (&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
+            if gemv {
+                lane_order(src, dst);
+            } else {
+                pair_order(src, dst);
+            }
         }
         let blocks_per_row = k / bs;
         let tasks = if n * k < 1 << 15 {
@@ -734,7 +741,7 @@ impl CpuBackend {
         } else {
             pool.threads() * 2
         };
-        if m <= GEMV_MAX_ROWS {
+        if gemv {
             pool.run(tasks, &|t| {
                 let (n0, n1) = split(n, tasks, t, 1);
                 let rows: Vec<&[f32]> = (0..m).map(|i| &xp[i * k..(i + 1) * k]).collect();

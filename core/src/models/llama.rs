@@ -599,6 +599,11 @@ impl<B: crate::backend::Backend> Decoder<B> {
         &self.ex
     }
 
+    /// The executor, mutable (profiling).
+    pub fn executor_mut(&mut self) -> &mut crate::executor::Executor<B> {
+        &mut self.ex
+    }
+
     /// Tokens in the cache so far.
     pub fn position(&self) -> usize {
         self.pos
