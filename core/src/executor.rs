@@ -989,7 +989,7 @@ impl<B: Backend> Executor<B> {
             .flatten()
             .map(|(k, (n, t))| (k.clone(), *n, *t))
             .collect();
-        v.sort_by(|a, b| b.2.cmp(&a.2));
+        v.sort_by_key(|x| std::cmp::Reverse(x.2));
         v
     }
 

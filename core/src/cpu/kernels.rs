@@ -342,10 +342,9 @@ mod avx2 {
             }
             let s = _mm256_set1_ps(a);
             for m in 0..M {
-                let mut t = bacc[m][0];
-                for slot in 1..nb {
-                    t = _mm256_add_ps(t, bacc[m][slot]);
-                }
+                let t = bacc[m][1..nb]
+                    .iter()
+                    .fold(bacc[m][0], |t, v| _mm256_add_ps(t, *v));
                 acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
             }
         }
