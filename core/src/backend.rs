@@ -79,6 +79,25 @@ pub trait Backend {
     }
     /// Writes host words into the arena.
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> Result<()>;
+    /// Writes a dense tensor's stored bytes (F32/F16/BF16/F64, little-endian) into the arena as
+    /// f32 values starting at `dst.offset` (`dst.len` elements).
+    fn write_dense(
+        &mut self,
+        dst: ArenaSlice,
+        bytes: &[u8],
+        dtype: crate::index::Dtype,
+    ) -> Result<()> {
+        let mut vals = vec![0f32; dst.len];
+        if !crate::convert::widen_into(bytes, dtype, &mut vals) {
+            return Err(Error::Invalid(format!(
+                "{} bytes of {dtype:?} do not make {} floats",
+                bytes.len(),
+                dst.len
+            )));
+        }
+        let words: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
+        self.write_arena(dst, &words)
+    }
     /// Reads arena words back.
     fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>>;
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned

@@ -32,6 +32,45 @@ pub fn bytes_to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
     })
 }
 
+/// Widens little-endian F32/F16/BF16/F64 bytes into `out` (one f32 per element); false for other
+/// dtypes or when the lengths do not agree.
+pub fn widen_into(bytes: &[u8], dtype: Dtype, out: &mut [f32]) -> bool {
+    let size = match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        Dtype::F64 => 8,
+        _ => return false,
+    };
+    if bytes.len() != out.len() * size {
+        return false;
+    }
+    let chunks = bytes.chunks_exact(size);
+    match dtype {
+        Dtype::F32 => {
+            for (o, c) in out.iter_mut().zip(chunks) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        // bf16 is the top half of an f32: a shift, exact.
+        Dtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(chunks) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        Dtype::F16 => {
+            for (o, c) in out.iter_mut().zip(chunks) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (o, c) in out.iter_mut().zip(chunks) {
+                *o = f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32;
+            }
+        }
+    }
+    true
+}
+
 /// f32 values as little-endian bytes.
 pub fn f32_to_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()

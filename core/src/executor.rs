@@ -8,8 +8,7 @@
 use std::collections::HashMap;
 
 use crate::backend::{host_words, ArenaSlice, Backend, Operand, PoolRegion, Q4View};
-use crate::bnb::{find_4bit_weights, QuantState, QuantStateJson, QuantStateParts, RawTensor};
-use crate::convert::bytes_to_f32;
+use crate::bnb::{find_4bit_weights, QuantState, QuantStateJson};
 use crate::error::{Error, Result};
 use crate::graph::{infer, ElemType, HostTensor, OpKind, Q4Info, ValueInfo};
 use crate::index::{Dtype, ModelIndex, TensorEntry};
@@ -327,25 +326,73 @@ impl Graph {
         self.values.iter().map(|v| v.numel() as u64 * 4).sum()
     }
 
-    /// The smallest device budget with which this graph runs on `backend` (everything
-    /// streamed), as the executor lays it out.
-    pub fn min_device_bytes<B: Backend + ?Sized>(&self, backend: &B) -> u64 {
-        let all_streamed = vec![false; self.groups.len()];
-        let arena = self
-            .arena_layout(&all_streamed, backend.arena_align_words().max(1))
-            .1
-            .max(1) as u64
-            * 4;
-        let pa = backend.pool_align_bytes().max(4);
-        let mut g = self.group_device_bytes();
-        // Only 4-bit parts go through the pool (each region aligned); dense ones are in the
-        // arena figure already.
+    /// Arena bytes for activations and state alone (dense weights left out), as laid out with
+    /// word alignment `align_w`: what the planner charges besides weights.
+    pub fn activation_arena_bytes(&self, align_w: usize) -> u64 {
+        let all_resident = vec![true; self.groups.len()];
+        let words = self.arena_layout(&all_resident, align_w).1 as u64;
+        let owners = self.resident_dense_owners(&all_resident);
+        let dense: u64 = owners
+            .values()
+            .map(|&v| self.values[v].numel().div_ceil(align_w) as u64 * align_w as u64)
+            .sum();
+        (words.saturating_sub(dense)).max(1) * 4
+    }
+
+    /// The planner's view of the weight groups: bytes read per step (`stored`, from the model),
+    /// device bytes when resident, pool-slot and arena bytes when streamed (pool regions aligned
+    /// to `pa`).
+    pub fn weight_groups(&self, stored: &[u64], pa: u64) -> Vec<WeightGroup> {
+        let device = self.group_device_bytes();
         let dense = self.dense_device_bytes();
-        for (i, (b, d)) in g.iter_mut().zip(dense).enumerate() {
-            *b = *b - d + 3 * pa * self.q4.iter().filter(|q| q.group == i).count() as u64;
+        // Dense tensors used by more than one group.
+        let mut holders: HashMap<&str, Vec<(usize, u64)>> = HashMap::new();
+        for (v, s) in self.sources.iter().enumerate() {
+            if let Source::Dense { tensor, group } = s {
+                holders
+                    .entry(tensor.as_str())
+                    .or_default()
+                    .push((*group, self.values[v].numel() as u64 * 4));
+            }
         }
-        g.sort_unstable_by(|a, b| b.cmp(a));
-        arena + g.iter().take(2).sum::<u64>() + pa
+        (0..self.groups.len())
+            .map(|g| {
+                let align = 3 * pa * self.q4.iter().filter(|d| d.group == g).count() as u64;
+                let mut shared = Vec::new();
+                for h in holders.values().filter(|h| h.len() > 1) {
+                    if let Some(&(_, bytes)) = h.iter().find(|(hg, _)| *hg == g) {
+                        shared.extend(h.iter().filter(|(o, _)| *o != g).map(|(o, _)| (*o, bytes)));
+                    }
+                }
+                WeightGroup {
+                    name: self.groups[g].clone(),
+                    bytes: stored.get(g).copied().unwrap_or(0),
+                    device_bytes: device[g] + align,
+                    slot_bytes: device[g] - dense[g] + align,
+                    dense_bytes: dense[g],
+                    shared,
+                }
+            })
+            .collect()
+    }
+
+    /// The smallest device budget with which this graph runs on `backend` (everything
+    /// streamed), as the executor plans and lays it out.
+    pub fn min_device_bytes<B: Backend + ?Sized>(&self, backend: &B) -> u64 {
+        let n = self.groups.len();
+        let align_w = backend.arena_align_words().max(1);
+        let pa = backend.pool_align_bytes().max(4);
+        let groups = self.weight_groups(&vec![0; n], pa);
+        let all = vec![true; n];
+        let planned =
+            self.activation_arena_bytes(align_w) + crate::plan::stream_pool_bytes(&groups, &all);
+        // The layout itself: the arena with every dense tensor transient, two pool slots.
+        let arena = self.arena_layout(&vec![false; n], align_w).1.max(1) as u64 * 4;
+        let mut slots = [0u64; 2];
+        for (i, g) in groups.iter().filter(|g| g.slot_bytes > 0).enumerate() {
+            slots[i % 2] = slots[i % 2].max(g.slot_bytes);
+        }
+        planned.max(arena + slots[0] + slots[1] + pa)
     }
 
     fn dense_device_bytes(&self) -> Vec<u64> {
@@ -450,6 +497,19 @@ impl Graph {
         iv
     }
 
+    /// Per dense tensor held by a resident group: the value that stores it (the first such).
+    fn resident_dense_owners(&self, resident_group: &[bool]) -> HashMap<&str, usize> {
+        let mut owners = HashMap::new();
+        for (v, src) in self.sources.iter().enumerate() {
+            if let Source::Dense { tensor, group } = src {
+                if resident_group[*group] {
+                    owners.entry(tensor.as_str()).or_insert(v);
+                }
+            }
+        }
+        owners
+    }
+
     /// Arena placement of every value (None: never live) and the arena's size in words, for a
     /// given residency of the groups and word alignment.
     fn arena_layout(
@@ -458,20 +518,16 @@ impl Graph {
         align_w: usize,
     ) -> (Vec<Option<ArenaSlice>>, usize) {
         let mut iv = self.intervals(resident_group);
-        // A tensor that is a resident dense weight of two groups (tied embeddings) is stored once.
+        // A tensor that is a dense weight of two groups (tied embeddings) is stored once when one
+        // of them is resident: every other use reads the resident copy.
+        let owners = self.resident_dense_owners(resident_group);
         let mut alias: Vec<Option<usize>> = vec![None; self.values.len()];
-        let mut first_of: HashMap<&str, usize> = HashMap::new();
         for (v, src) in self.sources.iter().enumerate() {
-            if let Source::Dense { tensor, group } = src {
-                if resident_group[*group] {
-                    match first_of.get(tensor.as_str()) {
-                        Some(&f) if self.values[f] == self.values[v] => {
-                            alias[v] = Some(f);
-                            iv[v].clear();
-                        }
-                        _ => {
-                            first_of.insert(tensor, v);
-                        }
+            if let Source::Dense { tensor, .. } = src {
+                if let Some(&f) = owners.get(tensor.as_str()) {
+                    if f != v && self.values[f] == self.values[v] {
+                        alias[v] = Some(f);
+                        iv[v].clear();
                     }
                 }
             }
@@ -533,6 +589,9 @@ pub struct ExecOptions {
     pub budgets: Budgets,
     /// Reader threads.
     pub readers: usize,
+    /// Stream every weight group each step, whatever the budget allows (the lowest-memory
+    /// plan).
+    pub stream_all: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -572,9 +631,6 @@ pub struct Executor<B: Backend> {
     /// read once for each.
     roles: HashMap<(usize, String), Role>,
     scratch: Vec<Q4Scratch>,
-    /// Per weight: its quant-state JSON and code table as the safetensors bytes the stream
-    /// rebuilds the state from (fixed for the executor's life, so encoded once).
-    state_bytes: Vec<(Vec<u8>, Vec<u8>)>,
     /// Per program: the non-resident groups as (first node, group), in the order a step loads
     /// them (the same group order in every program: the ring streams one schedule).
     stream_starts: Vec<Vec<(usize, usize)>>,
@@ -583,6 +639,8 @@ pub struct Executor<B: Backend> {
     pool_bytes: u64,
     /// Zeros written over the state values before the first step and on `reset_state`.
     state_slices: Vec<ArenaSlice>,
+    /// Reused buffer for a streamed weight's f32 absmax.
+    absmax_bytes: Vec<u8>,
     /// Per op kind (name, with the weight's shape for linears): calls and time, when profiling.
     profile: Option<HashMap<String, (u64, std::time::Duration)>>,
 }
@@ -839,32 +897,25 @@ impl<B: Backend> Executor<B> {
         // streams; resident dense weights then move to whole-run slices.
         let align_w = backend.arena_align_words().max(1);
         let n_groups = graph.groups.len();
-        let (_, streamed_arena) = graph.arena_layout(&vec![false; n_groups], align_w);
         let mut budgets = opts.budgets;
-        budgets.device_other_bytes += streamed_arena as u64 * 4;
+        budgets.device_other_bytes += graph.activation_arena_bytes(align_w);
         // The executor does not keep a host cache: plan without one, so the plan is true.
         budgets.host_cache_bytes = 0;
         let pa = backend.pool_align_bytes().max(4);
-        let device_bytes = graph.group_device_bytes();
-        let dense_bytes = graph.dense_device_bytes();
-        let weights_in = |g: usize| graph.q4.iter().filter(|d| d.group == g).count() as u64;
-        let groups: Vec<WeightGroup> = (0..n_groups)
-            .map(|g| WeightGroup {
-                name: graph.groups[g].clone(),
-                bytes: group_bytes[g],
-                // Each of a 4-bit weight's three regions is aligned in the pool.
-                device_bytes: device_bytes[g] + 3 * pa * weights_in(g),
-                slot_bytes: device_bytes[g] - dense_bytes[g] + 3 * pa * weights_in(g),
-            })
-            .collect();
+        let groups = graph.weight_groups(&group_bytes, pa);
         // Resident dense weights take whole-run arena slices, and the arena of the other values
         // need not shrink by as much: plan, lay out, and if the layout is over the budget, plan
         // again for a budget smaller by the excess.
-        let mut shrink = 0u64;
-        let (plan, lay) = loop {
+        // When the layout comes out under the budget (a tied table counted twice, arena space
+        // reused), plan again with the slack added, as long as the result still fits.
+        let try_plan = |effective: u64| -> Result<(MemoryPlan, Layout, u64)> {
             let mut b = budgets;
-            b.device_bytes = budgets.device_bytes.saturating_sub(shrink);
-            let mut plan = MemoryPlan::new(groups.clone(), b)?;
+            b.device_bytes = effective;
+            let mut plan = if opts.stream_all {
+                MemoryPlan::streaming_all(groups.clone(), b)?
+            } else {
+                MemoryPlan::new(groups.clone(), b)?
+            };
             let resident_group: Vec<bool> = plan
                 .placement
                 .iter()
@@ -873,12 +924,34 @@ impl<B: Backend> Executor<B> {
             let lay = layout(&graph, &states, &resident_group, align_w, pa)?;
             plan.budgets.device_bytes = budgets.device_bytes;
             let total = lay.pool_bytes + lay.arena_words.max(1) as u64 * 4;
+            Ok((plan, lay, total))
+        };
+        let mut shrink = 0u64;
+        let (mut plan, mut lay) = loop {
+            let (mut plan, lay, total) = try_plan(budgets.device_bytes.saturating_sub(shrink))?;
             match plan.set_allocation(lay.allocation(&graph)) {
                 Ok(()) => break (plan, lay),
                 Err(e) if plan.counts().0 == 0 => return Err(e),
                 Err(_) => shrink += total.saturating_sub(budgets.device_bytes) + pa,
             }
         };
+        let mut effective = budgets.device_bytes.saturating_sub(shrink);
+        for _ in 0..4 {
+            let used = plan.peak_device_bytes;
+            let slack = budgets.device_bytes.saturating_sub(used);
+            if opts.stream_all || slack < pa * 16 || plan.counts().1 + plan.counts().2 == 0 {
+                break;
+            }
+            effective += slack;
+            let Ok((mut p2, l2, _)) = try_plan(effective) else {
+                break;
+            };
+            if p2.counts().0 <= plan.counts().0 || p2.set_allocation(l2.allocation(&graph)).is_err()
+            {
+                break;
+            }
+            (plan, lay) = (p2, l2);
+        }
         let Layout {
             slices,
             arena_words,
@@ -888,6 +961,46 @@ impl<B: Backend> Executor<B> {
             stream_starts,
             resident_group,
         } = lay;
+        // Tensors served by a resident copy in another group are not read for this one.
+        let mut stream_starts = stream_starts;
+        {
+            let owners = graph.resident_dense_owners(&resident_group);
+            for (v, src) in graph.sources.iter().enumerate() {
+                let Source::Dense { tensor, group } = src else {
+                    continue;
+                };
+                let Some(&owner) = owners.get(tensor.as_str()) else {
+                    continue;
+                };
+                let owner_group = match &graph.sources[owner] {
+                    Source::Dense { group, .. } => *group,
+                    _ => continue,
+                };
+                if owner == v || owner_group == *group {
+                    continue;
+                }
+                let before = group_tensors[*group].len();
+                let mut freed = 0;
+                group_tensors[*group].retain(|t| {
+                    let keep = t.name != *tensor;
+                    if !keep {
+                        freed += t.len;
+                    }
+                    keep
+                });
+                if group_tensors[*group].len() != before {
+                    plan.served_elsewhere(*group, freed);
+                    roles.remove(&(*group, tensor.clone()));
+                }
+            }
+            for starts in &mut stream_starts {
+                starts.retain(|&(_, g)| !group_tensors[g].is_empty());
+            }
+        }
+        let streamed: Vec<usize> = streamed
+            .into_iter()
+            .filter(|&g| !group_tensors[g].is_empty())
+            .collect();
         let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
             .filter(|&v| graph.sources[v] == Source::State)
             .filter_map(|v| slices[v])
@@ -895,18 +1008,6 @@ impl<B: Backend> Executor<B> {
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
         let scratch = vec![Q4Scratch::default(); graph.q4.len()];
-        let state_bytes = states
-            .iter()
-            .map(|st| {
-                let code = st
-                    .quant_type
-                    .code_table()
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
-                (st.to_json_bytes(), code)
-            })
-            .collect();
         let mut ex = Executor {
             graph,
             backend,
@@ -916,12 +1017,12 @@ impl<B: Backend> Executor<B> {
             states,
             roles,
             scratch,
-            state_bytes,
             stream_starts,
             prefetch: None,
             arena_words,
             pool_bytes,
             state_slices,
+            absmax_bytes: Vec::new(),
             profile: None,
         };
         ex.reset_state()?;
@@ -1046,18 +1147,15 @@ impl<B: Backend> Executor<B> {
                     if at % es != 0 || bytes.len() % es != 0 {
                         return Err(Error::Invalid(format!("{}: a ring slot split an element; use a slot size that is a multiple of 8", part.tensor)));
                     }
-                    let vals = bytes_to_f32(bytes, dtype).ok_or_else(|| {
-                        Error::Invalid(format!("{}: not a float tensor", part.tensor))
-                    })?;
                     let s =
                         self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced weight".into()))?;
-                    let words: Vec<u32> = vals.iter().map(|x| x.to_bits()).collect();
-                    self.backend.write_arena(
+                    self.backend.write_dense(
                         ArenaSlice {
                             offset: s.offset + at / es,
-                            len: words.len(),
+                            len: bytes.len() / es,
                         },
-                        &words,
+                        bytes,
+                        dtype,
                     )?;
                 }
             }
@@ -1089,26 +1187,54 @@ impl<B: Backend> Executor<B> {
                 break;
             }
         }
-        // Double quantization undone on the host, bit-exactly, into the pool as f32.
+        // Double quantization undone on the host, bit-exactly, into the pool as f32 (the formula
+        // of `QuantState::from_parts`; the quant state was validated when the executor opened).
         for wi in 0..self.graph.q4.len() {
             if self.graph.q4[wi].group != g {
                 continue;
             }
             let s = &self.scratch[wi];
-            let (json, code) = &self.state_bytes[wi];
-            let nested = self.states[wi].nested.is_some();
-            let absmax_dtype = if nested { Dtype::U8 } else { Dtype::F32 };
-            let parts = QuantStateParts {
-                key_quant_type: self.states[wi].quant_type,
-                json,
-                absmax: raw(absmax_dtype, &s.absmax),
-                quant_map: raw(Dtype::F32, code),
-                nested_absmax: nested.then(|| raw(Dtype::F32, &s.nested_absmax)),
-                nested_quant_map: nested.then(|| raw(Dtype::F32, &s.nested_map)),
-            };
-            let state = QuantState::from_parts("stream", &self.graph.q4[wi].tensor, &parts)?;
-            let bytes: Vec<u8> = state.absmax.iter().flat_map(|v| v.to_le_bytes()).collect();
-            self.backend.upload(self.views[wi].absmax.offset, &bytes)?;
+            let st = &self.states[wi];
+            let nblocks = st.num_blocks() as usize;
+            let what = &self.graph.q4[wi].tensor;
+            let mut buf = std::mem::take(&mut self.absmax_bytes);
+            buf.clear();
+            match &st.nested {
+                None => {
+                    if s.absmax.len() != nblocks * 4 {
+                        return Err(Error::Invalid(format!(
+                            "{what}: streamed absmax has {} bytes, expected {}",
+                            s.absmax.len(),
+                            nblocks * 4
+                        )));
+                    }
+                    buf.extend_from_slice(&s.absmax);
+                }
+                Some(n) => {
+                    let nbs = n.blocksize as usize;
+                    let nn = nblocks.div_ceil(nbs);
+                    if s.absmax.len() != nblocks
+                        || s.nested_absmax.len() != nn * 4
+                        || s.nested_map.len() != 256 * 4
+                    {
+                        return Err(Error::Invalid(format!(
+                            "{what}: streamed double-quant state does not match the quant state"
+                        )));
+                    }
+                    let f = |b: &[u8], i: usize| {
+                        f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+                    };
+                    let offset = n.offset_f32();
+                    for (j, &q) in s.absmax.iter().enumerate() {
+                        let v =
+                            (f(&s.nested_map, q as usize) * f(&s.nested_absmax, j / nbs)) + offset;
+                        buf.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+            let r = self.backend.upload(self.views[wi].absmax.offset, &buf);
+            self.absmax_bytes = buf;
+            r?;
         }
         Ok(())
     }
@@ -1161,7 +1287,15 @@ impl<B: Backend> Executor<B> {
                     .prefetch
                     .take()
                     .ok_or_else(|| Error::Invalid("no stream".into()))?;
+                let t0 = self.profile.is_some().then(std::time::Instant::now);
                 let r = self.load_group(&mut pf, g);
+                if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
+                    let e = p
+                        .entry("(load streamed group: wait + upload)".into())
+                        .or_default();
+                    e.0 += 1;
+                    e.1 += t0.elapsed();
+                }
                 if let Some(st) = pf.take_step_stats() {
                     stats.stream = st;
                 }
@@ -1232,14 +1366,6 @@ impl<B: Backend> Executor<B> {
             });
         }
         Ok((outs, stats))
-    }
-}
-
-fn raw(dtype: Dtype, bytes: &[u8]) -> RawTensor<'_> {
-    RawTensor {
-        dtype,
-        numel: (bytes.len() / element_size(dtype)) as u64,
-        bytes,
     }
 }
 

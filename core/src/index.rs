@@ -439,6 +439,13 @@ impl ModelIndex {
     /// Opens a local `.safetensors` file or model folder and validates every header.
     #[cfg(feature = "native")]
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with(path, Default::default())
+    }
+
+    /// [`ModelIndex::open`], reading the files with `mode` (page cache, dropped cache, O_DIRECT,
+    /// mmap).
+    #[cfg(feature = "native")]
+    pub fn open_with(path: &Path, mode: crate::file_source::FileReadMode) -> Result<Self> {
         let disp = path.display().to_string();
         let meta = std::fs::metadata(path).map_err(|e| Error::io(&disp, e))?;
         let single = |p: PathBuf, config| -> Result<Self> {
@@ -448,7 +455,7 @@ impl ModelIndex {
                 .and_then(|n| n.to_str())
                 .unwrap_or("")
                 .to_string();
-            let source = crate::file_source::FileSource::open(&[p], Default::default())?;
+            let source = crate::file_source::FileSource::open(&[p], mode)?;
             Self::from_parts(
                 disp.clone(),
                 vec![Shard { name, header }],
@@ -476,7 +483,7 @@ impl ModelIndex {
                     });
                     paths.push(p);
                 }
-                let source = crate::file_source::FileSource::open(&paths, Default::default())?;
+                let source = crate::file_source::FileSource::open(&paths, mode)?;
                 return Self::from_parts(
                     disp,
                     shards,

@@ -17,9 +17,13 @@ pub struct WeightGroup {
     /// Bytes it takes on the device (4-bit codes, f32 absmax and code table; dense tensors as
     /// f32): what keeping it resident costs.
     pub device_bytes: u64,
-    /// Bytes of its stream-pool slot when it streams (the 4-bit parts; streamed dense tensors
-    /// live in the activation arena, which `Budgets::device_other_bytes` covers).
+    /// Bytes of its stream-pool slot when it streams (its 4-bit weights, aligned).
     pub slot_bytes: u64,
+    /// Bytes its dense tensors take (as f32) in the arena while it is live, when it streams.
+    pub dense_bytes: u64,
+    /// Dense tensors it shares with other groups (tied embeddings): (other group, f32 bytes).
+    /// While the other group is resident this group reads that copy and needs no room of its own.
+    pub shared: Vec<(usize, u64)>,
 }
 
 /// What the user allows.
@@ -135,22 +139,66 @@ pub fn parse_size(s: &str) -> Result<u64> {
     Ok(bytes.round() as u64)
 }
 
-fn pool_for(groups: &[WeightGroup], streamed: &[bool]) -> u64 {
-    let mut largest = [0u64; 2];
-    for (g, _) in groups.iter().zip(streamed).filter(|(_, s)| **s) {
-        let b = g.slot_bytes;
-        if b > largest[0] {
-            largest = [b, largest[0]];
-        } else if b > largest[1] {
-            largest[1] = b;
-        }
+/// Per group, (device bytes, dense bytes) given which groups stream: a tensor shared with a
+/// resident group costs nothing in this one (when both are resident, the earlier one holds it).
+fn effective(groups: &[WeightGroup], streamed: &[bool]) -> Vec<(u64, u64)> {
+    groups
+        .iter()
+        .enumerate()
+        .map(|(g, w)| {
+            let saved: u64 = w
+                .shared
+                .iter()
+                .filter(|(o, _)| !streamed[*o] && (*o < g || streamed[g]))
+                .map(|(_, b)| *b)
+                .sum();
+            (
+                w.device_bytes.saturating_sub(saved),
+                w.dense_bytes.saturating_sub(saved),
+            )
+        })
+        .collect()
+}
+
+/// Device bytes the streamed groups need (in schedule order, `streamed[i]` for group i): two
+/// alternating pool slots, each as large as the largest 4-bit part that lands in it, plus arena
+/// room for the dense tensors of two consecutive streamed groups (one in use, the next loading).
+pub fn stream_pool_bytes(groups: &[WeightGroup], streamed: &[bool]) -> u64 {
+    let eff = effective(groups, streamed);
+    let seq: Vec<(u64, u64)> = groups
+        .iter()
+        .zip(&eff)
+        .zip(streamed)
+        .filter(|(_, s)| **s)
+        .map(|((g, e), _)| (g.slot_bytes, e.1))
+        .collect();
+    let mut slots = [0u64; 2];
+    for (i, g) in seq.iter().enumerate() {
+        slots[i % 2] = slots[i % 2].max(g.0);
     }
-    largest[0] + largest[1]
+    let dense = match seq.as_slice() {
+        [one] => one.1,
+        _ => seq.windows(2).map(|w| w[0].1 + w[1].1).max().unwrap_or(0),
+    };
+    slots[0] + slots[1] + dense
+}
+
+fn pool_for(groups: &[WeightGroup], streamed: &[bool]) -> u64 {
+    stream_pool_bytes(groups, streamed)
 }
 
 impl MemoryPlan {
     /// Makes the plan or refuses, naming the numbers that would fit.
     pub fn new(groups: Vec<WeightGroup>, budgets: Budgets) -> Result<Self> {
+        Self::make(groups, budgets, true)
+    }
+
+    /// A plan that streams every group each step, whatever the budget allows.
+    pub fn streaming_all(groups: Vec<WeightGroup>, budgets: Budgets) -> Result<Self> {
+        Self::make(groups, budgets, false)
+    }
+
+    fn make(groups: Vec<WeightGroup>, budgets: Budgets, allow_resident: bool) -> Result<Self> {
         if budgets.ring_slots == 0 || budgets.slot_bytes == 0 {
             return Err(Error::Invalid(format!(
                 "the staging ring needs at least 1 slot of at least {} ({} slots x {} given)",
@@ -173,7 +221,7 @@ impl MemoryPlan {
         let min_pool = pool_for(&groups, &all_streamed);
         let min_device = budgets.device_other_bytes + min_pool;
         let Some(avail) = device_for_weights.filter(|&a| a >= min_pool) else {
-            let largest = groups.iter().max_by_key(|g| g.slot_bytes);
+            let largest = groups.iter().max_by_key(|g| g.slot_bytes + g.dense_bytes);
             return Err(Error::Invalid(format!(
                 "device budget {} cannot hold the run: activations and caches need {}, and the \
                  streaming pool needs room for the two largest weight groups ({}{}): use \
@@ -182,7 +230,11 @@ impl MemoryPlan {
                 fmt_bytes(budgets.device_other_bytes),
                 fmt_bytes(min_pool),
                 largest
-                    .map(|g| format!(", largest '{}' {}", g.name, fmt_bytes(g.slot_bytes)))
+                    .map(|g| format!(
+                        ", largest '{}' {}",
+                        g.name,
+                        fmt_bytes(g.slot_bytes + g.dense_bytes)
+                    ))
                     .unwrap_or_default(),
                 fmt_bytes(min_device)
             )));
@@ -190,11 +242,12 @@ impl MemoryPlan {
         // Keep groups resident in schedule order while the rest still fits the pool.
         let mut streamed = all_streamed;
         let mut resident = 0u64;
-        for i in 0..n {
+        for i in (0..n).filter(|_| allow_resident) {
             streamed[i] = false;
             let pool = pool_for(&groups, &streamed);
-            if resident + groups[i].device_bytes + pool <= avail {
-                resident += groups[i].device_bytes;
+            let cost = effective(&groups, &streamed)[i].0;
+            if resident + cost + pool <= avail {
+                resident += cost;
             } else {
                 streamed[i] = true;
             }
@@ -252,6 +305,19 @@ impl MemoryPlan {
         self.peak_device_bytes = peak;
         self.allocation = Some(a);
         Ok(())
+    }
+
+    /// `bytes` of group `g` need no reading because a resident group holds the same tensors
+    /// (tied embeddings): the group reads and uploads that much less per step.
+    pub fn served_elsewhere(&mut self, g: usize, bytes: u64) {
+        let b = bytes.min(self.groups[g].bytes);
+        self.groups[g].bytes -= b;
+        if self.placement[g] != Placement::Resident {
+            self.uploaded_bytes_per_step -= b.min(self.uploaded_bytes_per_step);
+            if self.placement[g] == Placement::Streamed {
+                self.streamed_bytes_per_step -= b.min(self.streamed_bytes_per_step);
+            }
+        }
     }
 
     /// Number of groups with each placement: (resident, streamed, host-cached).
@@ -328,6 +394,8 @@ mod tests {
                 bytes: b,
                 device_bytes: b,
                 slot_bytes: b,
+                dense_bytes: 0,
+                shared: Vec::new(),
             })
             .collect()
     }

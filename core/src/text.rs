@@ -191,9 +191,4 @@ impl TextStream {
         self.printed = text.len();
         Ok(new)
     }
-
-    /// Everything decoded so far.
-    pub fn text(&self, tok: &TextTokenizer) -> Result<String> {
-        tok.decode(&self.ids, true)
-    }
 }

@@ -168,6 +168,14 @@ enum Command {
         /// Time every op and print the slowest op kinds at the end.
         #[arg(long)]
         profile: bool,
+        /// How local files are read: auto, pread, pread-dropcache (stream from disk, not the
+        /// page cache), direct, mmap.
+        #[arg(long, default_value = "auto")]
+        file_mode: String,
+        /// Stream every weight group through the ring each step, whatever the device budget
+        /// would keep resident (the lowest-memory plan).
+        #[arg(long)]
+        stream_all: bool,
     },
     /// Convert a llama.cpp GGUF (llama, qwen2) to a transformers NF4 model folder: weights,
     /// config.json, tokenizer.json, tokenizer_config.json (chat template).
@@ -270,15 +278,29 @@ enum BenchKind {
 
 /// Opens a model by local path or http(s) URL.
 pub(crate) fn open_model(arg: &str) -> anyhow::Result<nibble_core::index::ModelIndex> {
+    open_model_with(arg, "auto")
+}
+
+/// Opens a model by local path (read with `file_mode`) or http(s) URL.
+pub(crate) fn open_model_with(
+    arg: &str,
+    file_mode: &str,
+) -> anyhow::Result<nibble_core::index::ModelIndex> {
+    let mode = nibble_core::file_source::FileReadMode::parse(file_mode).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--file-mode '{file_mode}': expected auto, pread, pread-dropcache, direct or mmap"
+        )
+    })?;
     if arg.starts_with("http://") || arg.starts_with("https://") {
         Ok(nibble_core::index::ModelIndex::open_url(
             arg,
             Default::default(),
         )?)
     } else {
-        Ok(nibble_core::index::ModelIndex::open(std::path::Path::new(
-            arg,
-        ))?)
+        Ok(nibble_core::index::ModelIndex::open_with(
+            std::path::Path::new(arg),
+            mode,
+        )?)
     }
 }
 
@@ -372,6 +394,8 @@ fn main() -> ExitCode {
             logits_out,
             json,
             profile,
+            file_mode,
+            stream_all,
         } => run::run(&run::RunOptions {
             model,
             prompt,
@@ -390,6 +414,8 @@ fn main() -> ExitCode {
             logits_out,
             json,
             profile,
+            file_mode,
+            stream_all,
             dit: run_dit::DitRun {
                 steps,
                 inputs,

@@ -202,10 +202,18 @@ pub fn convert(
         dtype,
     };
     let t = std::time::Instant::now();
+    use std::io::IsTerminal;
+    let tty = std::io::stderr().is_terminal();
+    let mut shown = 0usize;
     let r = convert(gguf, out, opts, |done, total, name| {
-        eprint!("\r[{done}/{total}] {name:<60}");
-        if done == total {
-            eprintln!();
+        if tty {
+            eprint!("\r[{done}/{total}] {name:<60}");
+            if done == total {
+                eprintln!();
+            }
+        } else if done * 10 / total.max(1) > shown || done == total {
+            shown = done * 10 / total.max(1);
+            eprintln!("[{done}/{total}] {name}");
         }
     })
     .with_context(|| format!("converting {}", gguf.display()))?;

@@ -52,6 +52,10 @@ pub struct RunOptions {
     pub json: bool,
     /// Time every op and print the slowest kinds at the end.
     pub profile: bool,
+    /// How local files are read.
+    pub file_mode: String,
+    /// Stream every weight group each step, whatever the budget.
+    pub stream_all: bool,
     /// Options of a DiT run.
     pub dit: crate::run_dit::DitRun,
 }
@@ -134,7 +138,7 @@ fn is_dit(model: &ModelIndex) -> bool {
 
 /// Runs generation (LLM) or denoising (DiT), by what config.json says, on `o.backend`.
 pub fn run(o: &RunOptions) -> Result<()> {
-    let model = crate::open_model(&o.model)?;
+    let model = crate::open_model_with(&o.model, &o.file_mode)?;
     if !is_llm(&model) && !is_dit(&model) {
         bail!(
             "{}: config.json is neither a Llama-family decoder nor a Flux-style DiT",
@@ -247,6 +251,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         ExecOptions {
             budgets,
             readers: 2,
+            stream_all: o.stream_all,
         },
     )
     .with_context(|| format!("planning {} on {label}", o.model))?;
@@ -285,12 +290,14 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
     let mut out = std::io::stdout().lock();
     let t_dec = Instant::now();
     let mut decode_steps = 0usize;
+    let mut rss_per_token = Vec::with_capacity(o.max_tokens);
     loop {
         if o.logits_out.is_some() {
             chose.extend_from_slice(&last);
         }
         let next = sampler.pick(&last, o);
         generated.push(next);
+        rss_per_token.push(nibble_core::sys::rss_bytes().unwrap_or(0));
         if !o.json {
             let piece = match &tokenizer {
                 Some(tok) => stream.push(tok, next)?,
@@ -338,7 +345,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         crate::run::print_profile(&dec.executor().profile());
     }
     let text = match &tokenizer {
-        Some(tok) => Some(stream.text(tok)?),
+        Some(tok) => Some(tok.decode(&generated, true)?),
         None => None,
     };
     if o.json {
@@ -350,6 +357,12 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
             "decode_tok_s": decode_tok_s,
             "rss_max_bytes": rss_max,
             "bytes_streamed": bytes_streamed,
+            "rss_bytes_per_token": rss_per_token,
+            "plan": {
+                "resident_groups": dec.executor().plan().counts().0,
+                "streamed_groups": dec.executor().plan().counts().1,
+                "device_bytes": dec.executor().plan().peak_device_bytes,
+            },
         });
         crate::write_stdout(&format!("{v}\n"))?;
     } else {

@@ -158,6 +158,7 @@ pub fn run<B: Backend>(
         ExecOptions {
             budgets,
             readers: 2,
+            stream_all: o.stream_all,
         },
     )?;
     if !o.json {

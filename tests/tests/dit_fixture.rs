@@ -42,6 +42,7 @@ fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, 
         ExecOptions {
             budgets,
             readers: 2,
+            stream_all: streamed,
         },
     )
     .expect("executor");
@@ -132,6 +133,7 @@ fn tiny_dit_euler_loop_streamed() {
         ExecOptions {
             budgets,
             readers: 2,
+            stream_all: true,
         },
     )
     .expect("executor");

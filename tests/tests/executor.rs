@@ -116,6 +116,7 @@ fn opts(device_bytes: u64, slots: u64, slot_bytes: u64) -> ExecOptions {
             host_other_bytes: 0,
         },
         readers: 2,
+        stream_all: false,
     }
 }
 

@@ -46,6 +46,7 @@ fn opts(streamed: bool) -> ExecOptions {
     ExecOptions {
         budgets,
         readers: 2,
+        stream_all: streamed,
     }
 }
 

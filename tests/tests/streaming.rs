@@ -207,12 +207,16 @@ fn impossible_budget_is_refused_before_any_io() {
             bytes: 300 << 20,
             device_bytes: 300 << 20,
             slot_bytes: 300 << 20,
+            dense_bytes: 0,
+            shared: Vec::new(),
         },
         WeightGroup {
             name: "layers.1".into(),
             bytes: 200 << 20,
             device_bytes: 200 << 20,
             slot_bytes: 200 << 20,
+            dense_bytes: 0,
+            shared: Vec::new(),
         },
     ];
     let b = Budgets {

@@ -166,6 +166,25 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+    fn write_dense(
+        &mut self,
+        dst: ArenaSlice,
+        bytes: &[u8],
+        dtype: crate::index::Dtype,
+    ) -> Result<()> {
+        let d = self
+            .arena
+            .get_mut(dst.offset..dst.offset + dst.len)
+            .ok_or_else(|| Error::Invalid(format!("cpu: arena write {dst:?} out of range")))?;
+        if !crate::convert::widen_into(bytes, dtype, d) {
+            return Err(Error::Invalid(format!(
+                "cpu: {} bytes of {dtype:?} do not make {} floats",
+                bytes.len(),
+                dst.len
+            )));
+        }
+        Ok(())
+    }
     fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>> {
         self.check(src)?;
         Ok(self.arena[src.offset..src.offset + src.len]

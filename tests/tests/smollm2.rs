@@ -1,0 +1,205 @@
+//! SmolLM2-135M-Instruct in NF4, converted by `nibble convert` from llama.cpp's Q4_1 GGUF
+//! (`scripts/get-smollm2.sh` makes `models/smollm2-135m-nf4`), against what transformers computes
+//! on the same NF4 weights (`../shared/fixtures/smollm2/reference.json`):
+//! - every converted tensor has the reference sha256 (the conversion equals bitsandbytes');
+//! - the chat template and tokenizer give the reference prompt ids;
+//! - greedy decoding through the KV cache gives the reference tokens up to the robust prefix
+//!   (steps whose top-1/top-2 margin is at least 0.05 logits);
+//! - teacher forcing (prompt + reference continuation in one pass): wherever the reference
+//!   margin is at least 0.05 the argmax is the reference token, and the top-5 logits agree within
+//!   1e-3 x max.
+//!
+//! Runs on the optimized CPU backend, which the conformance suite checks against cpu_ref.
+
+use std::path::PathBuf;
+
+use nibble_core::cpu::CpuBackend;
+use nibble_core::executor::ExecOptions;
+use nibble_core::index::ModelIndex;
+use nibble_core::models::llama::{Decoder, LlamaShape};
+use nibble_core::plan::Budgets;
+use nibble_core::text::{Message, TextTokenizer};
+use nibble_tests::*;
+use sha2::{Digest, Sha256};
+
+const MARGIN: f64 = 0.05;
+
+fn model_dir() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-nf4");
+    assert!(
+        p.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/get-smollm2.sh (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+fn reference() -> serde_json::Value {
+    read_json(&fixture("smollm2/reference.json"))
+}
+
+fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+fn opts() -> ExecOptions {
+    ExecOptions {
+        budgets: Budgets {
+            device_bytes: 2 << 30,
+            ring_slots: 4,
+            slot_bytes: 16 << 20,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        },
+        readers: 2,
+        stream_all: false,
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len())
+        .max_by(|&a, &b| v[a].total_cmp(&v[b]))
+        .expect("non-empty") as u32
+}
+
+#[test]
+fn converted_tensors_equal_the_reference() {
+    let dir = model_dir();
+    let m = ModelIndex::open(&dir).expect("open");
+    let r = reference();
+    let want = r["tensor_sha256"].as_object().expect("hashes");
+    assert_eq!(m.len(), want.len(), "tensor count");
+    let mut bad = Vec::new();
+    for t in m.tensors() {
+        let bytes = m.read_bytes(t).expect("read");
+        let got: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        match want.get(&t.name).and_then(|v| v.as_str()) {
+            Some(w) if w == got => {}
+            _ => bad.push(t.name.clone()),
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} tensors differ, e.g. {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
+#[test]
+fn chat_template_gives_the_reference_prompt_ids() {
+    let m = ModelIndex::open(&model_dir()).expect("open");
+    let tok = TextTokenizer::for_model(&m).expect("tokenizer");
+    for p in reference()["prompts"].as_array().expect("prompts") {
+        let msg = p["user_message"].as_str().expect("message");
+        let text = tok
+            .apply_chat_template(&[Message::new("user", msg)], true)
+            .expect("template");
+        assert_eq!(
+            text,
+            p["prompt_text"].as_str().expect("text"),
+            "rendered chat"
+        );
+        let ids = tok.encode(&text, false).expect("encode");
+        assert_eq!(ids, u32s(&p["prompt_ids"]), "prompt ids for {msg:?}");
+    }
+}
+
+#[test]
+fn greedy_and_teacher_forced_match_transformers() {
+    let m = ModelIndex::open(&model_dir()).expect("open");
+    for p in reference()["prompts"].as_array().expect("prompts") {
+        let prompt = u32s(&p["prompt_ids"]);
+        let nf4 = &p["nf4"];
+        let greedy = u32s(&nf4["greedy_ids"]);
+        let margins: Vec<f64> = nf4["top2_margin"]
+            .as_array()
+            .expect("margins")
+            .iter()
+            .map(|v| v.as_f64().expect("margin"))
+            .collect();
+        let robust = nf4["robust_prefix_len"]["0.05"].as_u64().expect("prefix") as usize;
+
+        // Greedy through the KV cache.
+        let shape = LlamaShape::generate(prompt.len(), greedy.len());
+        let mut d = Decoder::new(&m, CpuBackend::new(), shape, opts()).expect("decoder");
+        let (mut last, _) = d.prefill(&prompt).expect("prefill");
+        let mut got = Vec::new();
+        while got.len() < greedy.len() {
+            let t = argmax(&last);
+            got.push(t);
+            if got.len() < greedy.len() {
+                last = d.decode(t).expect("decode").0;
+            }
+        }
+        assert_eq!(
+            &got[..robust],
+            &greedy[..robust],
+            "greedy tokens within the robust prefix of {robust}"
+        );
+
+        // Teacher forcing: the prompt and the reference continuation in one pass.
+        let mut seq = prompt.clone();
+        seq.extend_from_slice(&greedy[..greedy.len() - 1]);
+        let shape = LlamaShape {
+            prompt: seq.len(),
+            capacity: seq.len(),
+            all_logits: true,
+            hidden_states: false,
+        };
+        let mut d = Decoder::new(&m, CpuBackend::new(), shape, opts()).expect("decoder");
+        let (logits, _) = d.prefill(&seq).expect("prefill");
+        let vocab = d.config.vocab;
+        let tf = &nf4["teacher_forced_top5"];
+        let (ids, vals) = (
+            tf["ids"].as_array().expect("ids"),
+            tf["values"].as_array().expect("values"),
+        );
+        let mut checked = 0;
+        let mut worst = 0f64;
+        for (i, margin) in margins.iter().enumerate() {
+            if *margin < MARGIN {
+                continue;
+            }
+            let pos = prompt.len() - 1 + i;
+            let row = &logits[pos * vocab..(pos + 1) * vocab];
+            assert_eq!(
+                argmax(row),
+                greedy[i],
+                "argmax at step {i} (margin {margin})"
+            );
+            let want: Vec<f64> = vals[i]
+                .as_array()
+                .expect("top5")
+                .iter()
+                .map(|v| v.as_f64().expect("v"))
+                .collect();
+            let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+            for (id, w) in u32s(&ids[i]).iter().zip(&want) {
+                let g = row[*id as usize] as f64;
+                worst = worst.max((g - w).abs() / scale);
+                assert!(
+                    (g - w).abs() <= 1e-3 * scale,
+                    "step {i}: logit of {id} is {g}, transformers {w}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 40, "only {checked} steps checked");
+        let same = got.iter().zip(&greedy).take_while(|(a, b)| a == b).count();
+        println!(
+            "{:?}: greedy equal for {same}/{} tokens (robust prefix {robust}); teacher-forced \
+             {checked} steps checked, worst top-5 error {worst:.2e} x max",
+            p["user_message"].as_str().unwrap_or(""),
+            greedy.len()
+        );
+    }
+}
