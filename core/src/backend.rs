@@ -103,6 +103,9 @@ pub trait Backend {
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// The executor is about to block on the weight stream: a backend that spins worker threads
+    /// can let them sleep so that the readers get the cores.
+    fn idle(&mut self) {}
     /// Memory for the staging ring's slots (pinned host memory for CUDA); `None`: plain host
     /// memory.
     fn slot_allocator(&self) -> Option<Box<dyn crate::ring::SlotAllocator>> {

@@ -1166,6 +1166,9 @@ impl<B: Backend> Executor<B> {
     fn load_group(&mut self, pf: &mut Prefetcher<ThreadedSource>, g: usize) -> Result<()> {
         let per = pf.chunks_per_step();
         loop {
+            if !pf.next_ready() {
+                self.backend.idle();
+            }
             let Some(chunk) = pf.next_chunk()? else { break };
             if chunk.spec.group != g {
                 return Err(Error::Invalid(format!(

@@ -65,7 +65,8 @@ pub struct MemoryPlan {
     pub budgets: Budgets,
     /// Bytes of resident groups.
     pub resident_bytes: u64,
-    /// Device pool for streamed groups (room for the two largest: one in use, one uploading).
+    /// Device room for streamed groups: two alternating pool slots and the arena room of two
+    /// consecutive streamed groups' dense tensors.
     pub pool_bytes: u64,
     /// Host cache bytes used.
     pub host_cache_used: u64,
@@ -224,7 +225,7 @@ impl MemoryPlan {
             let largest = groups.iter().max_by_key(|g| g.slot_bytes + g.dense_bytes);
             return Err(Error::Invalid(format!(
                 "device budget {} cannot hold the run: activations and caches need {}, and the \
-                 streaming pool needs room for the two largest weight groups ({}{}): use \
+                 streaming needs room for two weight groups at a time ({}{}): use \
                  --device-budget {} or more",
                 fmt_bytes(budgets.device_bytes),
                 fmt_bytes(budgets.device_other_bytes),

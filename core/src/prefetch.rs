@@ -148,6 +148,8 @@ pub struct Prefetcher<S: ByteSource> {
     next_consume: u64,
     in_flight: HashMap<u64, usize>,
     ready: BTreeMap<u64, EmptySlot>,
+    /// Reads that failed before the consumer reached them.
+    failed: HashMap<u64, Error>,
     cur: StepStats,
     step_start: Option<Instant>,
     busy_at_step_start: Duration,
@@ -189,6 +191,7 @@ impl<S: ByteSource> Prefetcher<S> {
             next_consume: 0,
             in_flight: HashMap::new(),
             ready: BTreeMap::new(),
+            failed: HashMap::new(),
             cur: StepStats::default(),
             step_start: None,
             busy_at_step_start: Duration::ZERO,
@@ -263,6 +266,9 @@ impl<S: ByteSource> Prefetcher<S> {
             if let Some(s) = self.ready.remove(&self.next_consume) {
                 break s;
             }
+            if let Some(e) = self.failed.remove(&self.next_consume) {
+                return Err(e);
+            }
             let t = Instant::now();
             let Some(done) = self.source.wait_completion() else {
                 return Err(Error::Invalid(
@@ -311,6 +317,27 @@ impl<S: ByteSource> Prefetcher<S> {
             seq,
             slot: guard,
         }))
+    }
+
+    /// Whether the next chunk has arrived (so that `next_chunk` will not wait for it).
+    pub fn next_ready(&mut self) -> bool {
+        while let Some(done) = self.source.poll_completion() {
+            let Some(index) = self.in_flight.remove(&done.tag) else {
+                continue;
+            };
+            let slot = EmptySlot {
+                index,
+                buf: done.slot,
+            };
+            if let Err(e) = done.result {
+                // next_chunk reports it when the consumer gets there.
+                self.failed.insert(done.tag, e);
+                self.ring.give_back(slot);
+                continue;
+            }
+            self.ready.insert(done.tag, slot);
+        }
+        self.ready.contains_key(&self.next_consume) || self.failed.contains_key(&self.next_consume)
     }
 
     /// Statistics of the step that the last `next_chunk()` completed, once.

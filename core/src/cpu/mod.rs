@@ -150,6 +150,9 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+    fn idle(&mut self) {
+        self.threads.park();
+    }
     fn arena_align_words(&self) -> usize {
         16 // 64 bytes: every operand starts on a cache line
     }

@@ -18,6 +18,8 @@ struct Inner {
     pending: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
+    /// Set while the caller waits on something else (a read): workers sleep instead of spinning.
+    parked: AtomicBool,
     sleep: Mutex<()>,
     wake: Condvar,
 }
@@ -61,7 +63,7 @@ fn worker(inner: Arc<Inner>) {
         let mut g = inner.generation.load(Ordering::Acquire);
         while g == seen && !inner.shutdown.load(Ordering::Acquire) {
             spins += 1;
-            if spins < 20_000 {
+            if spins < 20_000 && !inner.parked.load(Ordering::Relaxed) {
                 std::hint::spin_loop();
             } else {
                 let guard = inner.sleep.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,6 +104,7 @@ impl ThreadPool {
             pending: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -146,6 +149,12 @@ impl ThreadPool {
         self.workers + 1
     }
 
+    /// The caller is about to wait for something other than this pool (a read, a device): idle
+    /// workers stop spinning and sleep until the next job, leaving the cores to whoever works.
+    pub fn park(&self) {
+        self.inner.parked.store(true, Ordering::Relaxed);
+    }
+
     /// Runs `f(0) .. f(tasks - 1)` across the pool and returns when all have run.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if tasks == 0 {
@@ -157,6 +166,7 @@ impl ThreadPool {
         }
         let _one_at_a_time = self.caller.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &self.inner;
+        inner.parked.store(false, Ordering::Relaxed);
         // SAFETY: only the lifetime is erased; this call waits below until every worker has
         // finished with the job, so the reference never outlives `f`.
         let erased: *const Job =
