@@ -511,6 +511,38 @@ mod tests {
     }
 
     #[test]
+    fn q4_k_scales_and_mins_unpack_as_llama_cpp_does() {
+        // d = 1, dmin = 0.5; 12 scale bytes chosen so that sub-blocks 4..7 take their high bits
+        // from bytes 0..7 (llama.cpp's get_scale_min_k4): sc[j] = j + 1 for j < 4 plus 0x40 in
+        // the stored byte, m[j] = j; for j >= 4 the low 4 bits come from byte j + 4.
+        let mut s = [0u8; 12];
+        for j in 0..4 {
+            s[j] = (j as u8 + 1) | 0x40; // sc low 6 bits, bit 6 feeds sc[j + 4] bit 4
+            s[4 + j] = j as u8 | 0x80; // m low 6 bits, bit 7 feeds m[j + 4] bit 5
+            s[8 + j] = (j as u8 + 2) | ((j as u8 + 3) << 4);
+        }
+        let mut b = Vec::new();
+        b.extend(half::f16::from_f32(1.0).to_le_bytes());
+        b.extend(half::f16::from_f32(0.5).to_le_bytes());
+        b.extend(s);
+        // Bytes 32g..32g+32: low nibble 1 (sub-block 2g), high nibble 2 (sub-block 2g + 1).
+        b.extend([0x21u8; 128]);
+        let v = dequantize(GgmlType::Q4K, &b, 256);
+        for j in 0..8usize {
+            let (sc, m) = if j < 4 {
+                (j as f32 + 1.0, j as f32)
+            } else {
+                let i = j - 4;
+                ((i + 2) as f32 + 16.0, (i + 3) as f32 + 32.0)
+            };
+            let q = if j % 2 == 0 { 1.0 } else { 2.0 };
+            for e in 0..32 {
+                assert_eq!(v[j * 32 + e], sc * q - 0.5 * m, "sub-block {j}");
+            }
+        }
+    }
+
+    #[test]
     fn q6_k_layout() {
         // All 4-bit parts 1, all 2-bit parts 2: q = 1 | 2 << 4 = 33, minus 32 = 1; scale i at
         // sub-block i; d = 0.5.
