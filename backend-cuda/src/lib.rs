@@ -492,6 +492,11 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn release(&mut self) {
+        self.device = None;
+        self.scratch = None;
+    }
+
     fn arena_align_words(&self) -> usize {
         64 // 256 bytes: keeps 16-byte vector loads aligned
     }

@@ -622,6 +622,13 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
+    fn release(&mut self) {
+        if let Some(r) = self.resident.take() {
+            r.arena.destroy();
+            r.pool.destroy();
+        }
+    }
+
     fn arena_align_words(&self) -> usize {
         (self.limits.min_storage_buffer_offset_alignment as usize / 4).max(1)
     }

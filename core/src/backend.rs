@@ -103,6 +103,8 @@ pub trait Backend {
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// Frees the arena and the pool (the end of a pipeline phase); `allocate` may follow.
+    fn release(&mut self) {}
     /// The executor is about to block on the weight stream: a backend that spins worker threads
     /// can let them sleep so that the readers get the cores.
     fn idle(&mut self) {}
@@ -293,6 +295,10 @@ impl Backend for CpuRefBackend {
         self.arena = vec![0; arena_words];
         self.pool = vec![0; pool_bytes as usize];
         Ok(())
+    }
+    fn release(&mut self) {
+        self.arena = Vec::new();
+        self.pool = Vec::new();
     }
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> Result<()> {
         let d = self

@@ -605,11 +605,13 @@ enum Role {
     Dense(ValueId, Dtype),
 }
 
+/// Where a 4-bit weight's small components land while its group loads: ranges of the shared
+/// group buffer (one group loads at a time, so the buffer is as large as the largest group's).
 #[derive(Debug, Clone, Default)]
 struct Q4Scratch {
-    absmax: Vec<u8>,
-    nested_absmax: Vec<u8>,
-    nested_map: Vec<u8>,
+    absmax: std::ops::Range<usize>,
+    nested_absmax: std::ops::Range<usize>,
+    nested_map: std::ops::Range<usize>,
 }
 
 /// Per-step figures.
@@ -631,6 +633,8 @@ pub struct Executor<B: Backend> {
     /// read once for each.
     roles: HashMap<(usize, String), Role>,
     scratch: Vec<Q4Scratch>,
+    /// The loading group's absmax / nested components (see [`Q4Scratch`]).
+    group_buf: Vec<u8>,
     /// Per program: the non-resident groups as (first node, group), in the order a step loads
     /// them (the same group order in every program: the ring streams one schedule).
     stream_starts: Vec<Vec<(usize, usize)>>,
@@ -641,6 +645,8 @@ pub struct Executor<B: Backend> {
     state_slices: Vec<ArenaSlice>,
     /// Reused buffer for a streamed weight's f32 absmax.
     absmax_bytes: Vec<u8>,
+    /// The staging ring when nothing streams (kept to hand on to a later phase).
+    spare_ring: Option<StagingRing>,
     /// Per op kind (name, with the weight's shape for linears): calls and time, when profiling.
     profile: Option<HashMap<String, (u64, std::time::Duration)>>,
 }
@@ -819,140 +825,251 @@ fn layout(
     })
 }
 
+/// Everything the executor decides before it allocates: the plan and where every value, weight
+/// and streamed tensor goes.
+struct Prepared {
+    plan: MemoryPlan,
+    roles: HashMap<(usize, String), Role>,
+    group_tensors: Vec<Vec<TensorEntry>>,
+    states: Vec<QuantStateJson>,
+    slices: Vec<Option<ArenaSlice>>,
+    arena_words: usize,
+    views: Vec<Q4View>,
+    pool_bytes: u64,
+    streamed: Vec<usize>,
+    stream_starts: Vec<Vec<(usize, usize)>>,
+    resident_group: Vec<bool>,
+    state_slices: Vec<ArenaSlice>,
+}
+
+fn prepare<B: Backend + ?Sized>(
+    graph: &Graph,
+    model: &ModelIndex,
+    backend: &B,
+    opts: &ExecOptions,
+) -> Result<Prepared> {
+    // Which file tensors feed which weight.
+    let keys = find_4bit_weights(model)?;
+    let mut roles: HashMap<(usize, String), Role> = HashMap::new();
+    let mut group_tensors: Vec<Vec<TensorEntry>> = vec![Vec::new(); graph.groups.len()];
+    let mut states = Vec::with_capacity(graph.q4.len());
+    for (wi, d) in graph.q4.iter().enumerate() {
+        let k = keys
+            .iter()
+            .find(|k| k.base == d.tensor)
+            .ok_or_else(|| Error::NoSuchTensor {
+                file: model.root.clone(),
+                tensor: d.tensor.clone(),
+            })?;
+        let state = QuantState::load(model, k)?;
+        let shape: Vec<usize> = state.json.shape.iter().map(|&x| x as usize).collect();
+        if shape != d.info.shape || state.json.blocksize as usize != d.info.blocksize {
+            return Err(Error::Invalid(format!(
+                "{}: the graph expects {:?} blocksize {}, the model has {:?} blocksize {}",
+                d.tensor, d.info.shape, d.info.blocksize, shape, state.json.blocksize
+            )));
+        }
+        states.push(state.json);
+        roles.insert((d.group, k.base.clone()), Role::Packed(wi));
+        roles.insert((d.group, k.absmax.clone()), Role::Absmax(wi));
+        roles.insert((d.group, k.quant_map.clone()), Role::QuantMap(wi));
+        roles.insert((d.group, k.quant_state.clone()), Role::QuantState);
+        if let (Some(a), Some(m)) = (&k.nested_absmax, &k.nested_quant_map) {
+            roles.insert((d.group, a.clone()), Role::NestedAbsmax(wi));
+            roles.insert((d.group, m.clone()), Role::NestedMap(wi));
+        }
+        for name in k.all_keys() {
+            group_tensors[d.group].push(model.require(name)?.clone());
+        }
+    }
+    for (vi, s) in graph.sources.iter().enumerate() {
+        if let Source::Dense { tensor, group } = s {
+            let e = model.require(tensor)?;
+            if e.numel() as usize != graph.values[vi].numel() {
+                return Err(Error::Invalid(format!(
+                    "{tensor}: {:?} in the model, {:?} in the graph",
+                    e.shape, graph.values[vi].shape
+                )));
+            }
+            if crate::bnb::FloatDtype::from_safetensors(e.dtype).is_none() && e.dtype != Dtype::F64
+            {
+                return Err(Error::WrongDtype {
+                    file: model.shard_name(e.shard).into(),
+                    tensor: tensor.clone(),
+                    expected: "F32, F16 or BF16".into(),
+                    actual: crate::index::dtype_name(e.dtype),
+                });
+            }
+            roles.insert((*group, tensor.clone()), Role::Dense(ValueId(vi), e.dtype));
+            group_tensors[*group].push(e.clone());
+        }
+    }
+    for ts in &mut group_tensors {
+        ts.sort_by_key(|t| (t.shard, t.offset));
+        ts.dedup_by(|a, b| a.name == b.name);
+    }
+    let group_bytes: Vec<u64> = group_tensors
+        .iter()
+        .map(|ts| ts.iter().map(|t| t.len).sum())
+        .collect();
+
+    // The plan decides residency against the arena every value needs when everything
+    // streams; resident dense weights then move to whole-run slices.
+    let align_w = backend.arena_align_words().max(1);
+    let mut budgets = opts.budgets;
+    budgets.device_other_bytes += graph.activation_arena_bytes(align_w);
+    // The executor does not keep a host cache: plan without one, so the plan is true.
+    budgets.host_cache_bytes = 0;
+    let pa = backend.pool_align_bytes().max(4);
+    let groups = graph.weight_groups(&group_bytes, pa);
+    // Resident dense weights take whole-run arena slices, and the arena of the other values
+    // need not shrink by as much: plan, lay out, and if the layout is over the budget, plan
+    // again for a budget smaller by the excess.
+    // When the layout comes out under the budget (a tied table counted twice, arena space
+    // reused), plan again with the slack added, as long as the result still fits.
+    let try_plan = |effective: u64| -> Result<(MemoryPlan, Layout, u64)> {
+        let mut b = budgets;
+        b.device_bytes = effective;
+        let mut plan = if opts.stream_all {
+            MemoryPlan::streaming_all(groups.clone(), b)?
+        } else {
+            MemoryPlan::new(groups.clone(), b)?
+        };
+        let resident_group: Vec<bool> = plan
+            .placement
+            .iter()
+            .map(|p| *p == Placement::Resident)
+            .collect();
+        let lay = layout(graph, &states, &resident_group, align_w, pa)?;
+        plan.budgets.device_bytes = budgets.device_bytes;
+        let total = lay.pool_bytes + lay.arena_words.max(1) as u64 * 4;
+        Ok((plan, lay, total))
+    };
+    let mut shrink = 0u64;
+    let (mut plan, mut lay) = loop {
+        let (mut plan, lay, total) = try_plan(budgets.device_bytes.saturating_sub(shrink))?;
+        match plan.set_allocation(lay.allocation(graph)) {
+            Ok(()) => break (plan, lay),
+            Err(e) if plan.counts().0 == 0 => return Err(e),
+            Err(_) => shrink += total.saturating_sub(budgets.device_bytes) + pa,
+        }
+    };
+    let mut effective = budgets.device_bytes.saturating_sub(shrink);
+    for _ in 0..4 {
+        let used = plan.peak_device_bytes;
+        let slack = budgets.device_bytes.saturating_sub(used);
+        if opts.stream_all || slack < pa * 16 || plan.counts().1 + plan.counts().2 == 0 {
+            break;
+        }
+        effective += slack;
+        let Ok((mut p2, l2, _)) = try_plan(effective) else {
+            break;
+        };
+        if p2.counts().0 <= plan.counts().0 || p2.set_allocation(l2.allocation(graph)).is_err() {
+            break;
+        }
+        (plan, lay) = (p2, l2);
+    }
+    let Layout {
+        slices,
+        arena_words,
+        views,
+        pool_bytes,
+        streamed,
+        stream_starts,
+        resident_group,
+    } = lay;
+    // Tensors served by a resident copy in another group are not read for this one.
+    let mut stream_starts = stream_starts;
+    {
+        let owners = graph.resident_dense_owners(&resident_group);
+        for (v, src) in graph.sources.iter().enumerate() {
+            let Source::Dense { tensor, group } = src else {
+                continue;
+            };
+            let Some(&owner) = owners.get(tensor.as_str()) else {
+                continue;
+            };
+            let owner_group = match &graph.sources[owner] {
+                Source::Dense { group, .. } => *group,
+                _ => continue,
+            };
+            if owner == v || owner_group == *group {
+                continue;
+            }
+            let before = group_tensors[*group].len();
+            let mut freed = 0;
+            group_tensors[*group].retain(|t| {
+                let keep = t.name != *tensor;
+                if !keep {
+                    freed += t.len;
+                }
+                keep
+            });
+            if group_tensors[*group].len() != before {
+                plan.served_elsewhere(*group, freed);
+                roles.remove(&(*group, tensor.clone()));
+            }
+        }
+        for starts in &mut stream_starts {
+            starts.retain(|&(_, g)| !group_tensors[g].is_empty());
+        }
+    }
+    let streamed: Vec<usize> = streamed
+        .into_iter()
+        .filter(|&g| !group_tensors[g].is_empty())
+        .collect();
+    let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
+        .filter(|&v| graph.sources[v] == Source::State)
+        .filter_map(|v| slices[v])
+        .collect();
+    Ok(Prepared {
+        plan,
+        roles,
+        group_tensors,
+        states,
+        slices,
+        arena_words,
+        views,
+        pool_bytes,
+        streamed,
+        stream_starts,
+        resident_group,
+        state_slices,
+    })
+}
+
 impl<B: Backend> Executor<B> {
     /// Plans memory, allocates the backend's arena and pool once, and loads resident weights.
-    pub fn new(
+    pub fn new(graph: Graph, model: &ModelIndex, backend: B, opts: ExecOptions) -> Result<Self> {
+        Self::with_ring(graph, model, backend, opts, None)
+    }
+
+    /// The plan [`Executor::new`] would make, without allocating or reading anything but the
+    /// quant states (lets a pipeline print the plans of all its phases first).
+    pub fn plan_only(
+        graph: &Graph,
+        model: &ModelIndex,
+        backend: &B,
+        opts: ExecOptions,
+    ) -> Result<MemoryPlan> {
+        Ok(prepare(graph, model, backend, &opts)?.plan)
+    }
+
+    /// [`Executor::new`] reusing a staging ring from an earlier phase (same slot count and
+    /// size as the budgets), so that a pipeline's phases stream through one ring.
+    pub fn with_ring(
         graph: Graph,
         model: &ModelIndex,
         mut backend: B,
         opts: ExecOptions,
+        ring: Option<StagingRing>,
     ) -> Result<Self> {
-        // Which file tensors feed which weight.
-        let keys = find_4bit_weights(model)?;
-        let mut roles: HashMap<(usize, String), Role> = HashMap::new();
-        let mut group_tensors: Vec<Vec<TensorEntry>> = vec![Vec::new(); graph.groups.len()];
-        let mut states = Vec::with_capacity(graph.q4.len());
-        for (wi, d) in graph.q4.iter().enumerate() {
-            let k =
-                keys.iter()
-                    .find(|k| k.base == d.tensor)
-                    .ok_or_else(|| Error::NoSuchTensor {
-                        file: model.root.clone(),
-                        tensor: d.tensor.clone(),
-                    })?;
-            let state = QuantState::load(model, k)?;
-            let shape: Vec<usize> = state.json.shape.iter().map(|&x| x as usize).collect();
-            if shape != d.info.shape || state.json.blocksize as usize != d.info.blocksize {
-                return Err(Error::Invalid(format!(
-                    "{}: the graph expects {:?} blocksize {}, the model has {:?} blocksize {}",
-                    d.tensor, d.info.shape, d.info.blocksize, shape, state.json.blocksize
-                )));
-            }
-            states.push(state.json);
-            roles.insert((d.group, k.base.clone()), Role::Packed(wi));
-            roles.insert((d.group, k.absmax.clone()), Role::Absmax(wi));
-            roles.insert((d.group, k.quant_map.clone()), Role::QuantMap(wi));
-            roles.insert((d.group, k.quant_state.clone()), Role::QuantState);
-            if let (Some(a), Some(m)) = (&k.nested_absmax, &k.nested_quant_map) {
-                roles.insert((d.group, a.clone()), Role::NestedAbsmax(wi));
-                roles.insert((d.group, m.clone()), Role::NestedMap(wi));
-            }
-            for name in k.all_keys() {
-                group_tensors[d.group].push(model.require(name)?.clone());
-            }
-        }
-        for (vi, s) in graph.sources.iter().enumerate() {
-            if let Source::Dense { tensor, group } = s {
-                let e = model.require(tensor)?;
-                if e.numel() as usize != graph.values[vi].numel() {
-                    return Err(Error::Invalid(format!(
-                        "{tensor}: {:?} in the model, {:?} in the graph",
-                        e.shape, graph.values[vi].shape
-                    )));
-                }
-                if crate::bnb::FloatDtype::from_safetensors(e.dtype).is_none()
-                    && e.dtype != Dtype::F64
-                {
-                    return Err(Error::WrongDtype {
-                        file: model.shard_name(e.shard).into(),
-                        tensor: tensor.clone(),
-                        expected: "F32, F16 or BF16".into(),
-                        actual: crate::index::dtype_name(e.dtype),
-                    });
-                }
-                roles.insert((*group, tensor.clone()), Role::Dense(ValueId(vi), e.dtype));
-                group_tensors[*group].push(e.clone());
-            }
-        }
-        for ts in &mut group_tensors {
-            ts.sort_by_key(|t| (t.shard, t.offset));
-            ts.dedup_by(|a, b| a.name == b.name);
-        }
-        let group_bytes: Vec<u64> = group_tensors
-            .iter()
-            .map(|ts| ts.iter().map(|t| t.len).sum())
-            .collect();
-
-        // The plan decides residency against the arena every value needs when everything
-        // streams; resident dense weights then move to whole-run slices.
-        let align_w = backend.arena_align_words().max(1);
-        let n_groups = graph.groups.len();
-        let mut budgets = opts.budgets;
-        budgets.device_other_bytes += graph.activation_arena_bytes(align_w);
-        // The executor does not keep a host cache: plan without one, so the plan is true.
-        budgets.host_cache_bytes = 0;
-        let pa = backend.pool_align_bytes().max(4);
-        let groups = graph.weight_groups(&group_bytes, pa);
-        // Resident dense weights take whole-run arena slices, and the arena of the other values
-        // need not shrink by as much: plan, lay out, and if the layout is over the budget, plan
-        // again for a budget smaller by the excess.
-        // When the layout comes out under the budget (a tied table counted twice, arena space
-        // reused), plan again with the slack added, as long as the result still fits.
-        let try_plan = |effective: u64| -> Result<(MemoryPlan, Layout, u64)> {
-            let mut b = budgets;
-            b.device_bytes = effective;
-            let mut plan = if opts.stream_all {
-                MemoryPlan::streaming_all(groups.clone(), b)?
-            } else {
-                MemoryPlan::new(groups.clone(), b)?
-            };
-            let resident_group: Vec<bool> = plan
-                .placement
-                .iter()
-                .map(|p| *p == Placement::Resident)
-                .collect();
-            let lay = layout(&graph, &states, &resident_group, align_w, pa)?;
-            plan.budgets.device_bytes = budgets.device_bytes;
-            let total = lay.pool_bytes + lay.arena_words.max(1) as u64 * 4;
-            Ok((plan, lay, total))
-        };
-        let mut shrink = 0u64;
-        let (mut plan, mut lay) = loop {
-            let (mut plan, lay, total) = try_plan(budgets.device_bytes.saturating_sub(shrink))?;
-            match plan.set_allocation(lay.allocation(&graph)) {
-                Ok(()) => break (plan, lay),
-                Err(e) if plan.counts().0 == 0 => return Err(e),
-                Err(_) => shrink += total.saturating_sub(budgets.device_bytes) + pa,
-            }
-        };
-        let mut effective = budgets.device_bytes.saturating_sub(shrink);
-        for _ in 0..4 {
-            let used = plan.peak_device_bytes;
-            let slack = budgets.device_bytes.saturating_sub(used);
-            if opts.stream_all || slack < pa * 16 || plan.counts().1 + plan.counts().2 == 0 {
-                break;
-            }
-            effective += slack;
-            let Ok((mut p2, l2, _)) = try_plan(effective) else {
-                break;
-            };
-            if p2.counts().0 <= plan.counts().0 || p2.set_allocation(l2.allocation(&graph)).is_err()
-            {
-                break;
-            }
-            (plan, lay) = (p2, l2);
-        }
-        let Layout {
+        let Prepared {
+            plan,
+            roles,
+            group_tensors,
+            states,
             slices,
             arena_words,
             views,
@@ -960,54 +1077,44 @@ impl<B: Backend> Executor<B> {
             streamed,
             stream_starts,
             resident_group,
-        } = lay;
-        // Tensors served by a resident copy in another group are not read for this one.
-        let mut stream_starts = stream_starts;
-        {
-            let owners = graph.resident_dense_owners(&resident_group);
-            for (v, src) in graph.sources.iter().enumerate() {
-                let Source::Dense { tensor, group } = src else {
-                    continue;
-                };
-                let Some(&owner) = owners.get(tensor.as_str()) else {
-                    continue;
-                };
-                let owner_group = match &graph.sources[owner] {
-                    Source::Dense { group, .. } => *group,
-                    _ => continue,
-                };
-                if owner == v || owner_group == *group {
-                    continue;
-                }
-                let before = group_tensors[*group].len();
-                let mut freed = 0;
-                group_tensors[*group].retain(|t| {
-                    let keep = t.name != *tensor;
-                    if !keep {
-                        freed += t.len;
-                    }
-                    keep
-                });
-                if group_tensors[*group].len() != before {
-                    plan.served_elsewhere(*group, freed);
-                    roles.remove(&(*group, tensor.clone()));
-                }
-            }
-            for starts in &mut stream_starts {
-                starts.retain(|&(_, g)| !group_tensors[g].is_empty());
-            }
-        }
-        let streamed: Vec<usize> = streamed
-            .into_iter()
-            .filter(|&g| !group_tensors[g].is_empty())
-            .collect();
-        let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
-            .filter(|&v| graph.sources[v] == Source::State)
-            .filter_map(|v| slices[v])
-            .collect();
+            state_slices,
+        } = prepare(&graph, model, &backend, &opts)?;
+        let n_groups = graph.groups.len();
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
-        let scratch = vec![Q4Scratch::default(); graph.q4.len()];
+        // Ranges of the shared group buffer, per weight, laid out group by group.
+        let mut scratch = vec![Q4Scratch::default(); graph.q4.len()];
+        let mut group_cursor = vec![0usize; graph.groups.len()];
+        let mut largest_absmax = 0usize;
+        for (wi, d) in graph.q4.iter().enumerate() {
+            let st = &states[wi];
+            let nblocks = st.num_blocks() as usize;
+            let c = &mut group_cursor[d.group];
+            let mut take = |len: usize| {
+                let r = *c..*c + len;
+                *c += len;
+                r
+            };
+            largest_absmax = largest_absmax.max(nblocks * 4);
+            scratch[wi] = match &st.nested {
+                None => Q4Scratch {
+                    absmax: take(nblocks * 4),
+                    ..Default::default()
+                },
+                Some(n) => Q4Scratch {
+                    absmax: take(nblocks),
+                    nested_absmax: take(nblocks.div_ceil(n.blocksize as usize) * 4),
+                    nested_map: take(256 * 4),
+                },
+            };
+        }
+        let group_buf_len = group_cursor.iter().copied().max().unwrap_or(0);
+        let mut plan = plan;
+        plan.add_host_other((group_buf_len + largest_absmax) as u64);
+        let mut group_buf = vec![0u8; group_buf_len];
+        for page in group_buf.chunks_mut(4096) {
+            page[0] = 0;
+        }
         let mut ex = Executor {
             graph,
             backend,
@@ -1017,6 +1124,7 @@ impl<B: Backend> Executor<B> {
             states,
             roles,
             scratch,
+            group_buf,
             stream_starts,
             prefetch: None,
             arena_words,
@@ -1024,6 +1132,7 @@ impl<B: Backend> Executor<B> {
             state_slices,
             absmax_bytes: Vec::new(),
             profile: None,
+            spare_ring: None,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -1032,7 +1141,24 @@ impl<B: Backend> Executor<B> {
             .backend
             .slot_allocator()
             .unwrap_or_else(|| Box::new(HostAllocator));
-        let ring = StagingRing::new(b.ring_slots as usize, b.slot_bytes as usize, alloc.as_ref())?;
+        let ring = match ring {
+            Some(r)
+                if r.slots() == b.ring_slots as usize
+                    && r.slot_bytes() == b.slot_bytes as usize =>
+            {
+                r
+            }
+            Some(r) => {
+                return Err(Error::Invalid(format!(
+                    "the ring handed over has {} x {} bytes, the budgets ask for {} x {}",
+                    r.slots(),
+                    r.slot_bytes(),
+                    b.ring_slots,
+                    b.slot_bytes
+                )))
+            }
+            None => StagingRing::new(b.ring_slots as usize, b.slot_bytes as usize, alloc.as_ref())?,
+        };
         let resident: Vec<usize> = (0..n_groups).filter(|&g| resident_group[g]).collect();
         let chunks = chunk_schedule(
             resident.iter().map(|&g| (g, group_tensors[g].as_slice())),
@@ -1048,11 +1174,24 @@ impl<B: Backend> Executor<B> {
             streamed.iter().map(|&g| (g, group_tensors[g].as_slice())),
             b.slot_bytes as usize,
         );
-        if !chunks.is_empty() {
+        if chunks.is_empty() {
+            ex.spare_ring = Some(ring);
+        } else {
             let src = ThreadedSource::new(model.source(), opts.readers);
             ex.prefetch = Some(Prefetcher::new(src, ring, chunks, None)?);
         }
         Ok(ex)
+    }
+
+    /// Ends the executor: waits for reads in flight, releases the backend's device memory, and
+    /// gives back the backend and the staging ring (for the next phase of a pipeline).
+    pub fn into_parts(mut self) -> (B, Option<StagingRing>) {
+        let ring = match self.prefetch.take() {
+            Some(pf) => Some(pf.finish()),
+            None => self.spare_ring.take(),
+        };
+        self.backend.release();
+        (self.backend, ring)
     }
 
     /// Sets every state value (KV cache) back to zero, as before the first step.
@@ -1119,11 +1258,18 @@ impl<B: Backend> Executor<B> {
         for part in &chunk.spec.parts {
             let bytes = &chunk.bytes()[part.chunk_offset..part.chunk_offset + part.len];
             let at = part.tensor_offset as usize;
-            let put = |buf: &mut Vec<u8>| {
-                if buf.len() != part.tensor_len as usize {
-                    *buf = vec![0; part.tensor_len as usize];
+            let group_buf = &mut self.group_buf;
+            let mut put = |r: &std::ops::Range<usize>| -> Result<()> {
+                if r.len() != part.tensor_len as usize || at + bytes.len() > r.len() {
+                    return Err(Error::Invalid(format!(
+                        "{}: {} bytes in the file, the quant state needs {}",
+                        part.tensor,
+                        part.tensor_len,
+                        r.len()
+                    )));
                 }
-                buf[at..at + bytes.len()].copy_from_slice(bytes);
+                group_buf[r.start + at..r.start + at + bytes.len()].copy_from_slice(bytes);
+                Ok(())
             };
             match self
                 .roles
@@ -1138,9 +1284,9 @@ impl<B: Backend> Executor<B> {
                     self.backend
                         .upload(self.views[w].code.offset + part.tensor_offset, bytes)?,
                 ),
-                Some(Role::Absmax(w)) => put(&mut self.scratch[w].absmax),
-                Some(Role::NestedAbsmax(w)) => put(&mut self.scratch[w].nested_absmax),
-                Some(Role::NestedMap(w)) => put(&mut self.scratch[w].nested_map),
+                Some(Role::Absmax(w)) => put(&self.scratch[w].absmax)?,
+                Some(Role::NestedAbsmax(w)) => put(&self.scratch[w].nested_absmax)?,
+                Some(Role::NestedMap(w)) => put(&self.scratch[w].nested_map)?,
                 Some(Role::QuantState) | None => {}
                 Some(Role::Dense(v, dtype)) => {
                     let es = element_size(dtype);
@@ -1196,7 +1342,12 @@ impl<B: Backend> Executor<B> {
             if self.graph.q4[wi].group != g {
                 continue;
             }
-            let s = &self.scratch[wi];
+            let sc = &self.scratch[wi];
+            let (absmax, nested_absmax, nested_map) = (
+                &self.group_buf[sc.absmax.clone()],
+                &self.group_buf[sc.nested_absmax.clone()],
+                &self.group_buf[sc.nested_map.clone()],
+            );
             let st = &self.states[wi];
             let nblocks = st.num_blocks() as usize;
             let what = &self.graph.q4[wi].tensor;
@@ -1204,21 +1355,21 @@ impl<B: Backend> Executor<B> {
             buf.clear();
             match &st.nested {
                 None => {
-                    if s.absmax.len() != nblocks * 4 {
+                    if absmax.len() != nblocks * 4 {
                         return Err(Error::Invalid(format!(
                             "{what}: streamed absmax has {} bytes, expected {}",
-                            s.absmax.len(),
+                            absmax.len(),
                             nblocks * 4
                         )));
                     }
-                    buf.extend_from_slice(&s.absmax);
+                    buf.extend_from_slice(absmax);
                 }
                 Some(n) => {
                     let nbs = n.blocksize as usize;
                     let nn = nblocks.div_ceil(nbs);
-                    if s.absmax.len() != nblocks
-                        || s.nested_absmax.len() != nn * 4
-                        || s.nested_map.len() != 256 * 4
+                    if absmax.len() != nblocks
+                        || nested_absmax.len() != nn * 4
+                        || nested_map.len() != 256 * 4
                     {
                         return Err(Error::Invalid(format!(
                             "{what}: streamed double-quant state does not match the quant state"
@@ -1228,9 +1379,8 @@ impl<B: Backend> Executor<B> {
                         f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
                     };
                     let offset = n.offset_f32();
-                    for (j, &q) in s.absmax.iter().enumerate() {
-                        let v =
-                            (f(&s.nested_map, q as usize) * f(&s.nested_absmax, j / nbs)) + offset;
+                    for (j, &q) in absmax.iter().enumerate() {
+                        let v = (f(nested_map, q as usize) * f(nested_absmax, j / nbs)) + offset;
                         buf.extend_from_slice(&v.to_le_bytes());
                     }
                 }

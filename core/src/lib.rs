@@ -29,6 +29,8 @@ pub mod index;
 pub mod kernels;
 #[cfg(feature = "native")]
 pub mod models;
+#[cfg(feature = "native")]
+pub mod pipeline;
 pub mod plan;
 pub mod prefetch;
 pub mod quantize;

@@ -308,6 +308,13 @@ impl MemoryPlan {
         Ok(())
     }
 
+    /// Adds fixed host memory the executor keeps besides the ring (the loading group's small
+    /// tensors, the absmax buffer).
+    pub fn add_host_other(&mut self, bytes: u64) {
+        self.budgets.host_other_bytes += bytes;
+        self.peak_host_bytes += bytes;
+    }
+
     /// `bytes` of group `g` need no reading because a resident group holds the same tensors
     /// (tied embeddings): the group reads and uploads that much less per step.
     pub fn served_elsewhere(&mut self, g: usize, bytes: u64) {

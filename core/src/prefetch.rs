@@ -204,6 +204,23 @@ impl<S: ByteSource> Prefetcher<S> {
         self.ring
     }
 
+    /// Stops reading ahead: waits for the reads in flight, returns their slots and those of
+    /// chunks that arrived but were not consumed, and gives the ring back whole.
+    pub fn finish(mut self) -> StagingRing {
+        while let Some(done) = self.source.wait_completion() {
+            if let Some(index) = self.in_flight.remove(&done.tag) {
+                self.ring.give_back(EmptySlot {
+                    index,
+                    buf: done.slot,
+                });
+            }
+        }
+        for (_, slot) in std::mem::take(&mut self.ready) {
+            self.ring.give_back(slot);
+        }
+        self.ring
+    }
+
     /// The source.
     pub fn source(&self) -> &S {
         &self.source

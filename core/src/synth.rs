@@ -148,6 +148,65 @@ fn llama(size: u64, seed: u64) -> SynthModel {
         }
     }
     let (h, i, heads, kv, vocab) = chosen;
+    let shape = LlamaSynthShape {
+        hidden: h,
+        intermediate: i,
+        heads,
+        kv_heads: kv,
+        vocab,
+        layers: 0,
+        tied: false,
+    };
+    let fixed_bytes = 2 * vocab * h * 2 + h * 2;
+    let layers = (size.saturating_sub(fixed_bytes) / shape.layer_bytes()).max(1);
+    llama_shaped(
+        LlamaSynthShape { layers, ..shape },
+        seed,
+        json!({"seed": seed, "requested_bytes": size}),
+    )
+}
+
+/// The shape of a synthetic Llama-style decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlamaSynthShape {
+    /// Model width.
+    pub hidden: u64,
+    /// MLP width.
+    pub intermediate: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Vocabulary.
+    pub vocab: u64,
+    /// Decoder layers.
+    pub layers: u64,
+    /// lm_head tied to the embedding table (no `lm_head.weight`).
+    pub tied: bool,
+}
+
+impl LlamaSynthShape {
+    /// Bytes one layer's NF4 weights take on disk (roughly, absmax included).
+    pub fn layer_bytes(&self) -> u64 {
+        let kvd = self.hidden / self.heads * self.kv_heads;
+        (2 * self.hidden * self.hidden
+            + 2 * self.hidden * kvd
+            + 3 * self.hidden * self.intermediate)
+            * 9
+            / 16
+    }
+}
+
+fn llama_shaped(shape: LlamaSynthShape, seed: u64, note: serde_json::Value) -> SynthModel {
+    let LlamaSynthShape {
+        hidden: h,
+        intermediate: i,
+        heads,
+        kv_heads: kv,
+        vocab,
+        layers,
+        tied,
+    } = shape;
     let hd = h / heads;
     let kvd = hd * kv;
     let mut m = SynthModel {
@@ -157,18 +216,19 @@ fn llama(size: u64, seed: u64) -> SynthModel {
         index_file: "model.safetensors.index.json",
         seed,
     };
-    let fixed = [
+    let mut fixed = vec![
         (
             "model.embed_tokens.weight".to_string(),
             Kind::Dense(vec![vocab, h], 0.0),
         ),
         ("model.norm.weight".to_string(), Kind::Dense(vec![h], 1.0)),
-        (
+    ];
+    if !tied {
+        fixed.push((
             "lm_head.weight".to_string(),
             Kind::Dense(vec![vocab, h], 0.0),
-        ),
-    ];
-    let fixed_bytes: u64 = fixed.iter().map(|(n, k)| bytes_of(n, k)).sum();
+        ));
+    }
     let layer = |l: u64| -> Vec<(String, Kind)> {
         let p = format!("model.layers.{l}");
         vec![
@@ -201,8 +261,6 @@ fn llama(size: u64, seed: u64) -> SynthModel {
             (format!("{p}.mlp.down_proj.weight"), Kind::Quant(vec![h, i])),
         ]
     };
-    let per_layer: u64 = layer(0).iter().map(|(n, k)| bytes_of(n, k)).sum();
-    let layers = (size.saturating_sub(fixed_bytes) / per_layer).max(1);
     m.tensors.push(fixed[0].clone());
     for l in 0..layers {
         m.tensors.extend(layer(l));
@@ -213,10 +271,10 @@ fn llama(size: u64, seed: u64) -> SynthModel {
         "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
         "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": false,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": tied,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
         "attention_bias": false, "mlp_bias": false,
-        "nibble_synthetic": {"seed": seed, "requested_bytes": size},
+        "nibble_synthetic": note,
         "quantization_config": quantization_config(),
     });
     m
@@ -332,6 +390,11 @@ fn dit(size: u64, seed: u64) -> SynthModel {
 }
 
 impl SynthModel {
+    /// A synthetic Llama-style decoder of exactly this shape (a text encoder for the demo).
+    pub fn llama_with(shape: LlamaSynthShape, seed: u64) -> Self {
+        llama_shaped(shape, seed, json!({"seed": seed, "shape": "explicit"}))
+    }
+
     /// The model a `synth` of this architecture and size writes.
     pub fn new(arch: Arch, size: u64, seed: u64) -> Self {
         match arch {

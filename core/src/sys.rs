@@ -15,6 +15,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Resets the peak RSS (`VmHWM`) to the current RSS, so that a phase's own peak can be read
+/// afterwards; false where the kernel does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
 pub fn available_memory_bytes() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;

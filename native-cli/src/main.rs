@@ -3,6 +3,8 @@
 mod backends;
 mod bench_kernels;
 mod bench_stream;
+mod chart;
+mod demo;
 mod inspect;
 mod quant_cmds;
 mod run;
@@ -131,6 +133,13 @@ enum Command {
         /// DiT: PNG of the final latent's first three channels.
         #[arg(long)]
         preview: Option<PathBuf>,
+        /// DiT: write the latent and step index into this folder after every step (atomically).
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// DiT: continue from the last complete checkpoint in this folder (its inputs and
+        /// schedule; the final latent equals an uninterrupted run's).
+        #[arg(long)]
+        resume: Option<PathBuf>,
         /// Tokens to generate.
         #[arg(long, default_value_t = 16)]
         max_tokens: usize,
@@ -194,6 +203,59 @@ enum Command {
         /// Dtype of the tensors kept unquantized (embeddings, norms, lm_head): bf16 or f16.
         #[arg(long, default_value = "bf16")]
         dtype: String,
+    },
+    /// The main job on a built-in default: a synthetic text encoder, then 50 denoising steps of
+    /// a ~1.5 GiB NF4 Flux-style DiT streamed through a 512 MiB device budget and a 4 x 32 MiB
+    /// ring; per-step figures, a summary and a chart of RSS and step time.
+    Demo {
+        /// Denoising steps.
+        #[arg(long, default_value_t = 50)]
+        steps: usize,
+        /// Latent grid height in tokens.
+        #[arg(long, default_value_t = 8)]
+        height: usize,
+        /// Latent grid width in tokens.
+        #[arg(long, default_value_t = 8)]
+        width: usize,
+        /// Text tokens.
+        #[arg(long, default_value_t = 16)]
+        text_len: usize,
+        /// The prompt.
+        #[arg(long, default_value = "a lighthouse on a cliff at dusk, oil on canvas")]
+        prompt: String,
+        /// Size of the synthetic DiT on disk.
+        #[arg(long, default_value = "1800MiB")]
+        dit_size: String,
+        /// Seed of the models and the noise.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Device memory for each phase.
+        #[arg(long, default_value = "512MiB")]
+        device_budget: String,
+        /// Ring slots.
+        #[arg(long, default_value_t = 4)]
+        slots: u64,
+        /// Bytes per ring slot.
+        #[arg(long, default_value = "32MiB")]
+        slot_size: String,
+        /// auto (CUDA, then a wgpu GPU adapter, then the CPU), cpu, cpu-ref, wgpu, cuda.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Where the chart, latent, preview and per-step figures go.
+        #[arg(long, default_value = "nibble-demo")]
+        out_dir: PathBuf,
+        /// Where the synthetic models are kept (default $NIBBLE_CACHE or ~/.cache/nibble).
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+        /// Write the DiT latent and step index here after every step (atomically).
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// Continue the DiT phase from the checkpoint in this folder.
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Serve a folder over HTTP with byte ranges, ETag and CORS (models, the browser demo).
     Serve {
@@ -350,7 +412,24 @@ pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
     }
 }
 
+/// Mesa's Vulkan drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines):
+/// give them a private one, before any thread starts.
+fn quiet_mesa() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        let dir = std::env::temp_dir().join(format!("nibble-xdg-{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_ok() {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+            }
+            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    quiet_mesa();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect {
@@ -359,6 +438,41 @@ fn main() -> ExitCode {
             quant_state,
         } => inspect::run(&path, json, quant_state),
         Command::Serve { dir, addr } => serve::run(&dir, &addr),
+        Command::Demo {
+            steps,
+            height,
+            width,
+            text_len,
+            prompt,
+            dit_size,
+            seed,
+            device_budget,
+            slots,
+            slot_size,
+            backend,
+            out_dir,
+            cache_dir,
+            checkpoint,
+            resume,
+            json,
+        } => demo::run(&demo::DemoOptions {
+            steps,
+            height,
+            width,
+            text_len,
+            prompt,
+            dit_size,
+            seed,
+            device_budget,
+            slots,
+            slot_size,
+            backend,
+            out_dir,
+            cache_dir,
+            checkpoint,
+            resume,
+            json,
+        }),
         Command::Convert {
             gguf,
             out,
@@ -382,6 +496,8 @@ fn main() -> ExitCode {
             dynamic_shift,
             out,
             preview,
+            checkpoint,
+            resume,
             max_tokens,
             backend,
             device_budget,
@@ -428,6 +544,8 @@ fn main() -> ExitCode {
                 dynamic_shift,
                 out,
                 preview,
+                checkpoint,
+                resume,
             },
         }),
         Command::Synth {

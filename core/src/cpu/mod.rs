@@ -29,6 +29,9 @@ pub struct CpuBackend {
     pool: Vec<u64>,
     pool_len: usize,
     threads: &'static ThreadPool,
+    /// Activations in kernel order and transposed matmul operands: kept between ops so that
+    /// they grow once to the largest shape instead of being allocated per call.
+    scratch: Vec<f32>,
 }
 
 impl Default for CpuBackend {
@@ -79,6 +82,7 @@ impl CpuBackend {
             pool: Vec::new(),
             pool_len: 0,
             threads: ThreadPool::global(),
+            scratch: Vec::new(),
         }
     }
 
@@ -152,6 +156,11 @@ impl Backend for CpuBackend {
     }
     fn idle(&mut self) {
         self.threads.park();
+    }
+    fn release(&mut self) {
+        self.arena = Vec::new();
+        self.pool = Vec::new();
+        self.pool_len = 0;
     }
     fn arena_align_words(&self) -> usize {
         16 // 64 bytes: every operand starts on a cache line
@@ -275,7 +284,10 @@ impl Backend for CpuBackend {
             OpKind::LinearQ4 { bias } => {
                 let v = q4.ok_or_else(|| Error::Invalid("linear_q4 needs a weight".into()))?;
                 let b = bias.then(|| io.ins[1]);
-                self.linear_q4(io.ins[0], shape(0)[0], v, b, io.out)?;
+                let mut xp = std::mem::take(&mut self.scratch);
+                let r = self.linear_q4(io.ins[0], shape(0)[0], v, b, io.out, &mut xp);
+                self.scratch = xp;
+                r?;
             }
             OpKind::Linear { bias } => {
                 let (m, k) = (shape(0)[0], shape(0)[1]);
@@ -287,7 +299,7 @@ impl Backend for CpuBackend {
                 let (bsz, m, k) = (shape(0)[0], shape(0)[1], shape(0)[2]);
                 let n = out.info.shape[2];
                 let (a, bm) = (io.ins[0], io.ins[1]);
-                let mut bt = Vec::new();
+                let mut bt = std::mem::take(&mut self.scratch);
                 for bi in 0..bsz {
                     let a = &a[bi * m * k..(bi + 1) * m * k];
                     let w: &[f32] = if *transpose_b {
@@ -712,6 +724,7 @@ impl CpuBackend {
         v: &Q4View,
         bias: Option<&[f32]>,
         out: &mut [f32],
+        xp: &mut Vec<f32>,
     ) -> Result<()> {
         let (n, k, bs) = (v.shape[0], v.shape[1], v.blocksize);
         let packed = self.region(v.packed)?;
@@ -748,7 +761,9 @@ impl CpuBackend {
         // Activations in the order the kernel decodes weights into, once per call: lane order
         // for the GEMV (blocks of at least 32), paired order for the tiles.
         let gemv = m <= GEMV_MAX_ROWS && bs % 32 == 0;
-        let mut xp = vec![0f32; m * k];
+        if xp.len() < m * k {
+            xp.resize(m * k, 0.0);
+        }
         for i in 0..m {
             let (src, dst) = (&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
             if gemv {
@@ -757,6 +772,7 @@ impl CpuBackend {
                 pair_order(src, dst);
             }
         }
+        let xp: &[f32] = &xp[..m * k];
         let blocks_per_row = k / bs;
         let tasks = if n * k < 1 << 15 {
             1

@@ -582,7 +582,18 @@ impl<B: crate::backend::Backend> Decoder<B> {
         backend: B,
         opts: crate::executor::ExecOptions,
     ) -> Result<Self> {
-        let ex = crate::executor::Executor::new(lg.graph, model, backend, opts)?;
+        Self::with_ring(lg, model, backend, opts, None)
+    }
+
+    /// [`Decoder::from_graph`] streaming through a ring handed over from an earlier phase.
+    pub fn with_ring(
+        lg: LlamaGraph,
+        model: &ModelIndex,
+        backend: B,
+        opts: crate::executor::ExecOptions,
+        ring: Option<crate::ring::StagingRing>,
+    ) -> Result<Self> {
+        let ex = crate::executor::Executor::with_ring(lg.graph, model, backend, opts, ring)?;
         Ok(Decoder {
             ex,
             config: lg.config,
@@ -597,6 +608,11 @@ impl<B: crate::backend::Backend> Decoder<B> {
     /// The executor (plan, backend).
     pub fn executor(&self) -> &crate::executor::Executor<B> {
         &self.ex
+    }
+
+    /// Ends the decoder: releases its device memory, gives back the backend and the ring.
+    pub fn into_parts(self) -> (B, Option<crate::ring::StagingRing>) {
+        self.ex.into_parts()
     }
 
     /// The executor, mutable (profiling).
