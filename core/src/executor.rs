@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::graph::{infer, ElemType, HostTensor, OpKind, Q4Info, ValueInfo};
 use crate::index::{Dtype, ModelIndex, TensorEntry};
 use crate::plan::{Allocation, Budgets, MemoryPlan, Placement, WeightGroup};
-use crate::prefetch::{chunk_schedule, Chunk, Prefetcher, StepStats};
+use crate::prefetch::{chunk_schedule, Chunk, ChunkSpec, Prefetcher, StepStats};
 use crate::ring::{HostAllocator, StagingRing};
 use crate::source::ThreadedSource;
 
@@ -592,6 +592,9 @@ pub struct ExecOptions {
     /// Stream every weight group each step, whatever the budget allows (the lowest-memory
     /// plan).
     pub stream_all: bool,
+    /// Load streamed groups the way naive offloaders do (for comparison only): each step,
+    /// each group read synchronously into a freshly allocated buffer that is dropped after.
+    pub naive: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -621,6 +624,11 @@ pub struct ExecStats {
     pub stream: StepStats,
 }
 
+struct Naive {
+    source: std::sync::Arc<dyn crate::source::RangeSource>,
+    tensors: Vec<Vec<TensorEntry>>,
+}
+
 /// A graph bound to a model, a backend and a plan.
 pub struct Executor<B: Backend> {
     graph: Graph,
@@ -647,6 +655,8 @@ pub struct Executor<B: Backend> {
     absmax_bytes: Vec<u8>,
     /// The staging ring when nothing streams (kept to hand on to a later phase).
     spare_ring: Option<StagingRing>,
+    /// The naive offloader's mode: no ring for the streamed groups.
+    naive: Option<Naive>,
     /// Per op kind (name, with the weight's shape for linears): calls and time, when profiling.
     profile: Option<HashMap<String, (u64, std::time::Duration)>>,
 }
@@ -1133,6 +1143,7 @@ impl<B: Backend> Executor<B> {
             absmax_bytes: Vec::new(),
             profile: None,
             spare_ring: None,
+            naive: None,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -1174,7 +1185,14 @@ impl<B: Backend> Executor<B> {
             streamed.iter().map(|&g| (g, group_tensors[g].as_slice())),
             b.slot_bytes as usize,
         );
-        if chunks.is_empty() {
+        if opts.naive {
+            // The naive offloader keeps no staging ring: drop it after the resident loads.
+            drop(ring);
+            ex.naive = Some(Naive {
+                source: model.source(),
+                tensors: group_tensors.clone(),
+            });
+        } else if chunks.is_empty() {
             ex.spare_ring = Some(ring);
         } else {
             let src = ThreadedSource::new(model.source(), opts.readers);
@@ -1253,10 +1271,14 @@ impl<B: Backend> Executor<B> {
         &self.backend
     }
 
-    fn handle(&mut self, chunk: &Chunk) -> Result<Vec<Box<dyn crate::ring::Fence>>> {
+    fn handle(
+        &mut self,
+        spec: &ChunkSpec,
+        data: &[u8],
+    ) -> Result<Vec<Box<dyn crate::ring::Fence>>> {
         let mut fences = Vec::new();
-        for part in &chunk.spec.parts {
-            let bytes = &chunk.bytes()[part.chunk_offset..part.chunk_offset + part.len];
+        for part in &spec.parts {
+            let bytes = &data[part.chunk_offset..part.chunk_offset + part.len];
             let at = part.tensor_offset as usize;
             let group_buf = &mut self.group_buf;
             let mut put = |r: &std::ops::Range<usize>| -> Result<()> {
@@ -1271,11 +1293,7 @@ impl<B: Backend> Executor<B> {
                 group_buf[r.start + at..r.start + at + bytes.len()].copy_from_slice(bytes);
                 Ok(())
             };
-            match self
-                .roles
-                .get(&(chunk.spec.group, part.tensor.clone()))
-                .cloned()
-            {
+            match self.roles.get(&(spec.group, part.tensor.clone())).cloned() {
                 Some(Role::Packed(w)) => fences.push(
                     self.backend
                         .upload(self.views[w].packed.offset + part.tensor_offset, bytes)?,
@@ -1322,13 +1340,14 @@ impl<B: Backend> Executor<B> {
                     chunk.spec.group
                 )));
             }
-            let fences = self.handle(&chunk)?;
+            let fences = self.handle(&chunk.spec, chunk.bytes())?;
             let last_of_group = {
                 let idx = (chunk.seq % per as u64) as usize;
                 idx + 1 == per || pf_peek_group(pf, idx + 1) != Some(g)
             };
             let Chunk { slot, .. } = chunk;
-            match fences.into_iter().next() {
+            // Uploads from one slot complete in order: the last one frees the slot.
+            match fences.into_iter().last() {
                 Some(f) => slot.release_after(f),
                 None => drop(slot),
             }
@@ -1336,6 +1355,61 @@ impl<B: Backend> Executor<B> {
                 break;
             }
         }
+        self.finish_group(g)
+    }
+
+    /// The naive offloader's way (for comparison, `ExecOptions::naive`): the group's tensors
+    /// read synchronously into a buffer allocated for this load and dropped after it.
+    fn load_group_naive(&mut self, g: usize) -> Result<StepStats> {
+        let Some(naive) = &self.naive else {
+            return Err(Error::Invalid("not in naive mode".into()));
+        };
+        let tensors = naive.tensors[g].clone();
+        let source = naive.source.clone();
+        let total: u64 = tensors.iter().map(|t| t.len).sum();
+        let t0 = std::time::Instant::now();
+        let mut buf = vec![0u8; total as usize];
+        let mut parts = Vec::with_capacity(tensors.len());
+        let mut at = 0usize;
+        for t in &tensors {
+            source.read_exact_at(
+                t.shard,
+                t.offset,
+                &mut buf[at..at + t.len as usize],
+                &t.name,
+            )?;
+            parts.push(crate::prefetch::ChunkPart {
+                tensor: t.name.clone(),
+                tensor_offset: 0,
+                tensor_len: t.len,
+                chunk_offset: at,
+                len: t.len as usize,
+            });
+            at += t.len as usize;
+        }
+        let read = t0.elapsed();
+        let spec = ChunkSpec {
+            group: g,
+            file: 0,
+            offset: 0,
+            len: at,
+            parts,
+        };
+        for f in self.handle(&spec, &buf)? {
+            f.wait();
+        }
+        drop(buf);
+        self.finish_group(g)?;
+        Ok(StepStats {
+            bytes: total,
+            stall: read,
+            read_busy: read,
+            ..Default::default()
+        })
+    }
+
+    /// After a group's bytes arrived: undoes double quantization into the pool.
+    fn finish_group(&mut self, g: usize) -> Result<()> {
         // Double quantization undone on the host, bit-exactly, into the pool as f32 (the formula
         // of `QuantState::from_parts`; the quant state was validated when the executor opened).
         for wi in 0..self.graph.q4.len() {
@@ -1436,6 +1510,14 @@ impl<B: Backend> Executor<B> {
                 && self.stream_starts[p][next_group].0 == ni
             {
                 let g = self.stream_starts[p][next_group].1;
+                if self.naive.is_some() {
+                    let st = self.load_group_naive(g)?;
+                    stats.stream.bytes += st.bytes;
+                    stats.stream.stall += st.stall;
+                    stats.stream.read_busy += st.read_busy;
+                    next_group += 1;
+                    continue;
+                }
                 let mut pf = self
                     .prefetch
                     .take()

@@ -158,7 +158,8 @@ fn llama(size: u64, seed: u64) -> SynthModel {
         tied: false,
     };
     // Exact bytes of one layer and of the rest, from the tensors themselves.
-    let with = |layers| llama_shaped(LlamaSynthShape { layers, ..shape }, seed, json!({})).tensor_bytes();
+    let with =
+        |layers| llama_shaped(LlamaSynthShape { layers, ..shape }, seed, json!({})).tensor_bytes();
     let per_layer = with(2) - with(1);
     let fixed_bytes = with(1) - per_layer;
     let layers = (size.saturating_sub(fixed_bytes) / per_layer.max(1)).max(1);

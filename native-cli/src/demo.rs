@@ -160,6 +160,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             budgets,
             readers: 2,
             stream_all: false,
+            naive: false,
         };
         // Both phases planned before anything is read or allocated.
         let t_len = o.text_len.max(1);

@@ -2,6 +2,7 @@
 
 mod backends;
 mod bench_kernels;
+mod bench_offload;
 mod bench_stream;
 mod chart;
 mod demo;
@@ -308,6 +309,51 @@ enum BenchKind {
         #[arg(long)]
         quick: bool,
     },
+    /// A DiT's denoising three ways, each in its own process: resident (if it fits), streamed
+    /// through nibble's ring, and the naive offloader (a fresh buffer per block per step); step
+    /// time and RSS per step, the streamed run's overlap, a chart.
+    Offload {
+        /// DiT folder or URL.
+        #[arg(long)]
+        model: String,
+        /// Steps per mode.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Device budget of the streamed and naive modes.
+        #[arg(long, default_value = "512MiB")]
+        device_budget: String,
+        /// Ring slots.
+        #[arg(long, default_value_t = 4)]
+        slots: u64,
+        /// Bytes per ring slot.
+        #[arg(long, default_value = "32MiB")]
+        slot_size: String,
+        /// auto, cpu, cpu-ref, wgpu, cuda.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Latent grid height in tokens.
+        #[arg(long, default_value_t = 8)]
+        height: usize,
+        /// Latent grid width in tokens.
+        #[arg(long, default_value_t = 8)]
+        width: usize,
+        /// Text tokens.
+        #[arg(long, default_value_t = 16)]
+        text_len: usize,
+        /// Run the resident mode only when the model needs at most this much (default 60% of
+        /// available memory).
+        #[arg(long)]
+        resident_limit: Option<String>,
+        /// Internal: run one mode (resident, streamed, naive) and print its JSON.
+        #[arg(long, hide = true)]
+        mode: Option<String>,
+        /// Path stem of the chart (.svg and .png).
+        #[arg(long)]
+        chart: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Stream every weight S times through the ring into a simulated consumer, against a plain
     /// read of the same bytes.
     Stream {
@@ -562,6 +608,38 @@ fn main() -> ExitCode {
                     quick,
                 },
         } => bench_kernels::run(&backend, json, quick),
+        Command::Bench {
+            kind:
+                BenchKind::Offload {
+                    model,
+                    steps,
+                    device_budget,
+                    slots,
+                    slot_size,
+                    backend,
+                    height,
+                    width,
+                    text_len,
+                    resident_limit,
+                    mode,
+                    chart,
+                    json,
+                },
+        } => bench_offload::run(&bench_offload::OffloadBench {
+            model,
+            steps,
+            device_budget,
+            slots,
+            slot_size,
+            backend,
+            height,
+            width,
+            text_len,
+            resident_limit,
+            mode,
+            chart,
+            json,
+        }),
         Command::Bench {
             kind:
                 BenchKind::Stream {

@@ -252,6 +252,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
             budgets,
             readers: 2,
             stream_all: o.stream_all,
+            naive: false,
         },
     )
     .with_context(|| format!("planning {} on {label}", o.model))?;

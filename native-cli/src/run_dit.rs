@@ -171,6 +171,7 @@ pub fn run<B: Backend>(
         budgets,
         readers: 2,
         stream_all: o.stream_all,
+        naive: false,
     };
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {

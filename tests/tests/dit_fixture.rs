@@ -43,6 +43,7 @@ fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, 
             budgets,
             readers: 2,
             stream_all: streamed,
+            naive: false,
         },
     )
     .expect("executor");
@@ -134,6 +135,7 @@ fn tiny_dit_euler_loop_streamed() {
             budgets,
             readers: 2,
             stream_all: true,
+            naive: false,
         },
     )
     .expect("executor");

@@ -117,6 +117,7 @@ fn opts(device_bytes: u64, slots: u64, slot_bytes: u64) -> ExecOptions {
         },
         readers: 2,
         stream_all: false,
+        naive: false,
     }
 }
 

@@ -47,6 +47,7 @@ fn opts(streamed: bool) -> ExecOptions {
         budgets,
         readers: 2,
         stream_all: streamed,
+        naive: false,
     }
 }
 

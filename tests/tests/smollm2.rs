@@ -58,6 +58,7 @@ fn opts() -> ExecOptions {
         },
         readers: 2,
         stream_all: false,
+        naive: false,
     }
 }
 

@@ -47,6 +47,19 @@ struct Out(*mut f32);
 unsafe impl Sync for Out {}
 unsafe impl Send for Out {}
 
+/// A byte pointer shared by the tasks of one parallel copy (each writes a disjoint range).
+#[derive(Clone, Copy)]
+struct SyncBytes(*mut u8);
+// SAFETY: as for `Out`.
+unsafe impl Sync for SyncBytes {}
+unsafe impl Send for SyncBytes {}
+
+impl SyncBytes {
+    fn at(&self, i: usize) -> *mut u8 {
+        self.0.wrapping_add(i)
+    }
+}
+
 impl Out {
     /// # Safety
     /// `at .. at + len` lies inside the output and no other task touches it.
@@ -216,7 +229,22 @@ impl Backend for CpuBackend {
         // SAFETY: in bounds (checked above) of the u64 storage viewed as bytes.
         let pool =
             unsafe { std::slice::from_raw_parts_mut(self.pool.as_mut_ptr() as *mut u8, len) };
-        pool[offset as usize..end].copy_from_slice(bytes);
+        let dst = &mut pool[offset as usize..end];
+        if bytes.len() < 4 << 20 {
+            dst.copy_from_slice(bytes);
+        } else {
+            // Large uploads (streamed blocks) copy on every core.
+            let parts = self.threads.threads();
+            let per = bytes.len().div_ceil(parts);
+            let d = SyncBytes(dst.as_mut_ptr());
+            self.threads.run(parts, &|t| {
+                let a = (t * per).min(bytes.len());
+                let b = ((t + 1) * per).min(bytes.len());
+                // SAFETY: task t writes bytes a..b of dst only.
+                unsafe { std::slice::from_raw_parts_mut(d.at(a), b - a) }
+                    .copy_from_slice(&bytes[a..b]);
+            });
+        }
         Ok(Box::new(Signalled))
     }
     fn run(

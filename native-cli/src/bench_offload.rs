@@ -1,0 +1,253 @@
+//! `nibble bench offload`: the same DiT denoising run three ways, each in its own process so
+//! that RSS figures do not mix: all weights resident (when they fit), streamed through nibble's
+//! fixed ring, and the naive offloader (every step, every block read synchronously into a buffer
+//! allocated for it and dropped). Step time and RSS per step for each, the overlap of the
+//! streamed run (step time against max(read time, compute time)), a table and a chart.
+
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use nibble_core::backend::Backend;
+use nibble_core::executor::ExecOptions;
+use nibble_core::models::dit::DitConfig;
+use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
+use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
+use serde_json::json;
+
+/// Options of `nibble bench offload`.
+#[derive(Debug, Clone)]
+pub struct OffloadBench {
+    /// DiT folder or URL.
+    pub model: String,
+    /// Steps per mode.
+    pub steps: usize,
+    /// Device budget of the streamed and naive modes.
+    pub device_budget: String,
+    /// Ring slots.
+    pub slots: u64,
+    /// Ring slot size.
+    pub slot_size: String,
+    /// Backend.
+    pub backend: String,
+    /// Latent grid.
+    pub height: usize,
+    /// Latent grid.
+    pub width: usize,
+    /// Text tokens.
+    pub text_len: usize,
+    /// Resident mode only when the model needs at most this much device memory.
+    pub resident_limit: Option<String>,
+    /// Run one mode in this process (the parent spawns one child per mode).
+    pub mode: Option<String>,
+    /// Chart path stem.
+    pub chart: Option<std::path::PathBuf>,
+    /// One JSON object.
+    pub json: bool,
+}
+
+struct OneMode<'a> {
+    b: &'a OffloadBench,
+    mode: &'a str,
+}
+
+impl crate::backends::WithBackend for OneMode<'_> {
+    type Output = serde_json::Value;
+    fn call<B: Backend>(self, backend: B, label: &str) -> Result<serde_json::Value> {
+        let b = self.b;
+        let model = crate::open_model(&b.model)?;
+        let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;
+        let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0);
+        let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens());
+        let device_bytes = match self.mode {
+            "resident" => u64::MAX / 4,
+            _ => parse_size(&b.device_budget)?,
+        };
+        let opts = ExecOptions {
+            budgets: Budgets {
+                device_bytes,
+                ring_slots: b.slots,
+                slot_bytes: parse_size(&b.slot_size)?,
+                host_cache_bytes: 0,
+                device_other_bytes: 0,
+                host_other_bytes: 0,
+            },
+            readers: 2,
+            stream_all: false,
+            naive: self.mode == "naive",
+        };
+        let mut den = Denoiser::new(&model, backend, inputs, sigmas, opts)?;
+        let plan = den.executor().plan().clone();
+        let mut rows = Vec::new();
+        while let Some(s) = den.step()? {
+            rows.push(crate::run_dit::step_row(&s));
+        }
+        Ok(json!({"mode": self.mode, "backend": label, "steps": rows,
+                  "plan": {"resident_groups": plan.counts().0, "streamed_groups": plan.counts().1,
+                           "peak_device_bytes": plan.peak_device_bytes, "peak_host_bytes": plan.peak_host_bytes,
+                           "streamed_bytes_per_step": plan.streamed_bytes_per_step}}))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn col(rows: &serde_json::Value, k: &str) -> Vec<f64> {
+    rows.as_array()
+        .map(|a| a.iter().filter_map(|r| r[k].as_f64()).collect())
+        .unwrap_or_default()
+}
+
+/// Runs the benchmark (or, with `mode`, one of its modes).
+pub fn run(b: &OffloadBench) -> Result<()> {
+    if let Some(mode) = &b.mode {
+        let v = crate::backends::select(&b.backend)?.run(OneMode { b, mode })?;
+        return crate::write_stdout(&format!("{v}\n"));
+    }
+    if b.steps < 2 {
+        bail!("--steps must be at least 2 (the first step warms up)");
+    }
+    // Does the model fit resident?
+    let model = crate::open_model(&b.model)?;
+    let limit = match &b.resident_limit {
+        Some(s) => parse_size(s)?,
+        None => nibble_core::sys::available_memory_bytes().unwrap_or(0) * 6 / 10,
+    };
+    let need = model.file_bytes() * 2;
+    let exe = std::env::current_exe().context("locating the nibble binary")?;
+    let mut results = Vec::new();
+    for mode in ["resident", "streamed", "naive"] {
+        if mode == "resident" && need > limit {
+            eprintln!(
+                "resident: skipped (the model needs about {} of device memory, the limit is {})",
+                fmt_bytes(need),
+                fmt_bytes(limit)
+            );
+            continue;
+        }
+        eprintln!("== {mode}: {} steps", b.steps);
+        let mut cmd = Command::new(&exe);
+        cmd.args(["bench", "offload", "--model", &b.model, "--mode", mode])
+            .args([
+                "--steps",
+                &b.steps.to_string(),
+                "--device-budget",
+                &b.device_budget,
+            ])
+            .args(["--slots", &b.slots.to_string(), "--slot-size", &b.slot_size])
+            .args(["--backend", &b.backend, "--height", &b.height.to_string()])
+            .args([
+                "--width",
+                &b.width.to_string(),
+                "--text-len",
+                &b.text_len.to_string(),
+            ]);
+        let out = cmd
+            .output()
+            .with_context(|| format!("running the {mode} mode"))?;
+        if !out.status.success() {
+            bail!(
+                "{mode} mode failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        results.push(serde_json::from_slice::<serde_json::Value>(&out.stdout)?);
+    }
+    let resident_ms = results
+        .iter()
+        .find(|r| r["mode"] == "resident")
+        .map(|r| median(col(&r["steps"], "wall_ms").into_iter().skip(1).collect()));
+    let mut table = String::from(
+        "| mode | device plan | streamed per step | ms per step (median, after the first) | RSS step 2 | RSS last | RSS max |\n|---|---|---|---|---|---|---|\n",
+    );
+    let mut series = Vec::new();
+    let mut summary = Vec::new();
+    let mut notes = String::new();
+    for r in &results {
+        let steps = &r["steps"];
+        let wall = col(steps, "wall_ms");
+        let rss = col(steps, "rss_bytes");
+        let med = median(wall.iter().skip(1).copied().collect());
+        let rmax = rss.iter().copied().fold(0.0, f64::max);
+        let mode = r["mode"].as_str().unwrap_or("");
+        table.push_str(&format!(
+            "| {mode} | {} | {} | {med:.1} | {} | {} | {} |\n",
+            fmt_bytes(r["plan"]["peak_device_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(col(steps, "bytes_streamed").last().copied().unwrap_or(0.0) as u64),
+            fmt_bytes(rss.get(1).copied().unwrap_or(0.0) as u64),
+            fmt_bytes(rss.last().copied().unwrap_or(0.0) as u64),
+            fmt_bytes(rmax as u64),
+        ));
+        let mut entry = json!({"mode": mode, "ms_per_step": med, "rss_max_bytes": rmax,
+                               "rss_growth_from_step2_bytes": rss.last().unwrap_or(&0.0) - rss.get(1).unwrap_or(&0.0)});
+        if mode == "streamed" {
+            // Overlap: each step against max(read time, compute time); compute is the resident
+            // run's step time when there is one, else the step's time minus its stall.
+            let reads = col(steps, "read_ms");
+            let stalls = col(steps, "stall_ms");
+            let ratios: Vec<f64> = (1..wall.len())
+                .map(|i| {
+                    let compute = resident_ms.unwrap_or(wall[i] - stalls[i]);
+                    wall[i] / reads[i].max(compute).max(1e-9)
+                })
+                .collect();
+            let ratio = median(ratios);
+            let read = median(reads.into_iter().skip(1).collect());
+            entry["overlap_ratio"] = json!(ratio);
+            entry["read_ms"] = json!(read);
+            entry["compute_ms"] = json!(resident_ms);
+            notes.push_str(&format!(
+                "streamed: step {med:.1} ms vs max(read {read:.1} ms, compute {:.1} ms): {ratio:.2}x (target <= 1.15x)\n",
+                resident_ms.unwrap_or(med - median(stalls.into_iter().skip(1).collect()))
+            ));
+        }
+        summary.push(entry);
+        series.push(crate::chart::Series {
+            name: mode.to_string(),
+            rss_mib: rss
+                .iter()
+                .enumerate()
+                .map(|(i, v)| ((i + 1) as f64, v / (1 << 20) as f64))
+                .collect(),
+            step_ms: wall
+                .iter()
+                .enumerate()
+                .map(|(i, v)| ((i + 1) as f64, *v))
+                .collect(),
+        });
+    }
+    let stem = b.chart.clone().unwrap_or_else(|| "nibble-offload".into());
+    let (svg, png) = crate::chart::write(
+        &stem,
+        &format!(
+            "bench offload: {} ({}), {}",
+            b.model
+                .trim_end_matches('/')
+                .rsplit('/')
+                .next()
+                .unwrap_or(&b.model),
+            fmt_bytes(model.file_bytes()),
+            results
+                .first()
+                .and_then(|r| r["backend"].as_str())
+                .and_then(|l| l.split(' ').next())
+                .unwrap_or("")
+        ),
+        &series,
+        None,
+    )?;
+    if b.json {
+        crate::write_stdout(&format!(
+            "{}\n",
+            json!({"modes": results, "summary": summary, "chart_svg": svg, "chart_png": png})
+        ))?;
+    } else {
+        println!("{table}\n{notes}");
+        println!("chart: {} and {}", svg.display(), png.display());
+    }
+    Ok(())
+}
