@@ -109,10 +109,11 @@ fn encoder_shape(joint_dim: usize) -> LlamaSynthShape {
     let heads = (hidden / 128).max(1);
     LlamaSynthShape {
         hidden,
-        intermediate: (hidden * 8 / 3).div_ceil(256) * 256,
+        intermediate: 2 * hidden,
         heads,
         kv_heads: (heads / 4).max(1),
-        vocab: 4096,
+        // Prompt bytes plus a few specials.
+        vocab: 512,
         layers: 2,
         tied: true,
     }
@@ -321,6 +322,8 @@ impl crate::backends::WithBackend for Demo<'_> {
             "process_peak_rss_bytes": process_peak,
             "plan_peak_host_bytes": plan.peak_host_bytes,
             "plan_peak_device_bytes": plan.peak_device_bytes,
+            "dit_resident_groups": plan.counts().0,
+            "dit_streamed_groups": plan.counts().1,
             "rss_between_phases_bytes": baseline,
             "text_encoder_ms": enc_ms,
             "chart_svg": svg, "chart_png": png, "latent": latent, "preview": preview,

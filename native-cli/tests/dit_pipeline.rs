@@ -1,0 +1,202 @@
+//! The DiT pipeline end to end through the binary, on small synthetic models: `nibble demo`'s
+//! memory stays flat over 50 steps and under the plan (+64 MiB), and a run killed mid-way resumes
+//! from its last checkpoint to the same final latent, bit for bit. Asserts bytes and equality,
+//! never time.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+const MIB: i64 = 1 << 20;
+
+fn nibble() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_nibble"))
+}
+
+#[test]
+fn demo_memory_is_flat_and_within_the_plan() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let out = nibble()
+        .args([
+            "demo",
+            "--dit-size",
+            "384MiB",
+            "--steps",
+            "50",
+            "--height",
+            "4",
+            "--width",
+            "4",
+            "--text-len",
+            "8",
+            "--device-budget",
+            "180MiB",
+            "--slots",
+            "2",
+            "--slot-size",
+            "4MiB",
+            "--backend",
+            "cpu",
+            "--json",
+        ])
+        .arg("--cache-dir")
+        .arg(tmp.path().join("cache"))
+        .arg("--out-dir")
+        .arg(tmp.path().join("out"))
+        .output()
+        .expect("run nibble demo");
+    assert!(
+        out.status.success(),
+        "demo failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let s = &v["summary"];
+    assert_eq!(s["steps"], 50);
+    assert!(
+        s["dit_streamed_groups"].as_u64().unwrap_or(0) >= 3,
+        "the DiT streams: {s}"
+    );
+    let rss: Vec<i64> = v["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .map(|r| r["rss_bytes"].as_i64().expect("rss"))
+        .collect();
+    let growth = rss[49] - rss[1];
+    let above = rss[1..].iter().max().copied().unwrap_or(0) - rss[1];
+    let peak = s["dit_peak_rss_bytes"].as_i64().expect("peak");
+    let plan = s["plan_peak_host_bytes"].as_i64().expect("host")
+        + s["plan_peak_device_bytes"].as_i64().expect("device");
+    println!(
+        "RSS step 2 {} B, step 50 {} B (growth {growth} B, max above step 2 {above} B); DiT peak {peak} B, plan {plan} B",
+        rss[1], rss[49]
+    );
+    assert!(
+        growth <= MIB,
+        "RSS grew by {growth} bytes from step 2 to 50"
+    );
+    assert!(above <= MIB, "RSS rose {above} bytes above step 2's");
+    assert!(
+        peak <= plan + 64 * MIB,
+        "peak RSS {peak} over the plan's {plan} + 64 MiB"
+    );
+    for f in [
+        "chart.svg",
+        "chart.png",
+        "latent.safetensors",
+        "preview.png",
+        "steps.json",
+    ] {
+        let p = tmp.path().join("out").join(f);
+        assert!(
+            std::fs::metadata(&p)
+                .map(|m| m.len() > 100)
+                .unwrap_or(false),
+            "{} written",
+            p.display()
+        );
+    }
+}
+
+fn steps_done(dir: &Path) -> Option<usize> {
+    let h = nibble_core::index::SafetensorsHeader::read_file(&dir.join("checkpoint.safetensors"))
+        .ok()?;
+    h.metadata.get("steps_done")?.parse().ok()
+}
+
+fn latent(path: &Path) -> Vec<u8> {
+    let m = nibble_core::index::ModelIndex::open(path).expect("latent file");
+    m.read_bytes(m.require("latent").expect("latent"))
+        .expect("read")
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_same_latent() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("dit");
+    let st = nibble()
+        .args([
+            "synth", "--arch", "dit", "--size", "64MiB", "--seed", "3", "-o",
+        ])
+        .arg(&model)
+        .stderr(Stdio::null())
+        .status()
+        .expect("synth");
+    assert!(st.success());
+    let run = |extra: &[&str]| {
+        let mut c = nibble();
+        c.args(["run", "--model"]).arg(&model).args([
+            "--steps",
+            "40",
+            "--height",
+            "4",
+            "--width",
+            "4",
+            "--text-len",
+            "8",
+            "--seed",
+            "11",
+            "--backend",
+            "cpu",
+            "--device-budget",
+            "32MiB",
+            "--slots",
+            "2",
+            "--slot-size",
+            "4MiB",
+        ]);
+        c.args(extra).stdout(Stdio::null()).stderr(Stdio::null());
+        c
+    };
+    let full = tmp.path().join("full.safetensors");
+    let st = run(&["--out", full.to_str().expect("path")])
+        .status()
+        .expect("full run");
+    assert!(st.success(), "uninterrupted run");
+
+    // Kill -9 a run once a few steps have been checkpointed.
+    let ck = tmp.path().join("ck");
+    let ck_s = ck.to_str().expect("path").to_string();
+    let mut child = run(&["--checkpoint", &ck_s]).spawn().expect("spawn");
+    let killed_at = loop {
+        if let Some(n) = steps_done(&ck) {
+            if n >= 5 {
+                assert!(
+                    child.try_wait().expect("wait").is_none(),
+                    "the run must still be going"
+                );
+                child.kill().expect("kill");
+                let _ = child.wait();
+                break n;
+            }
+        }
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "the run ended before it was killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    let last = steps_done(&ck).expect("a complete checkpoint survives the kill");
+    assert!(
+        last >= killed_at && last < 40,
+        "checkpoint after step {last}"
+    );
+    let resumed = tmp.path().join("resumed.safetensors");
+    let st = run(&[
+        "--resume",
+        &ck_s,
+        "--checkpoint",
+        &ck_s,
+        "--out",
+        resumed.to_str().expect("path"),
+    ])
+    .status()
+    .expect("resume");
+    assert!(st.success(), "resumed run");
+    assert_eq!(steps_done(&ck), Some(40));
+    assert!(
+        latent(&full) == latent(&resumed),
+        "resumed from step {last}: the final latent differs"
+    );
+    println!("killed after step {killed_at}, resumed from {last}: final latent identical");
+}
