@@ -376,11 +376,15 @@ pub fn run(o: &DemoOptions) -> Result<()> {
     )?;
     let dit = ModelIndex::open(&dit_dir)?;
     let dcfg = DitConfig::from_json(dit.config.as_ref().context("DiT config.json")?)?;
-    let enc_dir = root.join(format!("text-encoder-{}-seed{}", dcfg.joint_dim, o.seed));
+    let es = encoder_shape(dcfg.joint_dim);
+    let enc_dir = root.join(format!(
+        "text-encoder-{}x{}-{}layers-v{}-seed{}",
+        es.hidden, es.intermediate, es.layers, es.vocab, o.seed
+    ));
     ensure_model(
         &enc_dir,
         "synthetic Llama-style text encoder",
-        &SynthModel::llama_with(encoder_shape(dcfg.joint_dim), o.seed + 1),
+        &SynthModel::llama_with(es, o.seed + 1),
         o.json,
     )?;
     let encoder = ModelIndex::open(&enc_dir)?;
