@@ -839,6 +839,8 @@ fn layout(
 /// and streamed tensor goes.
 struct Prepared {
     plan: MemoryPlan,
+    scratch: Vec<Q4Scratch>,
+    group_buf_len: usize,
     roles: HashMap<(usize, String), Role>,
     group_tensors: Vec<Vec<TensorEntry>>,
     states: Vec<QuantStateJson>,
@@ -1033,8 +1035,38 @@ fn prepare<B: Backend + ?Sized>(
         .filter(|&v| graph.sources[v] == Source::State)
         .filter_map(|v| slices[v])
         .collect();
+    // Ranges of the shared group buffer, per weight, laid out group by group.
+    let mut scratch = vec![Q4Scratch::default(); graph.q4.len()];
+    let mut group_cursor = vec![0usize; graph.groups.len()];
+    let mut largest_absmax = 0usize;
+    for (wi, d) in graph.q4.iter().enumerate() {
+        let st = &states[wi];
+        let nblocks = st.num_blocks() as usize;
+        let c = &mut group_cursor[d.group];
+        let mut take = |len: usize| {
+            let r = *c..*c + len;
+            *c += len;
+            r
+        };
+        largest_absmax = largest_absmax.max(nblocks * 4);
+        scratch[wi] = match &st.nested {
+            None => Q4Scratch {
+                absmax: take(nblocks * 4),
+                ..Default::default()
+            },
+            Some(n) => Q4Scratch {
+                absmax: take(nblocks),
+                nested_absmax: take(nblocks.div_ceil(n.blocksize as usize) * 4),
+                nested_map: take(256 * 4),
+            },
+        };
+    }
+    let group_buf_len = group_cursor.iter().copied().max().unwrap_or(0);
+    plan.add_host_other((group_buf_len + largest_absmax) as u64);
     Ok(Prepared {
         plan,
+        scratch,
+        group_buf_len,
         roles,
         group_tensors,
         states,
@@ -1077,6 +1109,8 @@ impl<B: Backend> Executor<B> {
     ) -> Result<Self> {
         let Prepared {
             plan,
+            scratch,
+            group_buf_len,
             roles,
             group_tensors,
             states,
@@ -1092,35 +1126,6 @@ impl<B: Backend> Executor<B> {
         let n_groups = graph.groups.len();
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
-        // Ranges of the shared group buffer, per weight, laid out group by group.
-        let mut scratch = vec![Q4Scratch::default(); graph.q4.len()];
-        let mut group_cursor = vec![0usize; graph.groups.len()];
-        let mut largest_absmax = 0usize;
-        for (wi, d) in graph.q4.iter().enumerate() {
-            let st = &states[wi];
-            let nblocks = st.num_blocks() as usize;
-            let c = &mut group_cursor[d.group];
-            let mut take = |len: usize| {
-                let r = *c..*c + len;
-                *c += len;
-                r
-            };
-            largest_absmax = largest_absmax.max(nblocks * 4);
-            scratch[wi] = match &st.nested {
-                None => Q4Scratch {
-                    absmax: take(nblocks * 4),
-                    ..Default::default()
-                },
-                Some(n) => Q4Scratch {
-                    absmax: take(nblocks),
-                    nested_absmax: take(nblocks.div_ceil(n.blocksize as usize) * 4),
-                    nested_map: take(256 * 4),
-                },
-            };
-        }
-        let group_buf_len = group_cursor.iter().copied().max().unwrap_or(0);
-        let mut plan = plan;
-        plan.add_host_other((group_buf_len + largest_absmax) as u64);
         let mut group_buf = vec![0u8; group_buf_len];
         for page in group_buf.chunks_mut(4096) {
             page[0] = 0;
