@@ -300,12 +300,14 @@ impl crate::backends::WithBackend for Demo<'_> {
             .iter()
             .filter_map(|r| r["rss_bytes"].as_u64())
             .collect();
-        let growth = match (rss_b.get(1), rss_b.last()) {
+        let growth = match (rss_b.get(1).or(rss_b.first()), rss_b.last()) {
             (Some(a), Some(b)) => *b as i64 - *a as i64,
             _ => 0,
         };
-        let mean_ms = times.iter().skip(1).map(|t| t.1).sum::<f64>()
-            / (times.len().saturating_sub(1)).max(1) as f64;
+        // The first step warms caches up: leave it out when there are others.
+        let skip = usize::from(times.len() > 1);
+        let mean_ms =
+            times.iter().skip(skip).map(|t| t.1).sum::<f64>() / (times.len() - skip).max(1) as f64;
         let predicted = plan.peak_host_bytes + plan.peak_device_bytes;
         let summary = json!({
             "backend": label,
