@@ -236,6 +236,71 @@ impl CudaBackend {
         format!("{} ({})", self.name, self.arch)
     }
 
+    /// Reference copy bandwidths on this device, for comparing kernels and the ring against:
+    /// host-to-device from pinned memory (`bytes` per copy) and device-to-device (counted as
+    /// bytes read plus bytes written, as NVIDIA's bandwidthTest does).
+    pub fn bench_copies(&mut self, bytes: usize, iters: usize) -> Result<CopyBench, CudaError> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        // SAFETY: the pinned buffer is written before any read of it matters (timing only).
+        let host = unsafe { self.ctx.alloc_pinned::<u8>(bytes) }.map_err(drv)?;
+        let a = self.copy.alloc_zeros::<u8>(bytes).map_err(drv)?;
+        let b = self.copy.alloc_zeros::<u8>(bytes).map_err(drv)?;
+        let (pa, _) = a.device_ptr(&self.copy);
+        let (pb, _) = b.device_ptr(&self.copy);
+        let host_slice = host
+            .as_slice()
+            .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+            f()?; // warm-up
+            let start = self.copy.record_event(timing).map_err(drv)?;
+            for _ in 0..iters {
+                f()?;
+            }
+            let end = self.copy.record_event(timing).map_err(drv)?;
+            end.synchronize().map_err(drv)?;
+            Ok(start.elapsed_ms(&end).map_err(drv)? as f64 / 1e3)
+        };
+        let stream = self.copy.cu_stream();
+        // SAFETY: pointers and lengths are those of the buffers allocated above.
+        let h2d = time(&mut || unsafe {
+            cudarc::driver::result::memcpy_htod_async(pa, host_slice, stream).map_err(drv)
+        })?;
+        let d2d = time(&mut || unsafe {
+            cudarc::driver::result::memcpy_dtod_async(pb, pa, bytes, stream).map_err(drv)
+        })?;
+        Ok(CopyBench {
+            h2d_pinned_gb_s: (bytes * iters) as f64 / h2d / 1e9,
+            d2d_gb_s: (2 * bytes * iters) as f64 / d2d / 1e9,
+        })
+    }
+
+    /// cuBLAS bf16 x bf16 GEMM with f32 accumulation and f32 output, `Y[m, n] = X[m, k] W[n,
+    /// k]^T` (the shape the 4-bit linear's many-row path hands to cuBLAS): TFLOP/s.
+    pub fn bench_cublas_bf16(
+        &mut self,
+        m: usize,
+        n: usize,
+        k: usize,
+        iters: usize,
+    ) -> Result<f64, CudaError> {
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let x = self.compute.alloc_zeros::<u8>(m * k * 2).map_err(drv)?;
+        let w = self.compute.alloc_zeros::<u8>(n * k * 2).map_err(drv)?;
+        let y = self.compute.alloc_zeros::<u8>(m * n * 4).map_err(drv)?;
+        let (px, _) = x.device_ptr(&self.compute);
+        let (pw, _) = w.device_ptr(&self.compute);
+        let (py, _) = y.device_ptr(&self.compute);
+        self.gemm_bf16(pw, px, py, m, n, k)?;
+        let start = self.compute.record_event(timing).map_err(drv)?;
+        for _ in 0..iters {
+            self.gemm_bf16(pw, px, py, m, n, k)?;
+        }
+        let end = self.compute.record_event(timing).map_err(drv)?;
+        end.synchronize().map_err(drv)?;
+        let s = start.elapsed_ms(&end).map_err(drv)? as f64 / 1e3;
+        Ok(2.0 * (m * n * k * iters) as f64 / s / 1e12)
+    }
+
     /// Allocator of pinned ring slots on this device's context.
     pub fn pinned_allocator(&self) -> PinnedAllocator {
         PinnedAllocator(self.ctx.clone())
@@ -366,6 +431,30 @@ impl CudaBackend {
             grid(n * k),
         )?;
         self.launch("to_bf16", &[x, xb], &[(rows * k) as u32], grid(rows * k))?;
+        self.gemm_bf16(wb, xb, out, rows, n, k)?;
+        if let Some(b) = bias {
+            self.launch(
+                "add",
+                &[out, b, out],
+                &[(rows * n) as u32, n as u32],
+                grid(rows * n),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// `out[rows, n] (f32) = x[rows, k] (bf16) * w[n, k]^T (bf16)` through cuBLAS, f32 accumulation.
+    fn gemm_bf16(
+        &mut self,
+        w: u64,
+        x: u64,
+        out: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
         if self.blas.is_none() {
             self.blas = Some(
                 cudarc::cublas::CudaBlas::new(self.compute.clone())
@@ -379,7 +468,7 @@ impl CudaBackend {
         let (alpha, beta) = (1.0f32, 0.0f32);
         use cudarc::cublas::sys;
         // Row-major Y[rows, n] = X[rows, k] W[n, k]^T is column-major Y^T = W X^T.
-        // SAFETY: the pointers address scratch and arena memory of the sizes given.
+        // SAFETY: the pointers address device memory of the sizes given.
         let status = unsafe {
             sys::cublasGemmEx(
                 *blas.handle(),
@@ -389,10 +478,10 @@ impl CudaBackend {
                 rows as i32,
                 k as i32,
                 &alpha as *const f32 as *const _,
-                wb as *const _,
+                w as *const _,
                 sys::cudaDataType::CUDA_R_16BF,
                 k as i32,
-                xb as *const _,
+                x as *const _,
                 sys::cudaDataType::CUDA_R_16BF,
                 k as i32,
                 &beta as *const f32 as *const _,
@@ -406,16 +495,17 @@ impl CudaBackend {
         if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(CudaError::Blas(format!("{status:?}")));
         }
-        if let Some(b) = bias {
-            self.launch(
-                "add",
-                &[out, b, out],
-                &[(rows * n) as u32, n as u32],
-                grid(rows * n),
-            )?;
-        }
         Ok(())
     }
+}
+
+/// Reference copy bandwidths of a device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyBench {
+    /// Host-to-device from page-locked memory, GB/s.
+    pub h2d_pinned_gb_s: f64,
+    /// Device-to-device, bytes read + written per second / 1e9.
+    pub d2d_gb_s: f64,
 }
 
 fn launch_config(
@@ -493,8 +583,14 @@ impl Backend for CudaBackend {
     }
 
     fn release(&mut self) {
+        let _ = self.compute.synchronize();
         self.device = None;
         self.scratch = None;
+    }
+
+    fn slot_allocator(&self) -> Option<Box<dyn SlotAllocator>> {
+        // Ring slots in page-locked memory: copies from them run asynchronously at full speed.
+        Some(Box::new(self.pinned_allocator()))
     }
 
     fn arena_align_words(&self) -> usize {
@@ -542,6 +638,10 @@ impl Backend for CudaBackend {
         // for the same event before it refills the slot.
         // SAFETY: the destination lies inside the pool; the source slot stays untouched until
         // the returned fence has signalled.
+        // The region may still be read by kernels queued on the compute stream (a stream slot
+        // two groups back): the copy waits for everything queued there so far.
+        let queued = self.compute.record_event(None).map_err(drv)?;
+        self.copy.wait(&queued).map_err(drv)?;
         unsafe {
             cudarc::driver::result::memcpy_htod_async(base + offset, bytes, self.copy.cu_stream())
         }

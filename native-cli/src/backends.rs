@@ -23,7 +23,7 @@ pub trait WithBackend {
     /// What it returns.
     type Output;
     /// Runs on `backend`, named `label` in messages.
-    fn call<B: Backend>(self, backend: B, label: &str) -> Result<Self::Output>;
+    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<Self::Output>;
 }
 
 impl AnyBackend {

@@ -18,7 +18,7 @@ struct Bench {
     bytes: f64,
 }
 
-fn benches(quick: bool) -> Vec<Bench> {
+fn benches(quick: bool, big_gemv: bool) -> Vec<Bench> {
     let t = if quick { 512 } else { 4096 };
     let lin = |m: usize, n: usize, k: usize| Bench {
         name: format!("nf4 linear {m}x{k} by {n}x{k}"),
@@ -41,7 +41,7 @@ fn benches(quick: bool) -> Vec<Bench> {
         flops: 5.0 * (rows * dim) as f64,
         bytes: (2 * rows * dim * 4) as f64,
     };
-    vec![
+    let mut v = vec![
         lin(1, 4096, 4096),
         lin(t, 3072, 3072),
         Bench {
@@ -68,7 +68,12 @@ fn benches(quick: bool) -> Vec<Bench> {
             3072,
             2,
         ),
-    ]
+    ];
+    if big_gemv {
+        // 117 MB of NF4 codes: more than a GPU's L2, so GB/s is DRAM bandwidth.
+        v.insert(1, lin(1, 28672, 8192));
+    }
+    v
 }
 
 fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
@@ -129,28 +134,112 @@ fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
     Ok((start.elapsed() / calls, calls))
 }
 
+/// Host-to-device throughput of the weight path itself: `iters` slot-sized uploads from a
+/// [`StagingRing`] whose slots come from the backend's allocator (pinned memory for CUDA) into
+/// two alternating pool regions, each slot reused only after its upload's fence, GB/s.
+fn ring_upload_gb_s<B: Backend>(
+    backend: &mut B,
+    slots: usize,
+    slot_bytes: usize,
+    iters: usize,
+) -> Result<f64> {
+    use nibble_core::ring::{HostAllocator, StagingRing};
+    backend.allocate(1, 2 * slot_bytes as u64)?;
+    let ring = match backend.slot_allocator() {
+        Some(a) => StagingRing::new(slots, slot_bytes, a.as_ref())?,
+        None => StagingRing::new(slots, slot_bytes, &HostAllocator)?,
+    };
+    let upload = |i: usize, backend: &mut B| -> Result<()> {
+        let slot = ring.acquire();
+        let guard = ring.filled(slot, slot_bytes);
+        let fence = backend.upload((i % 2) as u64 * slot_bytes as u64, guard.bytes())?;
+        guard.release_after(fence);
+        Ok(())
+    };
+    upload(0, backend)?; // warm-up
+    let t = Instant::now();
+    for i in 0..iters {
+        upload(i, backend)?;
+    }
+    // Every slot back in the ring means every fence has signalled.
+    let held: Vec<_> = (0..slots).map(|_| ring.acquire()).collect();
+    let s = t.elapsed().as_secs_f64();
+    for slot in held {
+        ring.give_back(slot);
+    }
+    backend.release();
+    Ok((iters * slot_bytes) as f64 / s / 1e9)
+}
+
 /// Runs every kernel benchmark on `backend_name` and prints a table or JSON.
 pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
     match backend_name {
-        "cpu" => report(
-            "cpu_ref (scalar reference; the optimized CPU path comes with the Llama work)".into(),
+        "cpu" => {
+            let label = format!("cpu ({})", nibble_core::cpu::CpuBackend::new().describe());
+            report(
+                label,
+                as_json,
+                quick,
+                false,
+                || Ok(nibble_core::cpu::CpuBackend::new()),
+                None,
+            )
+        }
+        "cpu-ref" | "cpu_ref" => report(
+            "cpu-ref (scalar reference)".into(),
             as_json,
             quick,
+            false,
             || Ok(CpuRefBackend::new()),
+            None,
         ),
         "wgpu" => {
             let probe = nibble_wgpu::WgpuBackend::new()?;
             let label = format!("wgpu: {}", probe.describe());
             let mut first = Some(probe);
-            report(label, as_json, quick, move || match first.take() {
-                Some(b) => Ok(b),
-                None => Ok(nibble_wgpu::WgpuBackend::new()?),
-            })
+            report(
+                label,
+                as_json,
+                quick,
+                false,
+                move || match first.take() {
+                    Some(b) => Ok(b),
+                    None => Ok(nibble_wgpu::WgpuBackend::new()?),
+                },
+                None,
+            )
         }
         "cuda" => {
-            bail!("the CUDA backend is not part of this build yet; use --backend wgpu or cpu")
+            let mut probe = nibble_cuda::CudaBackend::new()?;
+            let label = format!("cuda: {}", probe.describe());
+            let t = if quick { 512 } else { 4096 };
+            // References: pinned host-to-device and device-to-device copies, cuBLAS bf16 GEMM of
+            // the tiled linear's shape.
+            let copies = probe.bench_copies(256 << 20, 10)?;
+            let cublas = probe.bench_cublas_bf16(t, 3072, 3072, 20)?;
+            let ring = ring_upload_gb_s(&mut probe, 4, 64 << 20, 40)?;
+            let refs = json!({
+                "h2d_pinned_gb_s": copies.h2d_pinned_gb_s,
+                "ring_h2d_gb_s": ring,
+                "ring": "4 x 64 MiB, slots from the backend's allocator",
+                "d2d_copy_gb_s": copies.d2d_gb_s,
+                "cublas_bf16_tflop_s": cublas,
+                "cublas_shape": [t, 3072, 3072],
+            });
+            let mut first = Some(probe);
+            report(
+                label,
+                as_json,
+                quick,
+                true,
+                move || match first.take() {
+                    Some(b) => Ok(b),
+                    None => Ok(nibble_cuda::CudaBackend::new()?),
+                },
+                Some(refs),
+            )
         }
-        other => bail!("--backend '{other}': expected cpu, wgpu or cuda"),
+        other => bail!("--backend '{other}': expected cpu, cpu-ref, wgpu or cuda"),
     }
 }
 
@@ -159,7 +248,9 @@ fn report<B: Backend>(
     label: String,
     as_json: bool,
     quick: bool,
+    big_gemv: bool,
     mut make: impl FnMut() -> Result<B>,
+    refs: Option<serde_json::Value>,
 ) -> Result<()> {
     if !as_json {
         eprintln!(
@@ -172,7 +263,7 @@ fn report<B: Backend>(
         );
     }
     let mut rows = Vec::new();
-    for b in &benches(quick) {
+    for b in &benches(quick, big_gemv) {
         let (t, calls) = run_one(&mut make()?, b)?;
         let s = t.as_secs_f64();
         if !as_json {
@@ -190,11 +281,56 @@ fn report<B: Backend>(
             "gb_s": b.bytes / s / 1e9, "gflop_s": b.flops / s / 1e9,
         }));
     }
+    // Against the references: the GEMV beyond L2 against the copy bandwidth, the tiled 4-bit
+    // linear against cuBLAS bf16 on the same shape.
+    let mut ratios = json!({});
+    if let Some(r) = &refs {
+        let find = |prefix: &str| {
+            rows.iter()
+                .find(|x| x["kernel"].as_str().is_some_and(|k| k.starts_with(prefix)))
+                .cloned()
+        };
+        if let (Some(ring), Some(peak)) =
+            (r["ring_h2d_gb_s"].as_f64(), r["h2d_pinned_gb_s"].as_f64())
+        {
+            ratios["ring_h2d_over_pinned_peak"] = json!(ring / peak);
+        }
+        if let (Some(g), Some(d)) = (
+            find("nf4 linear 1x8192 by 28672x8192"),
+            r["d2d_copy_gb_s"].as_f64(),
+        ) {
+            ratios["gemv_gb_s_over_d2d_copy"] = json!(g["gb_s"].as_f64().unwrap_or(0.0) / d);
+        }
+        let tiled = format!("nf4 linear {}x3072", r["cublas_shape"][0]);
+        if let (Some(g), Some(c)) = (find(&tiled), r["cublas_bf16_tflop_s"].as_f64()) {
+            ratios["gemm_over_cublas_bf16"] = json!(g["gflop_s"].as_f64().unwrap_or(0.0) / 1e3 / c);
+        }
+        if !as_json {
+            eprintln!("references: {r}");
+            eprintln!("ratios: {ratios} (targets: ring H2D >= 0.9 x pinned peak, GEMV >= 0.8 x copy bandwidth, GEMM >= 0.7 x cuBLAS bf16)");
+        }
+    }
     if as_json {
         crate::write_stdout(&format!(
             "{}\n",
-            serde_json::to_string_pretty(&json!({"backend": label, "kernels": rows}))?
+            serde_json::to_string_pretty(
+                &json!({"backend": label, "kernels": rows, "references": refs, "ratios": ratios})
+            )?
         ))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_upload_cycles_every_slot_through_fenced_uploads() {
+        let mut b = CpuRefBackend::new();
+        let gb_s = ring_upload_gb_s(&mut b, 3, 1 << 20, 12).expect("ring upload");
+        assert!(gb_s.is_finite() && gb_s > 0.0, "{gb_s}");
+        // The backend was released and can be allocated again.
+        b.allocate(1, 16).expect("allocate after release");
+    }
 }

@@ -52,7 +52,7 @@ struct OneMode<'a> {
 
 impl crate::backends::WithBackend for OneMode<'_> {
     type Output = serde_json::Value;
-    fn call<B: Backend>(self, backend: B, label: &str) -> Result<serde_json::Value> {
+    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
         let model = crate::open_model(&b.model)?;
         let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;

@@ -32,8 +32,61 @@ pub struct StreamBench {
     pub readers: usize,
     /// Read strategy for local files.
     pub file_mode: FileReadMode,
+    /// Upload every chunk to this backend's weight pool (cpu, wgpu, cuda) instead of the
+    /// simulated consumer: the ring's slots then come from the backend (pinned memory for CUDA),
+    /// and the MiB/s are host-to-device throughput through the ring.
+    pub backend: Option<String>,
     /// Print one JSON object.
     pub json: bool,
+}
+
+/// A device the chunks are uploaded to.
+trait Sink {
+    fn put(&mut self, chunk: nibble_core::prefetch::Chunk) -> Result<()>;
+}
+
+/// The uploads alternate between two slot-sized regions of the backend's pool; the ring slot is
+/// released when the upload's fence signals.
+struct DeviceSink<B: nibble_core::backend::Backend> {
+    backend: B,
+    slot: u64,
+    next: u64,
+}
+
+impl<B: nibble_core::backend::Backend> Sink for DeviceSink<B> {
+    fn put(&mut self, chunk: nibble_core::prefetch::Chunk) -> Result<()> {
+        let at = (self.next % 2) * self.slot;
+        self.next += 1;
+        let fence = self.backend.upload(at, chunk.bytes())?;
+        chunk.slot.release_after(fence);
+        Ok(())
+    }
+}
+
+struct MakeSink {
+    slot: u64,
+}
+
+impl crate::backends::WithBackend for MakeSink {
+    type Output = (
+        Box<dyn Sink>,
+        Option<Box<dyn nibble_core::ring::SlotAllocator>>,
+        String,
+    );
+    fn call<B: nibble_core::backend::Backend + 'static>(
+        self,
+        mut backend: B,
+        label: &str,
+    ) -> Result<Self::Output> {
+        backend.allocate(1, 2 * self.slot)?;
+        let alloc = backend.slot_allocator();
+        let sink: Box<dyn Sink> = Box::new(DeviceSink {
+            backend,
+            slot: self.slot,
+            next: 0,
+        });
+        Ok((sink, alloc, label.to_string()))
+    }
 }
 
 /// What a step measured.
@@ -119,7 +172,19 @@ pub fn run(o: &StreamBench) -> Result<()> {
         o.slot_bytes,
     );
     let step_bytes: u64 = chunks.iter().map(|c| c.len as u64).sum();
-    let ring = StagingRing::new(o.slots, o.slot_bytes, &HostAllocator)?;
+    let (mut sink, alloc, sink_label) = match &o.backend {
+        Some(b) => {
+            let (s, a, l) = crate::backends::select(b)?.run(MakeSink {
+                slot: o.slot_bytes as u64,
+            })?;
+            (Some(s), a, Some(l))
+        }
+        None => (None, None, None),
+    };
+    let ring = match &alloc {
+        Some(a) => StagingRing::new(o.slots, o.slot_bytes, a.as_ref())?,
+        None => StagingRing::new(o.slots, o.slot_bytes, &HostAllocator)?,
+    };
     let threaded = ThreadedSource::new(source.clone(), o.readers);
     let mut pf = Prefetcher::new(threaded, ring, chunks, Some(o.steps))?;
     if !o.json {
@@ -135,6 +200,9 @@ pub fn run(o: &StreamBench) -> Result<()> {
             o.consume_ms_per_mib,
             resolved_mode.map(|m| format!(", file mode {}", m.name())).unwrap_or_default()
         );
+        if let Some(l) = &sink_label {
+            eprintln!("consumer: uploads to {l}");
+        }
         eprintln!(
             "{:>5} {:>10} {:>12} {:>10} {:>10} {:>12}",
             "step", "wall ms", "bytes", "MiB/s", "stall ms", "RSS"
@@ -142,14 +210,20 @@ pub fn run(o: &StreamBench) -> Result<()> {
     }
     let mut steps: Vec<Step> = Vec::with_capacity(o.steps as usize);
     let mut consume_t = Duration::ZERO;
-    let mut sink = 0u64;
+    let mut checksum = 0u64;
     let mut owed = 0f64;
     let t_all = Instant::now();
     while let Some(chunk) = pf.next_chunk()? {
         let t = Instant::now();
-        sink = sink.wrapping_add(consume(chunk.bytes(), o.consume_ms_per_mib, &mut owed));
+        match sink.as_mut() {
+            Some(s) => s.put(chunk)?,
+            None => {
+                checksum =
+                    checksum.wrapping_add(consume(chunk.bytes(), o.consume_ms_per_mib, &mut owed));
+                drop(chunk);
+            }
+        }
         consume_t += t.elapsed();
-        drop(chunk);
         if let Some(st) = pf.take_step_stats() {
             let s = Step {
                 wall: st.wall,
@@ -174,7 +248,7 @@ pub fn run(o: &StreamBench) -> Result<()> {
         }
     }
     let wall = t_all.elapsed();
-    std::hint::black_box(sink);
+    std::hint::black_box(checksum);
     drop(pf);
     // The baseline reads into a buffer of one slot's size, twice (their mean), under the same
     // cache conditions as the stream: modes that bypass or drop the page cache get a baseline

@@ -145,7 +145,7 @@ fn phase_peak() -> u64 {
 
 impl crate::backends::WithBackend for Demo<'_> {
     type Output = ();
-    fn call<B: Backend>(self, backend: B, label: &str) -> Result<()> {
+    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         let Demo { o, dit, encoder } = self;
         let quiet = o.json;
         let dcfg = DitConfig::from_json(dit.config.as_ref().context("DiT config.json")?)?;

@@ -299,7 +299,8 @@ enum BenchKind {
     /// Each kernel at realistic shapes (NF4 linear GEMV and tiled, attention, norms) on one
     /// backend: time per call, GB/s, GFLOP/s.
     Kernels {
-        /// cpu (the cpu_ref backend), wgpu, or cuda.
+        /// cpu (the optimized CPU backend), cpu-ref, wgpu, or cuda (adds pinned H2D, device copy and
+        /// cuBLAS bf16 references and a GEMV beyond L2).
         #[arg(long, default_value = "wgpu")]
         backend: String,
         /// Print one JSON object.
@@ -378,6 +379,10 @@ enum BenchKind {
         /// How local files are read: auto, pread, pread-dropcache, direct, mmap.
         #[arg(long, default_value = "auto")]
         file_mode: String,
+        /// Upload each chunk to this backend (cpu, wgpu, cuda; ring slots from the backend,
+        /// pinned for CUDA) instead of the simulated consumer.
+        #[arg(long)]
+        backend: Option<String>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -650,6 +655,7 @@ fn main() -> ExitCode {
                     consume_ms_per_mib,
                     readers,
                     file_mode,
+                    backend,
                     json,
                 },
         } => (|| {
@@ -665,6 +671,7 @@ fn main() -> ExitCode {
                 consume_ms_per_mib,
                 readers,
                 file_mode,
+                backend,
                 json,
             })
         })(),

@@ -159,7 +159,7 @@ struct Dispatch<'a> {
 
 impl crate::backends::WithBackend for Dispatch<'_> {
     type Output = ();
-    fn call<B: Backend>(self, backend: B, label: &str) -> Result<()> {
+    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         if is_llm(self.model) {
             generate(self.o, self.model, backend, label)
         } else {

@@ -9,9 +9,12 @@ use std::path::{Path, PathBuf};
 use nibble_core::index::ModelIndex;
 use sha2::{Digest, Sha256};
 
-/// `../shared/fixtures` relative to the repository root; panics with a clear message if absent.
+/// `../shared/fixtures` relative to the repository root (or `$NIBBLE_FIXTURES`, for test binaries
+/// carried to another machine); panics with a clear message if absent.
 pub fn fixtures_dir() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    let p = std::env::var_os("NIBBLE_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
     assert!(
         p.join("manifest.json").is_file(),
         "the shared fixtures are missing: expected {} (the folder `shared/fixtures` next to the \
@@ -110,3 +113,19 @@ pub fn sha256_canon_f32(v: &[f32]) -> String {
 }
 
 pub use nibble_core::backend::run_op as run_on_backend;
+
+/// The CUDA backend when a driver and device are present; `None` (printed as absent) otherwise.
+/// With `NIBBLE_REQUIRE_CUDA=1` (the GPU check) an absent CUDA is a failure, not a skip.
+pub fn cuda_or_absent(what: &str) -> Option<nibble_cuda::CudaBackend> {
+    match nibble_cuda::CudaBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            assert!(
+                std::env::var("NIBBLE_REQUIRE_CUDA").ok().as_deref() != Some("1"),
+                "CUDA required but absent: {e}"
+            );
+            println!("{what}: cuda absent ({e}), not run");
+            None
+        }
+    }
+}
