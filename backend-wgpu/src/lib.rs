@@ -110,6 +110,7 @@ impl std::fmt::Debug for WgpuBackend {
 
 impl WgpuBackend {
     /// Opens the best adapter present (a high-performance GPU if any, else a software one).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn new() -> Result<Self> {
         pollster::block_on(Self::new_async())
     }
@@ -238,14 +239,17 @@ impl WgpuBackend {
     }
 
     /// Storage bindings of `op` in its kernel's order: operands, the 4-bit weight's three
-    /// buffers, and a dummy for an absent optional operand.
+    /// buffers, and a dummy for each absent optional operand. Every binding is a writable
+    /// storage binding (the arena holds inputs and outputs), and WebGPU refuses two
+    /// overlapping writable bindings: each dummy gets its own range of the dummy buffer.
     fn bind_order<'a>(
         op: &OpKind,
         ins: &[wgpu::BindingResource<'a>],
         q4: Option<[wgpu::BindingResource<'a>; 3]>,
-        dummy: wgpu::BindingResource<'a>,
+        dummy: &'a wgpu::Buffer,
     ) -> Vec<wgpu::BindingResource<'a>> {
         use nibble_core::kernels::Slot;
+        let mut dummies = 0u64;
         nibble_core::kernels::operands(op, ins.len())
             .into_iter()
             .map(|s| match (s, &q4) {
@@ -253,7 +257,15 @@ impl WgpuBackend {
                 (Slot::Packed, Some(q)) => q[0].clone(),
                 (Slot::Absmax, Some(q)) => q[1].clone(),
                 (Slot::Code, Some(q)) => q[2].clone(),
-                _ => dummy.clone(),
+                _ => {
+                    let at = dummies * DUMMY_STRIDE;
+                    dummies = (dummies + 1) % DUMMY_SLOTS;
+                    wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: dummy,
+                        offset: at,
+                        size: std::num::NonZeroU64::new(4),
+                    })
+                }
             })
             .collect()
     }
@@ -327,6 +339,77 @@ impl WgpuBackend {
         Ok(enc)
     }
 
+    /// Copies `bytes` of `src` into a mappable buffer and asks for its mapping; the returned
+    /// future resolves once the device has finished (on an event loop: when the loop runs).
+    fn read_back_async(
+        &self,
+        src: &wgpu::Buffer,
+        offset: u64,
+        bytes: u64,
+    ) -> impl std::future::Future<Output = Result<Vec<u8>>> {
+        type Mapped = (
+            Option<std::result::Result<(), wgpu::BufferAsyncError>>,
+            Option<std::task::Waker>,
+        );
+        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("read"),
+            });
+        enc.copy_buffer_to_buffer(src, offset, &readback, 0, bytes);
+        self.queue.submit([enc.finish()]);
+        let state: std::sync::Arc<std::sync::Mutex<Mapped>> = Default::default();
+        let cb = state.clone();
+        readback.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            if let Ok(mut g) = cb.lock() {
+                g.0 = Some(r);
+                if let Some(w) = g.1.take() {
+                    w.wake();
+                }
+            }
+        });
+        // Natively nothing delivers the mapping unless the device is polled.
+        #[cfg(not(target_arch = "wasm32"))]
+        let polled = self
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| WgpuError::Gpu(e.to_string()));
+        #[cfg(target_arch = "wasm32")]
+        let polled: Result<()> = Ok(());
+        async move {
+            polled?;
+            std::future::poll_fn(|cx| match state.lock() {
+                Ok(mut g) => match g.0.take() {
+                    Some(r) => std::task::Poll::Ready(r.map_err(|e| WgpuError::Gpu(e.to_string()))),
+                    None => {
+                        g.1 = Some(cx.waker().clone());
+                        std::task::Poll::Pending
+                    }
+                },
+                Err(_) => {
+                    std::task::Poll::Ready(Err(WgpuError::Gpu("read-back state poisoned".into())))
+                }
+            })
+            .await?;
+            let slice = readback.slice(..);
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| WgpuError::Gpu(e.to_string()))?;
+            let v = view[..bytes as usize].to_vec();
+            drop(view);
+            readback.unmap();
+            Ok(v)
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
     fn read_back(&self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
         let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -617,7 +700,11 @@ impl Backend for WgpuBackend {
                 64,
                 wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             ),
-            dummy: make("dummy", 4, wgpu::BufferUsages::STORAGE),
+            dummy: make(
+                "dummy",
+                DUMMY_SLOTS * DUMMY_STRIDE,
+                wgpu::BufferUsages::STORAGE,
+            ),
         });
         Ok(())
     }
@@ -649,6 +736,7 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     fn read_arena(
         &mut self,
         src: nibble_core::backend::ArenaSlice,
@@ -657,11 +745,32 @@ impl Backend for WgpuBackend {
         let bytes = self
             .read_back(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
             .map_err(core_err)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .take(src.len)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(words(&bytes, src.len))
+    }
+
+    /// In the browser a read-back can only be awaited (`read_arena_async`).
+    #[cfg(target_arch = "wasm32")]
+    fn read_arena(
+        &mut self,
+        _src: nibble_core::backend::ArenaSlice,
+    ) -> nibble_core::Result<Vec<u32>> {
+        Err(nibble_core::Error::Invalid(
+            "WebGPU cannot read back synchronously: use the async executor path".into(),
+        ))
+    }
+
+    fn read_arena_async(
+        &mut self,
+        src: nibble_core::backend::ArenaSlice,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = nibble_core::Result<Vec<u32>>> + '_>>
+    {
+        let fut = self.resident().map(|r| {
+            self.read_back_async(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
+        });
+        Box::pin(async move {
+            let bytes = fut?.await.map_err(core_err)?;
+            Ok(words(&bytes, src.len))
+        })
     }
 
     fn upload(
@@ -761,11 +870,26 @@ impl Backend for WgpuBackend {
                 );
             }
         }
-        let binds = Self::bind_order(op, &ins, q4b, dummy.as_entire_binding());
+        let binds = Self::bind_order(op, &ins, q4b, &dummy);
         let enc = self
             .encode(name, &params, binds, slice(&out.slice), dispatch, &uniform)
             .map_err(core_err)?;
         self.queue.submit([enc.finish()]);
         Ok(())
     }
+}
+
+/// Distinct ranges of the dummy buffer for absent operands (256: the largest storage-offset
+/// alignment an adapter may ask for).
+const DUMMY_STRIDE: u64 = 256;
+/// More than any kernel has optional operands.
+const DUMMY_SLOTS: u64 = 4;
+
+/// Little-endian words from read-back bytes.
+fn words(bytes: &[u8], n: usize) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .take(n)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }

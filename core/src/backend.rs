@@ -100,6 +100,15 @@ pub trait Backend {
     }
     /// Reads arena words back.
     fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>>;
+    /// [`Backend::read_arena`] for an event loop (the browser), where waiting for the device
+    /// would block the loop that delivers its answer. The default reads synchronously.
+    fn read_arena_async(
+        &mut self,
+        src: ArenaSlice,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u32>>> + '_>> {
+        let r = self.read_arena(src);
+        Box::pin(std::future::ready(r))
+    }
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;

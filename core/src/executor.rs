@@ -15,7 +15,7 @@ use crate::index::{Dtype, ModelIndex, TensorEntry};
 use crate::plan::{Allocation, Budgets, MemoryPlan, Placement, WeightGroup};
 use crate::prefetch::{chunk_schedule, Chunk, ChunkSpec, Prefetcher, StepStats};
 use crate::ring::{HostAllocator, StagingRing};
-use crate::source::ThreadedSource;
+use crate::source::{ByteSource, ThreadedSource};
 
 /// A value of the graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -624,6 +624,14 @@ pub struct ExecStats {
     pub stream: StepStats,
 }
 
+/// The resident groups' single pass, between planning and streaming.
+struct ResidentLoad {
+    pf: Prefetcher<Box<dyn ByteSource>>,
+    groups: Vec<usize>,
+    stream_chunks: Vec<ChunkSpec>,
+    group_tensors: Vec<Vec<TensorEntry>>,
+}
+
 struct Naive {
     source: std::sync::Arc<dyn crate::source::RangeSource>,
     tensors: Vec<Vec<TensorEntry>>,
@@ -646,7 +654,7 @@ pub struct Executor<B: Backend> {
     /// Per program: the non-resident groups as (first node, group), in the order a step loads
     /// them (the same group order in every program: the ring streams one schedule).
     stream_starts: Vec<Vec<(usize, usize)>>,
-    prefetch: Option<Prefetcher<ThreadedSource>>,
+    prefetch: Option<Prefetcher<Box<dyn ByteSource>>>,
     arena_words: usize,
     pool_bytes: u64,
     /// Zeros written over the state values before the first step and on `reset_state`.
@@ -1103,10 +1111,61 @@ impl<B: Backend> Executor<B> {
     pub fn with_ring(
         graph: Graph,
         model: &ModelIndex,
-        mut backend: B,
+        backend: B,
         opts: ExecOptions,
         ring: Option<StagingRing>,
     ) -> Result<Self> {
+        let readers = opts.readers;
+        let src = model.source();
+        Self::with_source(graph, model, backend, opts, ring, &mut || {
+            Box::new(ThreadedSource::new(src.clone(), readers))
+        })
+    }
+
+    /// [`Executor::with_ring`] reading weights through sources made by `make_source` (one for
+    /// the resident groups' single pass, one for the stream) instead of reader threads.
+    pub fn with_source(
+        graph: Graph,
+        model: &ModelIndex,
+        backend: B,
+        opts: ExecOptions,
+        ring: Option<StagingRing>,
+        make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
+    ) -> Result<Self> {
+        let (mut ex, mut load) = Self::build(graph, model, backend, &opts, ring, make_source)?;
+        for g in std::mem::take(&mut load.groups) {
+            ex.load_group(&mut load.pf, g)?;
+        }
+        ex.start_stream(load, model, &opts, make_source)?;
+        Ok(ex)
+    }
+
+    /// [`Executor::with_source`] for an event loop (the browser): the resident groups' reads
+    /// are awaited instead of waited for.
+    pub async fn with_source_async(
+        graph: Graph,
+        model: &ModelIndex,
+        backend: B,
+        opts: ExecOptions,
+        make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
+    ) -> Result<Self> {
+        let (mut ex, mut load) = Self::build(graph, model, backend, &opts, None, make_source)?;
+        for g in std::mem::take(&mut load.groups) {
+            ex.load_group_async(&mut load.pf, g).await?;
+        }
+        ex.start_stream(load, model, &opts, make_source)?;
+        Ok(ex)
+    }
+
+    /// Plans, allocates, and sets up the resident groups' single pass through the ring.
+    fn build(
+        graph: Graph,
+        model: &ModelIndex,
+        mut backend: B,
+        opts: &ExecOptions,
+        ring: Option<StagingRing>,
+        make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
+    ) -> Result<(Self, ResidentLoad)> {
         let Prepared {
             plan,
             scratch,
@@ -1122,7 +1181,7 @@ impl<B: Backend> Executor<B> {
             stream_starts,
             resident_group,
             state_slices,
-        } = prepare(&graph, model, &backend, &opts)?;
+        } = prepare(&graph, model, &backend, opts)?;
         let n_groups = graph.groups.len();
         backend.allocate(arena_words.max(1), pool_bytes)?;
 
@@ -1180,16 +1239,38 @@ impl<B: Backend> Executor<B> {
             resident.iter().map(|&g| (g, group_tensors[g].as_slice())),
             b.slot_bytes as usize,
         );
-        let src = ThreadedSource::new(model.source(), opts.readers);
-        let mut pf = Prefetcher::new(src, ring, chunks, Some(1))?;
-        for &g in &resident {
-            ex.load_group(&mut pf, g)?;
-        }
-        let ring = pf.into_ring();
-        let chunks = chunk_schedule(
+        let pf = Prefetcher::new(make_source(), ring, chunks, Some(1))?;
+        let stream_chunks = chunk_schedule(
             streamed.iter().map(|&g| (g, group_tensors[g].as_slice())),
             b.slot_bytes as usize,
         );
+        Ok((
+            ex,
+            ResidentLoad {
+                pf,
+                groups: resident,
+                stream_chunks,
+                group_tensors,
+            },
+        ))
+    }
+
+    /// After the resident groups: the ring goes to the stream of the other groups.
+    fn start_stream(
+        &mut self,
+        load: ResidentLoad,
+        model: &ModelIndex,
+        opts: &ExecOptions,
+        make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
+    ) -> Result<()> {
+        let ResidentLoad {
+            pf,
+            stream_chunks: chunks,
+            group_tensors,
+            ..
+        } = load;
+        let ring = pf.into_ring();
+        let ex = self;
         if opts.naive {
             // The naive offloader keeps no staging ring: drop it after the resident loads.
             drop(ring);
@@ -1200,10 +1281,18 @@ impl<B: Backend> Executor<B> {
         } else if chunks.is_empty() {
             ex.spare_ring = Some(ring);
         } else {
-            let src = ThreadedSource::new(model.source(), opts.readers);
-            ex.prefetch = Some(Prefetcher::new(src, ring, chunks, None)?);
+            ex.prefetch = Some(Prefetcher::new(make_source(), ring, chunks, None)?);
         }
-        Ok(ex)
+        Ok(())
+    }
+
+    /// Limits the weight stream to `passes` more passes (steps or decoded tokens), so that no
+    /// read runs ahead into a pass that will not come: with it, the bytes read equal the plan's
+    /// `streamed_bytes_per_step` times the passes run.
+    pub fn limit_stream_passes(&mut self, passes: u64) {
+        if let Some(pf) = self.prefetch.as_mut() {
+            pf.limit_passes(passes);
+        }
     }
 
     /// Ends the executor: waits for reads in flight, releases the backend's device memory, and
@@ -1332,35 +1421,62 @@ impl<B: Backend> Executor<B> {
         Ok(fences)
     }
 
-    fn load_group(&mut self, pf: &mut Prefetcher<ThreadedSource>, g: usize) -> Result<()> {
-        let per = pf.chunks_per_step();
+    fn load_group(&mut self, pf: &mut Prefetcher<Box<dyn ByteSource>>, g: usize) -> Result<()> {
         loop {
             if !pf.next_ready() {
                 self.backend.idle();
             }
             let Some(chunk) = pf.next_chunk()? else { break };
-            if chunk.spec.group != g {
-                return Err(Error::Invalid(format!(
-                    "stream out of order: expected group {g}, got {}",
-                    chunk.spec.group
-                )));
-            }
-            let fences = self.handle(&chunk.spec, chunk.bytes())?;
-            let last_of_group = {
-                let idx = (chunk.seq % per as u64) as usize;
-                idx + 1 == per || pf_peek_group(pf, idx + 1) != Some(g)
-            };
-            let Chunk { slot, .. } = chunk;
-            // Uploads from one slot complete in order: the last one frees the slot.
-            match fences.into_iter().last() {
-                Some(f) => slot.release_after(f),
-                None => drop(slot),
-            }
-            if last_of_group {
+            if self.take_chunk(pf, chunk, g)? {
                 break;
             }
         }
         self.finish_group(g)
+    }
+
+    /// [`Executor::load_group`] on an event loop: each chunk is awaited, never waited for.
+    async fn load_group_async(
+        &mut self,
+        pf: &mut Prefetcher<Box<dyn ByteSource>>,
+        g: usize,
+    ) -> Result<()> {
+        loop {
+            pf.ready().await?;
+            let Some(chunk) = pf.next_chunk()? else { break };
+            if self.take_chunk(pf, chunk, g)? {
+                break;
+            }
+        }
+        self.finish_group(g)
+    }
+
+    /// Uploads one chunk of group `g` and releases its slot after the uploads; true when it
+    /// was the group's last chunk.
+    fn take_chunk(
+        &mut self,
+        pf: &Prefetcher<Box<dyn ByteSource>>,
+        chunk: Chunk,
+        g: usize,
+    ) -> Result<bool> {
+        let per = pf.chunks_per_step();
+        if chunk.spec.group != g {
+            return Err(Error::Invalid(format!(
+                "stream out of order: expected group {g}, got {}",
+                chunk.spec.group
+            )));
+        }
+        let fences = self.handle(&chunk.spec, chunk.bytes())?;
+        let last_of_group = {
+            let idx = (chunk.seq % per as u64) as usize;
+            idx + 1 == per || pf_peek_group(pf, idx + 1) != Some(g)
+        };
+        let Chunk { slot, .. } = chunk;
+        // Uploads from one slot complete in order: the last one frees the slot.
+        match fences.into_iter().last() {
+            Some(f) => slot.release_after(f),
+            None => drop(slot),
+        }
+        Ok(last_of_group)
     }
 
     /// The naive offloader's way (for comparison, `ExecOptions::naive`): the group's tensors
@@ -1372,7 +1488,7 @@ impl<B: Backend> Executor<B> {
         let tensors = naive.tensors[g].clone();
         let source = naive.source.clone();
         let total: u64 = tensors.iter().map(|t| t.len).sum();
-        let t0 = std::time::Instant::now();
+        let t0 = web_time::Instant::now();
         let mut buf = vec![0u8; total as usize];
         let mut parts = Vec::with_capacity(tensors.len());
         let mut at = 0usize;
@@ -1483,6 +1599,78 @@ impl<B: Backend> Executor<B> {
         p: usize,
         inputs: &[HostTensor],
     ) -> Result<(Vec<HostTensor>, ExecStats)> {
+        let mut c = self.begin_step(p, inputs)?;
+        while let Some(g) = self.run_until_load(&mut c)? {
+            if self.naive.is_some() {
+                let st = self.load_group_naive(g)?;
+                c.stats.stream.bytes += st.bytes;
+                c.stats.stream.stall += st.stall;
+                c.stats.stream.read_busy += st.read_busy;
+                c.next_group += 1;
+                continue;
+            }
+            let mut pf = self
+                .prefetch
+                .take()
+                .ok_or_else(|| Error::Invalid("no stream".into()))?;
+            let t0 = self.profile.is_some().then(web_time::Instant::now);
+            let r = self.load_group(&mut pf, g);
+            if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
+                let e = p
+                    .entry("(load streamed group: wait + upload)".into())
+                    .or_default();
+                e.0 += 1;
+                e.1 += t0.elapsed();
+            }
+            if let Some(st) = pf.take_step_stats() {
+                c.stats.stream = st;
+            }
+            self.prefetch = Some(pf);
+            r?;
+            c.next_group += 1;
+        }
+        let mut words = Vec::new();
+        for s in self.output_slices(p)? {
+            words.push(self.backend.read_arena(s)?);
+        }
+        Ok((self.outputs_from_words(p, words)?, c.stats))
+    }
+
+    /// [`Executor::step_program`] on an event loop (the browser): streamed groups and the
+    /// outputs' read-back are awaited, never waited for. The naive mode is not offered here.
+    pub async fn step_program_async(
+        &mut self,
+        p: usize,
+        inputs: &[HostTensor],
+    ) -> Result<(Vec<HostTensor>, ExecStats)> {
+        if self.naive.is_some() {
+            return Err(Error::Invalid(
+                "the naive offloader runs only synchronously".into(),
+            ));
+        }
+        let mut c = self.begin_step(p, inputs)?;
+        while let Some(g) = self.run_until_load(&mut c)? {
+            let mut pf = self
+                .prefetch
+                .take()
+                .ok_or_else(|| Error::Invalid("no stream".into()))?;
+            let r = self.load_group_async(&mut pf, g).await;
+            if let Some(st) = pf.take_step_stats() {
+                c.stats.stream = st;
+            }
+            self.prefetch = Some(pf);
+            r?;
+            c.next_group += 1;
+        }
+        let mut words = Vec::new();
+        for s in self.output_slices(p)? {
+            words.push(self.backend.read_arena_async(s).await?);
+        }
+        Ok((self.outputs_from_words(p, words)?, c.stats))
+    }
+
+    /// Checks and writes a step's inputs.
+    fn begin_step(&mut self, p: usize, inputs: &[HostTensor]) -> Result<StepCursor> {
         let prog = self
             .graph
             .programs
@@ -1507,41 +1695,26 @@ impl<B: Backend> Executor<B> {
             let s = self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced input".into()))?;
             self.backend.write_arena(s, &host_words(t))?;
         }
-        let mut next_group = 0;
-        let mut stats = ExecStats::default();
+        Ok(StepCursor {
+            p,
+            node: start,
+            end,
+            next_group: 0,
+            stats: ExecStats::default(),
+        })
+    }
+
+    /// Runs ops from the cursor on until a streamed group has to be loaded first (its index)
+    /// or the program has ended (`None`).
+    fn run_until_load(&mut self, c: &mut StepCursor) -> Result<Option<usize>> {
+        let p = c.p;
         let mut ins: Vec<Operand> = Vec::with_capacity(8);
-        for ni in start..end {
-            while next_group < self.stream_starts[p].len()
-                && self.stream_starts[p][next_group].0 == ni
+        while c.node < c.end {
+            let ni = c.node;
+            if c.next_group < self.stream_starts[p].len()
+                && self.stream_starts[p][c.next_group].0 == ni
             {
-                let g = self.stream_starts[p][next_group].1;
-                if self.naive.is_some() {
-                    let st = self.load_group_naive(g)?;
-                    stats.stream.bytes += st.bytes;
-                    stats.stream.stall += st.stall;
-                    stats.stream.read_busy += st.read_busy;
-                    next_group += 1;
-                    continue;
-                }
-                let mut pf = self
-                    .prefetch
-                    .take()
-                    .ok_or_else(|| Error::Invalid("no stream".into()))?;
-                let t0 = self.profile.is_some().then(std::time::Instant::now);
-                let r = self.load_group(&mut pf, g);
-                if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
-                    let e = p
-                        .entry("(load streamed group: wait + upload)".into())
-                        .or_default();
-                    e.0 += 1;
-                    e.1 += t0.elapsed();
-                }
-                if let Some(st) = pf.take_step_stats() {
-                    stats.stream = st;
-                }
-                self.prefetch = Some(pf);
-                r?;
-                next_group += 1;
+                return Ok(Some(self.stream_starts[p][c.next_group].1));
             }
             let node = &self.graph.nodes[ni];
             let operand = |v: &ValueId| -> Result<Operand> {
@@ -1564,7 +1737,7 @@ impl<B: Backend> Executor<B> {
                     node.op.name()
                 )));
             }
-            let t0 = self.profile.is_some().then(std::time::Instant::now);
+            let t0 = self.profile.is_some().then(web_time::Instant::now);
             self.backend.run(&node.op, &ins, view, &out)?;
             if let Some(t0) = t0 {
                 // Wait for the device so that the time is the op's.
@@ -1590,12 +1763,25 @@ impl<B: Backend> Executor<B> {
                     e.1 += t0.elapsed();
                 }
             }
+            c.node += 1;
         }
+        Ok(None)
+    }
+
+    /// Where program `p`'s outputs live.
+    fn output_slices(&self, p: usize) -> Result<Vec<ArenaSlice>> {
+        self.graph.programs[p]
+            .outputs
+            .iter()
+            .map(|v| self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced output".into())))
+            .collect()
+    }
+
+    /// Program `p`'s outputs from the words read back.
+    fn outputs_from_words(&self, p: usize, words: Vec<Vec<u32>>) -> Result<Vec<HostTensor>> {
         let prog = &self.graph.programs[p];
         let mut outs = Vec::with_capacity(prog.outputs.len());
-        for v in &prog.outputs {
-            let s = self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced output".into()))?;
-            let words = self.backend.read_arena(s)?;
+        for (v, words) in prog.outputs.iter().zip(words) {
             let info = &self.graph.values[v.0];
             outs.push(match info.elem {
                 ElemType::F32 => HostTensor::f32(
@@ -1605,10 +1791,19 @@ impl<B: Backend> Executor<B> {
                 ElemType::U32 => HostTensor::u32(&info.shape, words)?,
             });
         }
-        Ok((outs, stats))
+        Ok(outs)
     }
 }
 
-fn pf_peek_group(pf: &Prefetcher<ThreadedSource>, idx: usize) -> Option<usize> {
+/// Where a step is: the program, the next op, the next streamed group.
+struct StepCursor {
+    p: usize,
+    node: usize,
+    end: usize,
+    next_group: usize,
+    stats: ExecStats,
+}
+
+fn pf_peek_group(pf: &Prefetcher<Box<dyn ByteSource>>, idx: usize) -> Option<usize> {
     pf.chunk_spec(idx).map(|c| c.group)
 }

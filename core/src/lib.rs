@@ -13,7 +13,6 @@ pub mod cpu;
 pub mod cpu_ref;
 pub mod dequant_fast;
 pub mod error;
-#[cfg(feature = "native")]
 pub mod executor;
 #[cfg(feature = "native")]
 pub mod file_source;
@@ -27,9 +26,7 @@ pub mod graph;
 pub mod http_source;
 pub mod index;
 pub mod kernels;
-#[cfg(feature = "native")]
 pub mod models;
-#[cfg(feature = "native")]
 pub mod pipeline;
 pub mod plan;
 pub mod prefetch;

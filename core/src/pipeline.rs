@@ -90,7 +90,8 @@ impl DitInputs {
         (h, n / h.max(1))
     }
 
-    fn check(&self, cfg: &DitConfig) -> Result<()> {
+    /// Checks the inputs against the model's sizes.
+    pub fn check(&self, cfg: &DitConfig) -> Result<()> {
         let (n, t) = (self.image_tokens(), self.text_tokens());
         if n == 0
             || self.img_ids.len() % 3 != 0
@@ -178,6 +179,30 @@ impl<B: Backend> Denoiser<B> {
         opts: ExecOptions,
         ring: Option<crate::ring::StagingRing>,
     ) -> Result<Self> {
+        let cfg = Self::checked_config(model, &inputs, &sigmas)?;
+        let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
+        let dg = dit::build(model, n, t)?;
+        let ex = Executor::with_ring(dg.graph, model, backend, opts, ring)?;
+        Self::over(ex, cfg, inputs, sigmas)
+    }
+
+    /// [`Denoiser::new`] for an event loop (the browser): weights come from the sources
+    /// `make_source` makes, and resident groups are awaited.
+    pub async fn with_source_async(
+        model: &ModelIndex,
+        backend: B,
+        inputs: DitInputs,
+        sigmas: Vec<f32>,
+        opts: ExecOptions,
+        make_source: &mut dyn FnMut() -> Box<dyn crate::source::ByteSource>,
+    ) -> Result<Self> {
+        let cfg = Self::checked_config(model, &inputs, &sigmas)?;
+        let dg = dit::build(model, inputs.image_tokens(), inputs.text_tokens())?;
+        let ex = Executor::with_source_async(dg.graph, model, backend, opts, make_source).await?;
+        Self::over(ex, cfg, inputs, sigmas)
+    }
+
+    fn checked_config(model: &ModelIndex, inputs: &DitInputs, sigmas: &[f32]) -> Result<DitConfig> {
         let cfg = DitConfig::from_json(model.config.as_ref().ok_or_else(|| Error::Model {
             file: model.root.clone(),
             msg: "no config.json".into(),
@@ -186,9 +211,11 @@ impl<B: Backend> Denoiser<B> {
         if sigmas.len() < 2 {
             return Err(Error::Invalid("a schedule needs at least one step".into()));
         }
+        Ok(cfg)
+    }
+
+    fn over(ex: Executor<B>, cfg: DitConfig, inputs: DitInputs, sigmas: Vec<f32>) -> Result<Self> {
         let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
-        let dg = dit::build(model, n, t)?;
-        let ex = Executor::with_ring(dg.graph, model, backend, opts, ring)?;
         let ids: Vec<f32> = inputs
             .txt_ids
             .iter()
@@ -261,11 +288,30 @@ impl<B: Backend> Denoiser<B> {
 
     /// One Euler step: one streaming pass over the blocks. `None` once every step is done.
     pub fn step(&mut self) -> Result<Option<DenoiseStep>> {
+        let t0 = web_time::Instant::now();
+        let Some(inputs) = self.step_inputs()? else {
+            return Ok(None);
+        };
+        let (out, stats) = self.ex.step(&inputs)?;
+        self.stepped(t0, out, stats).map(Some)
+    }
+
+    /// [`Denoiser::step`] on an event loop (the browser).
+    pub async fn step_async(&mut self) -> Result<Option<DenoiseStep>> {
+        let t0 = web_time::Instant::now();
+        let Some(inputs) = self.step_inputs()? else {
+            return Ok(None);
+        };
+        let (out, stats) = self.ex.step_program_async(0, &inputs).await?;
+        self.stepped(t0, out, stats).map(Some)
+    }
+
+    /// The model's inputs for the next step; `None` once every step is done.
+    fn step_inputs(&self) -> Result<Option<Vec<HostTensor>>> {
         let i = self.next;
         if i + 1 >= self.sigmas.len() {
             return Ok(None);
         }
-        let t0 = std::time::Instant::now();
         let cfg = &self.config;
         let n = self.inputs.image_tokens();
         let mut inputs = Vec::with_capacity(7);
@@ -277,18 +323,28 @@ impl<B: Backend> Denoiser<B> {
         }
         inputs.push(self.cos.clone());
         inputs.push(self.sin.clone());
-        let (out, stats) = self.ex.step(&inputs)?;
+        Ok(Some(inputs))
+    }
+
+    /// The Euler update from the model's output.
+    fn stepped(
+        &mut self,
+        t0: web_time::Instant,
+        out: Vec<HostTensor>,
+        stats: ExecStats,
+    ) -> Result<DenoiseStep> {
+        let i = self.next;
         let v = out
             .first()
             .ok_or_else(|| Error::Invalid("the DiT graph has no output".into()))?;
         FlowMatchEuler::step(&mut self.x, v.as_f32(), self.sigmas[i], self.sigmas[i + 1]);
         self.next += 1;
-        Ok(Some(DenoiseStep {
+        Ok(DenoiseStep {
             step: self.next,
             wall: t0.elapsed(),
             stats,
             rss_bytes: crate::sys::rss_bytes().unwrap_or(0),
-        }))
+        })
     }
 
     /// Continues a run from a checkpoint: the latent, the step count and the inputs it holds

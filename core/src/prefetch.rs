@@ -4,7 +4,8 @@
 //! (bytes, read time, consumer stall) come out as [`StepStats`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use web_time::Instant;
 
 use crate::error::{Error, Result};
 use crate::index::TensorEntry;
@@ -355,6 +356,43 @@ impl<S: ByteSource> Prefetcher<S> {
             self.ready.insert(done.tag, slot);
         }
         self.ready.contains_key(&self.next_consume) || self.failed.contains_key(&self.next_consume)
+    }
+
+    /// Starts the reads that free slots allow and says whether `next_chunk` can answer without
+    /// waiting: the next chunk arrived (or failed), the schedule is over, or nothing is in
+    /// flight (so `next_chunk` reports the stall as an error). Never blocks.
+    pub fn poll_ready(&mut self) -> Result<bool> {
+        if self.total.is_some_and(|t| self.next_consume >= t) || self.chunks.is_empty() {
+            return Ok(true);
+        }
+        self.fill()?;
+        Ok(self.next_ready() || self.in_flight.is_empty())
+    }
+
+    /// Waits, without blocking the thread, until `next_chunk` can answer at once (for async
+    /// consumers: the browser's event loop delivers the source's completions).
+    pub async fn ready(&mut self) -> Result<()> {
+        std::future::poll_fn(|cx| match self.poll_ready() {
+            Ok(true) => std::task::Poll::Ready(Ok(())),
+            Err(e) => std::task::Poll::Ready(Err(e)),
+            Ok(false) => {
+                self.source.register_waker(cx.waker());
+                // A completion may have landed between the check and the registration.
+                match self.poll_ready() {
+                    Ok(false) => std::task::Poll::Pending,
+                    r => std::task::Poll::Ready(r.map(|_| ())),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Limits the schedule to `passes` more passes from the start of the next one (reads stop
+    /// there instead of running ahead into a pass that will not come).
+    pub fn limit_passes(&mut self, passes: u64) {
+        let per = self.chunks.len() as u64;
+        let start = self.next_consume.div_ceil(per.max(1)) * per;
+        self.total = Some(start + passes * per);
     }
 
     /// Statistics of the step that the last `next_chunk()` completed, once.

@@ -9,7 +9,8 @@
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use web_time::Instant;
 
 use crate::error::{Error, Result};
 
@@ -161,6 +162,38 @@ pub trait ByteSource: Send {
     fn busy_time(&self) -> Duration;
     /// A range is no longer needed.
     fn consumed(&self, _file: usize, _offset: u64, _len: u64) {}
+    /// Asks to be woken when the next read completes (async consumers, the browser). A source
+    /// that cannot notify wakes at once, so that the consumer polls again instead of hanging.
+    fn register_waker(&self, waker: &std::task::Waker) {
+        waker.wake_by_ref();
+    }
+}
+
+impl ByteSource for Box<dyn ByteSource> {
+    fn files(&self) -> &[SourceFile] {
+        (**self).files()
+    }
+    fn submit(&mut self, req: ReadRequest) -> Result<()> {
+        (**self).submit(req)
+    }
+    fn poll_completion(&mut self) -> Option<ReadCompletion> {
+        (**self).poll_completion()
+    }
+    fn wait_completion(&mut self) -> Option<ReadCompletion> {
+        (**self).wait_completion()
+    }
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+    fn busy_time(&self) -> Duration {
+        (**self).busy_time()
+    }
+    fn consumed(&self, file: usize, offset: u64, len: u64) {
+        (**self).consumed(file, offset, len)
+    }
+    fn register_waker(&self, waker: &std::task::Waker) {
+        (**self).register_waker(waker)
+    }
 }
 
 #[derive(Debug, Default)]

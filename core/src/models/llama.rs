@@ -594,30 +594,62 @@ impl<B: crate::backend::Backend> Decoder<B> {
         ring: Option<crate::ring::StagingRing>,
     ) -> Result<Self> {
         let ex = crate::executor::Executor::with_ring(lg.graph, model, backend, opts, ring)?;
-        Ok(Decoder {
-            ex,
-            config: lg.config,
-            shape: lg.shape,
-            prefill: lg.prefill,
-            decode: lg.decode,
-            pos: 0,
-            mask: vec![0.0; lg.shape.capacity],
-        })
+        Ok(Self::over(lg.config, lg.shape, lg.prefill, lg.decode, ex))
     }
 
-    /// The executor (plan, backend).
-    pub fn executor(&self) -> &crate::executor::Executor<B> {
-        &self.ex
+    /// [`Decoder::from_graph`] for an event loop (the browser): weights come from the sources
+    /// `make_source` makes, and resident groups are awaited.
+    pub async fn from_graph_async(
+        lg: LlamaGraph,
+        model: &ModelIndex,
+        backend: B,
+        opts: crate::executor::ExecOptions,
+        make_source: &mut dyn FnMut() -> Box<dyn crate::source::ByteSource>,
+    ) -> Result<Self> {
+        let ex = crate::executor::Executor::with_source_async(
+            lg.graph,
+            model,
+            backend,
+            opts,
+            make_source,
+        )
+        .await?;
+        Ok(Self::over(lg.config, lg.shape, lg.prefill, lg.decode, ex))
+    }
+
+    fn over(
+        config: LlamaConfig,
+        shape: LlamaShape,
+        prefill: usize,
+        decode: Option<usize>,
+        ex: crate::executor::Executor<B>,
+    ) -> Self {
+        Decoder {
+            ex,
+            config,
+            shape,
+            prefill,
+            decode,
+            pos: 0,
+            mask: vec![0.0; shape.capacity],
+        }
+    }
+
+    /// The executor, mutable (profiling, stream limits).
+    pub fn executor_mut(&mut self) -> &mut crate::executor::Executor<B> {
+        &mut self.ex
     }
 
     /// Ends the decoder: releases its device memory, gives back the backend and the ring.
     pub fn into_parts(self) -> (B, Option<crate::ring::StagingRing>) {
         self.ex.into_parts()
     }
+}
 
-    /// The executor, mutable (profiling).
-    pub fn executor_mut(&mut self) -> &mut crate::executor::Executor<B> {
-        &mut self.ex
+impl<B: crate::backend::Backend> Decoder<B> {
+    /// The executor (plan, backend).
+    pub fn executor(&self) -> &crate::executor::Executor<B> {
+        &self.ex
     }
 
     /// Tokens in the cache so far.
@@ -638,6 +670,24 @@ impl<B: crate::backend::Backend> Decoder<B> {
     /// Runs the prompt (exactly `shape.prompt` tokens) from position 0; returns the logits
     /// (`[prompt, vocab]` with `all_logits`, else the last position's) or the hidden states.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<(Vec<f32>, crate::executor::ExecStats)> {
+        let inputs = self.prefill_inputs(ids)?;
+        let (out, stats) = self.ex.step_program(self.prefill, &inputs)?;
+        self.prefilled();
+        Ok((first_f32(out), stats))
+    }
+
+    /// [`Decoder::prefill`] on an event loop (the browser).
+    pub async fn prefill_async(
+        &mut self,
+        ids: &[u32],
+    ) -> Result<(Vec<f32>, crate::executor::ExecStats)> {
+        let inputs = self.prefill_inputs(ids)?;
+        let (out, stats) = self.ex.step_program_async(self.prefill, &inputs).await?;
+        self.prefilled();
+        Ok((first_f32(out), stats))
+    }
+
+    fn prefill_inputs(&self, ids: &[u32]) -> Result<[crate::graph::HostTensor; 4]> {
         let t = self.shape.prompt;
         if ids.len() != t {
             return Err(Error::Invalid(format!(
@@ -654,16 +704,39 @@ impl<B: crate::backend::Backend> Decoder<B> {
             crate::graph::HostTensor::f32(&[t, half], sin)?,
             crate::graph::HostTensor::u32(&[1], vec![0])?,
         ];
-        let (out, stats) = self.ex.step_program(self.prefill, &inputs)?;
+        Ok(inputs)
+    }
+
+    fn prefilled(&mut self) {
+        let t = self.shape.prompt;
         self.pos = t;
         self.mask.iter_mut().for_each(|m| *m = 0.0);
         let valid = t.min(self.mask.len());
         self.mask[..valid].iter_mut().for_each(|m| *m = 1.0);
-        Ok((first_f32(out), stats))
     }
 
     /// Appends one token at the next position; returns its logits `[vocab]`.
     pub fn decode(&mut self, id: u32) -> Result<(Vec<f32>, crate::executor::ExecStats)> {
+        let (p, inputs) = self.decode_inputs(id)?;
+        let (out, stats) = self.ex.step_program(p, &inputs)?;
+        self.pos += 1;
+        Ok((first_f32(out), stats))
+    }
+
+    /// [`Decoder::decode`] on an event loop (the browser).
+    pub async fn decode_async(
+        &mut self,
+        id: u32,
+    ) -> Result<(Vec<f32>, crate::executor::ExecStats)> {
+        let (p, inputs) = self.decode_inputs(id)?;
+        let (out, stats) = self.ex.step_program_async(p, &inputs).await?;
+        self.pos += 1;
+        Ok((first_f32(out), stats))
+    }
+
+    /// The decode program and its inputs for `id` at the next position (marks the position
+    /// valid in the attention mask).
+    fn decode_inputs(&mut self, id: u32) -> Result<(usize, [crate::graph::HostTensor; 5])> {
         let p = self.decode.ok_or_else(|| {
             Error::Invalid("this graph has no decode program (capacity == prompt)".into())
         })?;
@@ -684,9 +757,7 @@ impl<B: crate::backend::Backend> Decoder<B> {
             crate::graph::HostTensor::u32(&[1], vec![self.pos as u32])?,
             crate::graph::HostTensor::f32(&[self.shape.capacity], self.mask.clone())?,
         ];
-        let (out, stats) = self.ex.step_program(p, &inputs)?;
-        self.pos += 1;
-        Ok((first_f32(out), stats))
+        Ok((p, inputs))
     }
 }
 
