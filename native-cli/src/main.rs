@@ -265,6 +265,10 @@ enum Command {
         /// Address to listen on (loopback unless told otherwise; port 0 picks a free one).
         #[arg(long, default_value = "127.0.0.1:8080")]
         addr: String,
+        /// Also serve DIR at /NAME/ (repeatable), e.g. `--mount models=models` beside the
+        /// browser demo's page.
+        #[arg(long = "mount", value_name = "NAME=DIR")]
+        mounts: Vec<String>,
     },
     /// Write a deterministic synthetic NF4 model in the real transformers / diffusers layout.
     Synth {
@@ -488,7 +492,13 @@ fn main() -> ExitCode {
             json,
             quant_state,
         } => inspect::run(&path, json, quant_state),
-        Command::Serve { dir, addr } => serve::run(&dir, &addr),
+        Command::Serve { dir, addr, mounts } => (|| {
+            let mounts = mounts
+                .iter()
+                .map(|m| serve::parse_mount(m))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            serve::run(&dir, &mounts, &addr)
+        })(),
         Command::Demo {
             steps,
             height,

@@ -67,12 +67,39 @@ async fn guard(State(root): State<Arc<Root>>, req: Request, next: Next) -> Respo
     resp
 }
 
-/// The router (exposed for tests through the binary only).
-fn app(dir: &Path) -> Result<Router> {
+/// One folder behind the path guard.
+fn folder(dir: &Path) -> Result<Router> {
     let canonical = dir
         .canonicalize()
         .with_context(|| format!("{}: cannot serve it", dir.display()))?;
     anyhow::ensure!(canonical.is_dir(), "{}: not a folder", dir.display());
+    let root = Arc::new(Root {
+        canonical: canonical.clone(),
+    });
+    Ok(Router::new()
+        .fallback_service(ServeDir::new(&canonical).append_index_html_on_directories(true))
+        .layer(middleware::from_fn_with_state(root, guard)))
+}
+
+/// Parses `--mount NAME=DIR`.
+pub fn parse_mount(s: &str) -> Result<(String, PathBuf)> {
+    let (name, dir) = s
+        .split_once('=')
+        .with_context(|| format!("--mount '{s}': expected NAME=DIR"))?;
+    let name = name.trim_matches('/');
+    anyhow::ensure!(
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && name != "..",
+        "--mount '{s}': NAME must be one path segment of letters, digits, '-', '_' or '.'"
+    );
+    Ok((name.to_string(), PathBuf::from(dir)))
+}
+
+/// The router: `dir` at `/`, each mount at `/NAME/` (exposed for tests through the binary).
+fn app(dir: &Path, mounts: &[(String, PathBuf)]) -> Result<Router> {
     let cors = CorsLayer::new()
         .allow_origin(Any)
         .allow_methods([Method::GET, Method::HEAD, Method::OPTIONS])
@@ -89,21 +116,19 @@ fn app(dir: &Path) -> Result<Router> {
             header::ETAG,
             header::LAST_MODIFIED,
         ]);
-    let root = Arc::new(Root {
-        canonical: canonical.clone(),
-    });
-    Ok(Router::new()
-        .fallback_service(ServeDir::new(&canonical).append_index_html_on_directories(true))
-        .layer(middleware::from_fn_with_state(root, guard))
-        .layer(cors))
+    let mut router = Router::new();
+    for (name, path) in mounts {
+        router = router.nest_service(&format!("/{name}"), folder(path)?);
+    }
+    Ok(router.fallback_service(folder(dir)?).layer(cors))
 }
 
 /// Serves `dir` on `addr` until interrupted.
-pub fn run(dir: &Path, addr: &str) -> Result<()> {
+pub fn run(dir: &Path, mounts: &[(String, PathBuf)], addr: &str) -> Result<()> {
     let addr: SocketAddr = addr
         .parse()
         .with_context(|| format!("--addr '{addr}': expected IP:PORT"))?;
-    let app = app(dir)?;
+    let app = app(dir, mounts)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -118,6 +143,9 @@ pub fn run(dir: &Path, addr: &str) -> Result<()> {
             "serving {} at http://{local}/ (Ctrl-C to stop)",
             dir.display()
         );
+        for (name, path) in mounts {
+            println!("serving {} at http://{local}/{name}/", path.display());
+        }
         use std::io::Write;
         let _ = std::io::stdout().flush();
         axum::serve(listener, app.into_make_service())

@@ -1,0 +1,632 @@
+//! The JavaScript API: `Nibble` (adapter, load, plan, generate, denoise, stats).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+
+use nibble_core::executor::Graph;
+use nibble_core::executor::{ExecOptions, Executor};
+use nibble_core::models::dit::DitConfig;
+use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
+use nibble_core::plan::{Budgets, MemoryPlan, Placement};
+use nibble_core::source::ByteSource;
+use nibble_wgpu::WgpuBackend;
+use serde_json::{json, Value};
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::future_to_promise;
+use web_time::Instant;
+
+use crate::fetch::{FetchSource, SharedTraffic, Traffic};
+use crate::open::{open, RemoteModel};
+
+/// What a model is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Llm,
+    Dit,
+}
+
+/// Memory settings from JavaScript: `{ deviceBudget: bytes | "min", slots, slotBytes }`.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    /// `None`: the smallest budget (every group streamed each step).
+    device_bytes: Option<u64>,
+    slots: u64,
+    slot_bytes: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            device_bytes: None,
+            slots: 4,
+            slot_bytes: 4 << 20,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    backend: Option<WgpuBackend>,
+    model: Option<RemoteModel>,
+    kind: Option<Kind>,
+    settings: Settings,
+    busy: bool,
+}
+
+/// nibble in a browser tab: one WebGPU device, one model streamed over HTTP Range requests.
+#[wasm_bindgen]
+pub struct Nibble {
+    state: Rc<RefCell<State>>,
+    traffic: SharedTraffic,
+}
+
+impl Default for Nibble {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn js_err(e: impl std::fmt::Display) -> JsValue {
+    js_sys::Error::new(&e.to_string()).into()
+}
+
+fn to_js(v: &Value) -> Result<JsValue, JsValue> {
+    js_sys::JSON::parse(&v.to_string())
+}
+
+fn from_js(v: &JsValue) -> Value {
+    if v.is_undefined() || v.is_null() {
+        return Value::Null;
+    }
+    js_sys::JSON::stringify(v)
+        .ok()
+        .and_then(|s| s.as_string())
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(Value::Null)
+}
+
+fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
+    let mut s = base;
+    match v.get("deviceBudget") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(x)) if x == "min" => s.device_bytes = None,
+        Some(Value::String(x)) => {
+            s.device_bytes = Some(nibble_core::plan::parse_size(x).map_err(js_err)?)
+        }
+        Some(Value::Number(n)) => {
+            s.device_bytes = Some(n.as_u64().ok_or_else(|| js_err("deviceBudget: bytes"))?)
+        }
+        Some(other) => return Err(js_err(format!("deviceBudget: {other} is not a size"))),
+    }
+    if let Some(n) = v.get("slots").and_then(Value::as_u64) {
+        s.slots = n;
+    }
+    match v.get("slotBytes") {
+        Some(Value::Number(n)) => s.slot_bytes = n.as_u64().unwrap_or(s.slot_bytes),
+        Some(Value::String(x)) => {
+            s.slot_bytes = nibble_core::plan::parse_size(x).map_err(js_err)?
+        }
+        _ => {}
+    }
+    Ok(s)
+}
+
+fn exec_options(s: Settings, graph: &Graph, backend: &WgpuBackend) -> ExecOptions {
+    let device_bytes = s
+        .device_bytes
+        .unwrap_or_else(|| graph.min_device_bytes(backend));
+    ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: s.slots,
+            slot_bytes: s.slot_bytes,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        },
+        readers: 1,
+        stream_all: s.device_bytes.is_none(),
+        naive: false,
+    }
+}
+
+/// Bytes a run reads from the weight files after opening: resident groups once, streamed
+/// groups once per pass.
+fn predicted_weight_bytes(plan: &MemoryPlan, passes: u64) -> u64 {
+    let resident: u64 = plan
+        .groups
+        .iter()
+        .zip(&plan.placement)
+        .filter(|(_, p)| **p == Placement::Resident)
+        .map(|(g, _)| g.bytes)
+        .sum();
+    resident + plan.streamed_bytes_per_step * passes
+}
+
+fn plan_json(plan: &MemoryPlan) -> Value {
+    let (resident, streamed, cached) = plan.counts();
+    json!({
+        "resident_groups": resident,
+        "streamed_groups": streamed,
+        "cached_groups": cached,
+        "resident_bytes": plan.resident_bytes,
+        "streamed_bytes_per_step": plan.streamed_bytes_per_step,
+        "ring_bytes": plan.ring_bytes,
+        "pool_bytes": plan.pool_bytes,
+        "peak_device_bytes": plan.peak_device_bytes,
+        "peak_host_bytes": plan.peak_host_bytes,
+        "device_budget": plan.budgets.device_bytes,
+        "slots": plan.budgets.ring_slots,
+        "slot_bytes": plan.budgets.slot_bytes,
+        "text": plan.explain(),
+    })
+}
+
+fn kind_of(config: Option<&Value>) -> Result<Kind, JsValue> {
+    let c = config.ok_or_else(|| js_err("the model has no config.json"))?;
+    let causal = c
+        .get("architectures")
+        .and_then(Value::as_array)
+        .is_some_and(|a| {
+            a.iter()
+                .any(|x| x.as_str().is_some_and(|s| s.ends_with("ForCausalLM")))
+        });
+    if causal
+        || c.get("model_type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| matches!(t, "llama" | "mistral" | "qwen2"))
+    {
+        return Ok(Kind::Llm);
+    }
+    if DitConfig::from_json(c).is_ok() {
+        return Ok(Kind::Dit);
+    }
+    Err(js_err(
+        "config.json describes neither a Llama-family decoder nor a Flux-style DiT",
+    ))
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
+    t.lock().map(|t| t.bytes(Some(purpose))).unwrap_or(0)
+}
+
+/// Marks the state busy for the life of a call (one run at a time).
+struct BusyGuard(Rc<RefCell<State>>);
+
+impl BusyGuard {
+    fn take(state: &Rc<RefCell<State>>) -> Result<Self, JsValue> {
+        let mut s = state.try_borrow_mut().map_err(|_| js_err("busy"))?;
+        if s.busy {
+            return Err(js_err("another call is still running on this Nibble"));
+        }
+        s.busy = true;
+        Ok(BusyGuard(state.clone()))
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.try_borrow_mut() {
+            s.busy = false;
+        }
+    }
+}
+
+async fn backend_of(state: &Rc<RefCell<State>>) -> Result<WgpuBackend, JsValue> {
+    let have = state.borrow_mut().backend.take();
+    match have {
+        Some(b) => Ok(b),
+        None => WgpuBackend::new_async().await.map_err(|e| {
+            js_err(format!(
+                "WebGPU is not available in this browser ({e}); nibble's browser build needs navigator.gpu (Chrome/Edge 113+, or Chromium with --enable-unsafe-webgpu)"
+            ))
+        }),
+    }
+}
+
+#[wasm_bindgen]
+impl Nibble {
+    /// A new engine; nothing is opened yet.
+    #[wasm_bindgen(constructor)]
+    pub fn new() -> Nibble {
+        Nibble {
+            state: Rc::default(),
+            traffic: Arc::new(Mutex::new(Traffic::default())),
+        }
+    }
+
+    /// Opens the WebGPU adapter (once): `{ name, limits: {...} }`.
+    pub fn adapter(&self) -> js_sys::Promise {
+        let state = self.state.clone();
+        future_to_promise(async move {
+            let b = backend_of(&state).await?;
+            let l = b.limits();
+            let v = json!({
+                "name": b.describe(),
+                "limits": {
+                    "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
+                    "max_buffer_size": l.max_buffer_size,
+                    "max_storage_buffers_per_shader_stage": l.max_storage_buffers_per_shader_stage,
+                    "max_compute_invocations_per_workgroup": l.max_compute_invocations_per_workgroup,
+                    "max_compute_workgroup_storage_size": l.max_compute_workgroup_storage_size,
+                },
+            });
+            state.borrow_mut().backend = Some(b);
+            to_js(&v)
+        })
+    }
+
+    /// Opens the model folder at `url` (headers and quant states only) with memory settings
+    /// `{ deviceBudget: bytes | "1.5GiB" | "min", slots, slotBytes }`; resolves to the model's
+    /// kind, its size and the plan for a default run.
+    pub fn load(&self, url: String, settings: JsValue) -> js_sys::Promise {
+        let (state, traffic) = (self.state.clone(), self.traffic.clone());
+        let settings = from_js(&settings);
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let s = settings_from(&settings, Settings::default())?;
+            let t0 = Instant::now();
+            let model = open(&traffic, &url).await.map_err(js_err)?;
+            let kind = kind_of(model.index.config.as_ref())?;
+            let open_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let total: u64 = model.files.iter().map(|f| f.len).sum();
+            let summary = json!({
+                "url": url,
+                "kind": match kind { Kind::Llm => "llm", Kind::Dit => "dit" },
+                "files": model.files.iter().map(|f| json!({"url": f.name, "bytes": f.len})).collect::<Vec<_>>(),
+                "bytes": total,
+                "tensors": model.index.len(),
+                "open_bytes": model.open_bytes,
+                "open_ms": open_ms,
+            });
+            {
+                let mut st = state.borrow_mut();
+                st.model = Some(model);
+                st.kind = Some(kind);
+                st.settings = s;
+            }
+            to_js(&summary)
+        })
+    }
+
+    /// The memory plan of a run before it starts: `{ promptTokens, maxTokens }` for LLMs,
+    /// `{ height, width, textTokens }` for DiTs (and any memory setting, as in `load`).
+    pub fn plan(&self, opts: JsValue) -> js_sys::Promise {
+        let state = self.state.clone();
+        let opts = from_js(&opts);
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let backend = backend_of(&state).await?;
+            let r = (|| -> Result<Value, JsValue> {
+                let st = state.borrow();
+                let model = st
+                    .model
+                    .as_ref()
+                    .ok_or_else(|| js_err("load a model first"))?;
+                let s = settings_from(&opts, st.settings)?;
+                let graph = match st.kind {
+                    Some(Kind::Llm) => {
+                        let p = opts
+                            .get("promptTokens")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(16) as usize;
+                        let m =
+                            opts.get("maxTokens").and_then(Value::as_u64).unwrap_or(16) as usize;
+                        llama::build(&model.index, LlamaShape::generate(p, m))
+                            .map_err(js_err)?
+                            .graph
+                    }
+                    _ => {
+                        let inputs = dit_inputs(&model.index, &opts, None)?;
+                        Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
+                    }
+                };
+                let o = exec_options(s, &graph, &backend);
+                let plan =
+                    Executor::plan_only(&graph, &model.index, &backend, o).map_err(js_err)?;
+                Ok(plan_json(&plan))
+            })();
+            state.borrow_mut().backend = Some(backend);
+            to_js(&r?)
+        })
+    }
+
+    /// Greedy generation from token ids: `opts = { maxTokens: 16, stopAtEos: true }` plus any
+    /// memory setting; `on_token(id, index)` is called as each token is chosen. Resolves to
+    /// `{ tokens, plan, prefill_tok_s, decode_tok_s, weight_bytes, predicted_weight_bytes }`.
+    pub fn generate(
+        &self,
+        prompt: Vec<u32>,
+        opts: JsValue,
+        on_token: js_sys::Function,
+    ) -> js_sys::Promise {
+        let (state, traffic) = (self.state.clone(), self.traffic.clone());
+        let opts = from_js(&opts);
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let backend = backend_of(&state).await?;
+            let (index, files, urls, s) = {
+                let st = state.borrow();
+                if st.kind != Some(Kind::Llm) {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(js_err("the loaded model is not a language model"));
+                }
+                let m = st
+                    .model
+                    .as_ref()
+                    .ok_or_else(|| js_err("load a model first"))?;
+                (
+                    m.index.clone(),
+                    m.files.clone(),
+                    m.urls.clone(),
+                    settings_from(&opts, st.settings)?,
+                )
+            };
+            let max_tokens = opts
+                .get("maxTokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(16)
+                .max(1) as usize;
+            let stop_at_eos = opts
+                .get("stopAtEos")
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
+            if prompt.is_empty() {
+                state.borrow_mut().backend = Some(backend);
+                return Err(js_err("the prompt has no tokens"));
+            }
+            let lg = match llama::build(&index, LlamaShape::generate(prompt.len(), max_tokens)) {
+                Ok(g) => g,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(js_err(e));
+                }
+            };
+            let eos = lg.config.eos.clone();
+            let o = exec_options(s, &lg.graph, &backend);
+            let before = traffic_bytes(&traffic, "weights");
+            let mut make = || -> Box<dyn ByteSource> {
+                Box::new(FetchSource::new(
+                    files.clone(),
+                    urls.clone(),
+                    traffic.clone(),
+                ))
+            };
+            let mut d = Decoder::from_graph_async(lg, &index, backend, o, &mut make)
+                .await
+                .map_err(js_err)?;
+            // One pass for the prompt, one per further token: no read runs past the last.
+            d.executor_mut().limit_stream_passes(max_tokens as u64);
+            let plan = d.executor().plan().clone();
+            let t0 = Instant::now();
+            let run = async {
+                let (last, _) = d.prefill_async(&prompt).await.map_err(js_err)?;
+                let prefill_s = t0.elapsed().as_secs_f64();
+                let mut tokens = vec![argmax(&last)];
+                let _ =
+                    on_token.call2(&JsValue::NULL, &JsValue::from(tokens[0]), &JsValue::from(0));
+                let t1 = Instant::now();
+                while tokens.len() < max_tokens
+                    && !(stop_at_eos && eos.contains(tokens.last().unwrap_or(&0)))
+                {
+                    let prev = *tokens.last().unwrap_or(&0);
+                    let (l, _) = d.decode_async(prev).await.map_err(js_err)?;
+                    let t = argmax(&l);
+                    tokens.push(t);
+                    let _ = on_token.call2(
+                        &JsValue::NULL,
+                        &JsValue::from(t),
+                        &JsValue::from(tokens.len() as u32 - 1),
+                    );
+                }
+                Ok::<_, JsValue>((tokens, prefill_s, t1.elapsed().as_secs_f64()))
+            };
+            let r = run.await;
+            let passes = match &r {
+                Ok((tokens, _, _)) => tokens.len() as u64,
+                Err(_) => 0,
+            };
+            let (backend, _ring) = d.into_parts();
+            state.borrow_mut().backend = Some(backend);
+            let (tokens, prefill_s, decode_s) = r?;
+            let decoded = tokens.len().saturating_sub(1);
+            let v = json!({
+                "tokens": tokens,
+                "plan": plan_json(&plan),
+                "prefill_tok_s": prompt.len() as f64 / prefill_s.max(1e-9),
+                "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
+                "passes": passes,
+                "weight_bytes": traffic_bytes(&traffic, "weights") - before,
+                "predicted_weight_bytes": predicted_weight_bytes(&plan, passes),
+            });
+            to_js(&v)
+        })
+    }
+
+    /// Flow-matching Euler denoising: `opts = { steps: 4, inputs: { hidden_states,
+    /// encoder_hidden_states, pooled_projections, guidance, img_ids, txt_ids } (Float32Arrays or
+    /// arrays), seed, height, width, textTokens, shift }`; without `inputs` they are random from
+    /// the seed. `on_step({ step, wall_ms, bytes_streamed, stall_ms })` after each step.
+    /// Resolves to `{ latent, steps, plan, weight_bytes, predicted_weight_bytes }`.
+    pub fn denoise(&self, opts: JsValue, on_step: js_sys::Function) -> js_sys::Promise {
+        let (state, traffic) = (self.state.clone(), self.traffic.clone());
+        let opts_v = from_js(&opts);
+        let inputs_js = js_sys::Reflect::get(&opts, &JsValue::from_str("inputs")).ok();
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let backend = backend_of(&state).await?;
+            let prepared = (|| -> Result<_, JsValue> {
+                let st = state.borrow();
+                if st.kind != Some(Kind::Dit) {
+                    return Err(js_err("the loaded model is not a diffusion transformer"));
+                }
+                let m = st
+                    .model
+                    .as_ref()
+                    .ok_or_else(|| js_err("load a model first"))?;
+                let inputs = dit_inputs(&m.index, &opts_v, inputs_js.as_ref())?;
+                Ok((
+                    m.index.clone(),
+                    m.files.clone(),
+                    m.urls.clone(),
+                    settings_from(&opts_v, st.settings)?,
+                    inputs,
+                ))
+            })();
+            let (index, files, urls, s, inputs) = match prepared {
+                Ok(p) => p,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(e);
+                }
+            };
+            let steps = opts_v
+                .get("steps")
+                .and_then(Value::as_u64)
+                .unwrap_or(4)
+                .max(1) as usize;
+            let shift = opts_v.get("shift").and_then(Value::as_f64).unwrap_or(1.0);
+            let sigmas = schedule(steps, shift, false, inputs.image_tokens());
+            let graph = match Denoiser::<WgpuBackend>::graph_for(&index, &inputs) {
+                Ok(g) => g,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(js_err(e));
+                }
+            };
+            let o = exec_options(s, &graph, &backend);
+            drop(graph);
+            let before = traffic_bytes(&traffic, "weights");
+            let mut make = || -> Box<dyn ByteSource> {
+                Box::new(FetchSource::new(
+                    files.clone(),
+                    urls.clone(),
+                    traffic.clone(),
+                ))
+            };
+            let mut den =
+                Denoiser::with_source_async(&index, backend, inputs, sigmas, o, &mut make)
+                    .await
+                    .map_err(js_err)?;
+            den.executor_mut().limit_stream_passes(steps as u64);
+            let plan = den.executor().plan().clone();
+            let mut rows = Vec::new();
+            let r = async {
+                while let Some(st) = den.step_async().await.map_err(js_err)? {
+                    let row = json!({
+                        "step": st.step,
+                        "wall_ms": st.wall.as_secs_f64() * 1e3,
+                        "bytes_streamed": st.stats.stream.bytes,
+                        "stall_ms": st.stats.stream.stall.as_secs_f64() * 1e3,
+                    });
+                    let _ = on_step.call1(&JsValue::NULL, &to_js(&row)?);
+                    rows.push(row);
+                }
+                Ok::<_, JsValue>(())
+            }
+            .await;
+            let latent = js_sys::Float32Array::from(den.latent());
+            let (backend, _ring) = den.into_parts();
+            state.borrow_mut().backend = Some(backend);
+            r?;
+            let v = json!({
+                "steps": rows,
+                "plan": plan_json(&plan),
+                "weight_bytes": traffic_bytes(&traffic, "weights") - before,
+                "predicted_weight_bytes": predicted_weight_bytes(&plan, steps as u64),
+            });
+            let out = to_js(&v)?;
+            js_sys::Reflect::set(&out, &JsValue::from_str("latent"), &latent)?;
+            Ok(out)
+        })
+    }
+
+    /// Every request so far and the bytes by purpose: `{ requests: [{url, range, status,
+    /// bytes, purpose}], bytes: { header, quant_state, weights, side_file, total },
+    /// weight_file_requests_without_range }`.
+    pub fn stats(&self) -> Result<JsValue, JsValue> {
+        let t = self.traffic.lock().map_err(|_| js_err("stats poisoned"))?;
+        let requests: Vec<Value> = t
+            .requests
+            .iter()
+            .map(|r| {
+                json!({
+                    "url": r.url, "range": r.range.map(|(a, b)| vec![a, b]),
+                    "status": r.status, "bytes": r.bytes, "purpose": r.purpose,
+                })
+            })
+            .collect();
+        let unranged = t
+            .requests
+            .iter()
+            .filter(|r| r.range.is_none() && r.url.ends_with(".safetensors"))
+            .count();
+        to_js(&json!({
+            "requests": requests,
+            "bytes": {
+                "header": t.bytes(Some("header")),
+                "quant_state": t.bytes(Some("quant-state")),
+                "weights": t.bytes(Some("weights")),
+                "side_file": t.bytes(Some("side-file")),
+                "total": t.bytes(None),
+            },
+            "weight_file_requests_without_range": unranged,
+        }))
+    }
+}
+
+/// The DiT's inputs: from JavaScript (`inputs`), else random from the seed at the size asked.
+fn dit_inputs(
+    index: &nibble_core::index::ModelIndex,
+    opts: &Value,
+    js: Option<&JsValue>,
+) -> Result<DitInputs, JsValue> {
+    let cfg = DitConfig::from_json(
+        index
+            .config
+            .as_ref()
+            .ok_or_else(|| js_err("no config.json"))?,
+    )
+    .map_err(js_err)?;
+    if let Some(obj) = js.filter(|v| v.is_object()) {
+        let get = |name: &str| -> Result<Vec<f32>, JsValue> {
+            let v = js_sys::Reflect::get(obj, &JsValue::from_str(name))?;
+            if v.is_undefined() {
+                return Err(js_err(format!("inputs.{name} is missing")));
+            }
+            Ok(js_sys::Float32Array::new(&v).to_vec())
+        };
+        let inputs = DitInputs {
+            x0: get("hidden_states")?,
+            context: get("encoder_hidden_states")?,
+            pooled: get("pooled_projections")?,
+            guidance: if cfg.guidance {
+                get("guidance")?.first().copied().unwrap_or(0.0)
+            } else {
+                0.0
+            },
+            img_ids: get("img_ids")?,
+            txt_ids: get("txt_ids")?,
+        };
+        inputs.check(&cfg).map_err(js_err)?;
+        return Ok(inputs);
+    }
+    let h = opts.get("height").and_then(Value::as_u64).unwrap_or(4) as usize;
+    let w = opts.get("width").and_then(Value::as_u64).unwrap_or(4) as usize;
+    let t = opts.get("textTokens").and_then(Value::as_u64).unwrap_or(8) as usize;
+    let seed = opts.get("seed").and_then(Value::as_u64).unwrap_or(0);
+    let g = opts.get("guidance").and_then(Value::as_f64).unwrap_or(3.5) as f32;
+    Ok(DitInputs::random(&cfg, h, w, t, g, seed))
+}

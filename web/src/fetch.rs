@@ -1,0 +1,453 @@
+//! HTTP Range reads with the browser's `fetch`, checked the way the native HTTP source checks
+//! them (206, a `Content-Range` equal to what was asked, the exact byte count, an `ETag` that
+//! does not change during a run), retried with backoff on network errors and 5xx; and the
+//! [`ByteSource`] that fills staging-ring slots with them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
+use std::time::Duration;
+
+use nibble_core::source::{ByteSource, ReadCompletion, ReadRequest, SourceFile};
+use nibble_core::{Error, Result};
+use wasm_bindgen::{JsCast, JsValue};
+use wasm_bindgen_futures::JsFuture;
+use web_time::Instant;
+
+/// One request the page made.
+#[derive(Debug, Clone)]
+pub struct RequestLog {
+    /// URL.
+    pub url: String,
+    /// The byte range asked for (inclusive end), `None` for a plain GET.
+    pub range: Option<(u64, u64)>,
+    /// HTTP status of the last attempt (0: network error).
+    pub status: u16,
+    /// Body bytes received.
+    pub bytes: u64,
+    /// What it was for: "header", "quant-state", "weights", "side-file".
+    pub purpose: &'static str,
+}
+
+/// Every request and byte, shared by the sources and the API.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    /// In order.
+    pub requests: Vec<RequestLog>,
+    /// `ETag` (or `Last-Modified`) first seen per URL.
+    validators: HashMap<String, String>,
+}
+
+impl Traffic {
+    /// Body bytes received for `purpose` (all purposes when `None`).
+    pub fn bytes(&self, purpose: Option<&str>) -> u64 {
+        self.requests
+            .iter()
+            .filter(|r| purpose.is_none_or(|p| r.purpose == p))
+            .map(|r| r.bytes)
+            .sum()
+    }
+}
+
+/// Shared traffic counters.
+pub type SharedTraffic = Arc<Mutex<Traffic>>;
+
+fn http_err(url: &str, msg: String) -> Error {
+    Error::Model {
+        file: url.to_string(),
+        msg,
+    }
+}
+
+fn js_msg(e: &JsValue) -> String {
+    e.as_string()
+        .or_else(|| {
+            e.dyn_ref::<js_sys::Error>()
+                .map(|e| String::from(e.message()))
+        })
+        .unwrap_or_else(|| format!("{e:?}"))
+}
+
+/// `fetch` from the window or from a worker.
+fn global_fetch(req: &web_sys::Request) -> std::result::Result<js_sys::Promise, JsValue> {
+    let global = js_sys::global();
+    if let Some(w) = global.dyn_ref::<web_sys::Window>() {
+        Ok(w.fetch_with_request(req))
+    } else if let Some(w) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
+        Ok(w.fetch_with_request(req))
+    } else {
+        Err(JsValue::from_str("no fetch in this context"))
+    }
+}
+
+/// Waits `ms` milliseconds on the event loop.
+pub async fn sleep_ms(ms: i32) {
+    let p = js_sys::Promise::new(&mut |resolve, _| {
+        let global = js_sys::global();
+        if let Some(w) = global.dyn_ref::<web_sys::Window>() {
+            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, ms);
+        } else if let Some(w) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
+            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, ms);
+        }
+    });
+    let _ = JsFuture::from(p).await;
+}
+
+enum Attempt {
+    Done(web_sys::Response),
+    /// Worth another try (network error, 5xx, 408, 429).
+    Retry(String),
+    Fail(String),
+}
+
+async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
+    let init = web_sys::RequestInit::new();
+    init.set_method("GET");
+    init.set_cache(web_sys::RequestCache::NoStore);
+    if let Some((a, b)) = range {
+        let headers = match web_sys::Headers::new() {
+            Ok(h) => h,
+            Err(e) => return Attempt::Fail(js_msg(&e)),
+        };
+        if let Err(e) = headers.set("Range", &format!("bytes={a}-{b}")) {
+            return Attempt::Fail(js_msg(&e));
+        }
+        init.set_headers(&headers);
+    }
+    let req = match web_sys::Request::new_with_str_and_init(url, &init) {
+        Ok(r) => r,
+        Err(e) => return Attempt::Fail(js_msg(&e)),
+    };
+    let promise = match global_fetch(&req) {
+        Ok(p) => p,
+        Err(e) => return Attempt::Fail(js_msg(&e)),
+    };
+    match JsFuture::from(promise).await {
+        Ok(v) => match v.dyn_into::<web_sys::Response>() {
+            Ok(r) if r.status() >= 500 || r.status() == 408 || r.status() == 429 => {
+                Attempt::Retry(format!("HTTP {}", r.status()))
+            }
+            Ok(r) => Attempt::Done(r),
+            Err(_) => Attempt::Fail("fetch did not return a Response".into()),
+        },
+        Err(e) => Attempt::Retry(format!("network error: {}", js_msg(&e))),
+    }
+}
+
+const ATTEMPTS: u32 = 4;
+
+async fn fetch_with_retries(url: &str, range: Option<(u64, u64)>) -> Result<web_sys::Response> {
+    let mut last = String::new();
+    for k in 0..ATTEMPTS {
+        if k > 0 {
+            sleep_ms(100 << (2 * (k - 1))).await;
+        }
+        match attempt(url, range).await {
+            Attempt::Done(r) => return Ok(r),
+            Attempt::Retry(m) => last = m,
+            Attempt::Fail(m) => return Err(http_err(url, m)),
+        }
+    }
+    Err(http_err(
+        url,
+        format!("gave up after {ATTEMPTS} attempts: {last}"),
+    ))
+}
+
+async fn body(url: &str, r: &web_sys::Response) -> Result<js_sys::Uint8Array> {
+    let p = r
+        .array_buffer()
+        .map_err(|e| http_err(url, format!("reading the body: {}", js_msg(&e))))?;
+    let ab = JsFuture::from(p)
+        .await
+        .map_err(|e| http_err(url, format!("reading the body: {}", js_msg(&e))))?;
+    Ok(js_sys::Uint8Array::new(&ab))
+}
+
+fn header(r: &web_sys::Response, name: &str) -> Option<String> {
+    r.headers().get(name).ok().flatten()
+}
+
+/// Parses `bytes a-b/total` (total may be `*`).
+fn content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let rest = v.trim().strip_prefix("bytes ")?;
+    let (range, total) = rest.split_once('/')?;
+    let (a, b) = range.split_once('-')?;
+    let total = if total.trim() == "*" {
+        None
+    } else {
+        Some(total.trim().parse().ok()?)
+    };
+    Some((a.trim().parse().ok()?, b.trim().parse().ok()?, total))
+}
+
+/// The bytes `offset .. offset + len` of `url` and the file's total length, by one Range
+/// request whose answer must be exactly that range.
+pub async fn fetch_range(
+    traffic: &SharedTraffic,
+    url: &str,
+    offset: u64,
+    len: u64,
+    purpose: &'static str,
+) -> Result<(js_sys::Uint8Array, u64)> {
+    if len == 0 {
+        return Err(http_err(url, format!("empty read at offset {offset}")));
+    }
+    let want = (offset, offset + len - 1);
+    let resp = fetch_with_retries(url, Some(want)).await;
+    let log = |status: u16, bytes: u64| {
+        if let Ok(mut t) = traffic.lock() {
+            t.requests.push(RequestLog {
+                url: url.to_string(),
+                range: Some(want),
+                status,
+                bytes,
+                purpose,
+            });
+        }
+    };
+    let resp = match resp {
+        Ok(r) => r,
+        Err(e) => {
+            log(0, 0);
+            return Err(e);
+        }
+    };
+    let status = resp.status();
+    if status != 206 {
+        log(status, 0);
+        return Err(http_err(
+            url,
+            format!(
+                "asked for bytes {}-{} and got HTTP {status}{}: the server must answer Range requests with 206",
+                want.0,
+                want.1,
+                if status == 200 { " (it ignored the Range header)" } else { "" }
+            ),
+        ));
+    }
+    let cr = header(&resp, "content-range").unwrap_or_default();
+    let total = match content_range(&cr) {
+        Some((a, b, total)) if (a, b) == want => total,
+        _ => {
+            log(status, 0);
+            return Err(http_err(
+                url,
+                format!(
+                    "asked for bytes {}-{}, the answer's Content-Range is '{cr}'",
+                    want.0, want.1
+                ),
+            ));
+        }
+    };
+    let validator = header(&resp, "etag").or_else(|| header(&resp, "last-modified"));
+    if let (Some(v), Ok(mut t)) = (validator, traffic.lock()) {
+        match t.validators.get(url) {
+            Some(prev) if *prev != v => return Err(http_err(
+                url,
+                format!(
+                    "the file changed during the run (ETag/Last-Modified '{prev}' became '{v}')"
+                ),
+            )),
+            Some(_) => {}
+            None => {
+                t.validators.insert(url.to_string(), v);
+            }
+        }
+    }
+    let data = body(url, &resp).await?;
+    let got = data.length() as u64;
+    log(status, got);
+    if got != len {
+        return Err(http_err(
+            url,
+            format!("short read at offset {offset}: wanted {len} bytes, got {got}"),
+        ));
+    }
+    let total = total.unwrap_or(offset + len);
+    Ok((data, total))
+}
+
+/// A small side file (config.json) by a plain GET; `None` on 404.
+pub async fn fetch_small(
+    traffic: &SharedTraffic,
+    url: &str,
+    limit: u64,
+) -> Result<Option<Vec<u8>>> {
+    let resp = fetch_with_retries(url, None).await?;
+    let status = resp.status();
+    if status == 404 {
+        if let Ok(mut t) = traffic.lock() {
+            t.requests.push(RequestLog {
+                url: url.to_string(),
+                range: None,
+                status,
+                bytes: 0,
+                purpose: "side-file",
+            });
+        }
+        return Ok(None);
+    }
+    if !(200..300).contains(&status) {
+        return Err(http_err(url, format!("HTTP {status}")));
+    }
+    let data = body(url, &resp).await?;
+    if let Ok(mut t) = traffic.lock() {
+        t.requests.push(RequestLog {
+            url: url.to_string(),
+            range: None,
+            status,
+            bytes: data.length() as u64,
+            purpose: "side-file",
+        });
+    }
+    if data.length() as u64 > limit {
+        return Err(http_err(
+            url,
+            format!(
+                "{} bytes, more than the {limit} allowed for a side file",
+                data.length()
+            ),
+        ));
+    }
+    Ok(Some(data.to_vec()))
+}
+
+#[derive(Default)]
+struct Pending {
+    done: VecDeque<ReadCompletion>,
+    waker: Option<Waker>,
+    in_flight: usize,
+    busy: Duration,
+    busy_since: Option<Instant>,
+}
+
+/// The browser's [`ByteSource`]: each read is a `fetch` Range request whose body is copied into
+/// the ring slot it was submitted with; completions wake the executor's await.
+pub struct FetchSource {
+    files: Vec<SourceFile>,
+    urls: Vec<String>,
+    pending: Arc<Mutex<Pending>>,
+    traffic: SharedTraffic,
+}
+
+impl FetchSource {
+    /// A source over `urls` (one per file, lengths in `files`).
+    pub fn new(files: Vec<SourceFile>, urls: Vec<String>, traffic: SharedTraffic) -> Self {
+        FetchSource {
+            files,
+            urls,
+            pending: Arc::default(),
+            traffic,
+        }
+    }
+}
+
+impl ByteSource for FetchSource {
+    fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
+    fn submit(&mut self, req: ReadRequest) -> Result<()> {
+        let file = self
+            .files
+            .get(req.file)
+            .ok_or_else(|| Error::Invalid(format!("no file #{}", req.file)))?;
+        if req
+            .offset
+            .checked_add(req.len as u64)
+            .is_none_or(|end| end > file.len)
+        {
+            return Err(Error::OffsetOutOfRange {
+                file: file.name.clone(),
+                tensor: req.what.clone(),
+                offset: req.offset,
+                end: req.offset.saturating_add(req.len as u64),
+                file_len: file.len,
+            });
+        }
+        if req.len > req.slot.bytes().len() {
+            return Err(Error::Invalid(format!(
+                "read of {} bytes does not fit a ring slot of {} bytes",
+                req.len,
+                req.slot.bytes().len()
+            )));
+        }
+        let url = self.urls[req.file].clone();
+        let (pending, traffic) = (self.pending.clone(), self.traffic.clone());
+        if let Ok(mut p) = pending.lock() {
+            if p.in_flight == 0 {
+                p.busy_since = Some(Instant::now());
+            }
+            p.in_flight += 1;
+        }
+        wasm_bindgen_futures::spawn_local(async move {
+            let ReadRequest {
+                tag,
+                offset,
+                len,
+                mut slot,
+                what,
+                ..
+            } = req;
+            let t = Instant::now();
+            let result = match fetch_range(&traffic, &url, offset, len as u64, "weights").await {
+                Ok((data, _)) => {
+                    data.copy_to(&mut slot.bytes_mut()[..len]);
+                    Ok(())
+                }
+                Err(e) => Err(Error::Model {
+                    file: url.clone(),
+                    msg: format!("tensor '{what}' at offset {offset}: {e}"),
+                }),
+            };
+            if let Ok(mut p) = pending.lock() {
+                p.done.push_back(ReadCompletion {
+                    tag,
+                    slot,
+                    result,
+                    elapsed: t.elapsed(),
+                });
+                if let Some(w) = p.waker.take() {
+                    w.wake();
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn poll_completion(&mut self) -> Option<ReadCompletion> {
+        let mut p = self.pending.lock().ok()?;
+        let c = p.done.pop_front()?;
+        p.in_flight -= 1;
+        if p.in_flight == 0 {
+            if let Some(s) = p.busy_since.take() {
+                p.busy += s.elapsed();
+            }
+        }
+        Some(c)
+    }
+
+    /// Never blocks: the browser delivers completions only between turns of its event loop,
+    /// which the executor's async path awaits.
+    fn wait_completion(&mut self) -> Option<ReadCompletion> {
+        self.poll_completion()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.pending.lock().map(|p| p.in_flight).unwrap_or(0)
+    }
+
+    fn busy_time(&self) -> Duration {
+        self.pending
+            .lock()
+            .map(|p| p.busy + p.busy_since.map(|s| s.elapsed()).unwrap_or_default())
+            .unwrap_or_default()
+    }
+
+    fn register_waker(&self, waker: &Waker) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.waker = Some(waker.clone());
+        }
+    }
+}

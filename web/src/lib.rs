@@ -1,0 +1,27 @@
+//! nibble in the browser: the same planner, staging ring and executor as native, on WebGPU
+//! (wgpu's browser backend), with weights streamed by `fetch` Range requests into the ring.
+//!
+//! The JavaScript API (see `web/www/`):
+//!
+//! ```js
+//! import init, { Nibble } from "./pkg/nibble_web.js";
+//! await init();
+//! const nb = new Nibble();
+//! const info = await nb.adapter();                 // adapter name, limits
+//! const plan = await nb.load(url, { deviceBudget: "min", slots: 2, slotBytes: 65536 });
+//! const out = await nb.generate([1, 2, 3], { maxTokens: 16 }, (tok) => ...);   // LLMs
+//! const dit = await nb.denoise({ steps: 4, inputs }, (step) => ...);             // DiTs
+//! nb.stats();                                       // every request, bytes fetched vs the plan
+//! ```
+//!
+//! Natively this crate is empty (its code needs a browser); `scripts/build-web.sh` builds it.
+
+#[cfg(target_arch = "wasm32")]
+mod api;
+#[cfg(target_arch = "wasm32")]
+mod fetch;
+#[cfg(target_arch = "wasm32")]
+mod open;
+
+#[cfg(target_arch = "wasm32")]
+pub use api::Nibble;

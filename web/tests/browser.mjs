@@ -1,0 +1,186 @@
+// Browser test: headless Chromium (Debian's) on WebGPU (SwiftShader), driven by playwright-core.
+// The demo page loads the shared fixtures over HTTP Range from `nibble serve` and must
+//   1. generate tiny-llama's 16 greedy tokens (fixture: greedy_tokens_deq), every layer
+//      streamed through 2 x 64 KiB slots;
+//   2. run tiny-dit's 4-step Euler loop from euler_x0 to within 1e-4 x max of euler_final;
+// and for both: the weight bytes fetched equal the plan's prediction (resident once + streamed
+// bytes per step x steps), the opening reads equal 8 + header per file plus the quant-state
+// tensors, and no request to a weight file comes without a Range header. Saves a screenshot.
+//
+//   node web/tests/browser.mjs NIBBLE_BINARY FIXTURES_DIR OUT_DIR
+import { spawn } from "node:child_process";
+import { mkdtempSync, readFileSync, mkdirSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { createRequire } from "node:module";
+
+const [nibbleBin, fixturesDir, outDir] = process.argv.slice(2).map((p) => resolve(p));
+const require = createRequire(process.env.PLAYWRIGHT_DIR ? join(process.env.PLAYWRIGHT_DIR, "x.js") : import.meta.url);
+const { chromium } = require("playwright-core");
+
+// A minimal safetensors reader (header JSON + little-endian data).
+function readSafetensors(path) {
+  const b = readFileSync(path);
+  const n = Number(b.readBigUInt64LE(0));
+  const header = JSON.parse(b.subarray(8, 8 + n).toString("utf8"));
+  const data = 8 + n;
+  const get = (name) => {
+    const t = header[name];
+    if (!t) throw new Error(`${path}: no tensor ${name}`);
+    const [s, e] = t.data_offsets;
+    const bytes = b.subarray(data + s, data + e);
+    const ab = bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength);
+    if (t.dtype === "F32") return Array.from(new Float32Array(ab));
+    if (t.dtype === "I64") return Array.from(new BigInt64Array(ab), Number);
+    throw new Error(`${name}: dtype ${t.dtype}`);
+  };
+  return { header, headerLen: n, get };
+}
+
+// What opening a model must read: 8 + header bytes, plus every quant-state component tensor.
+function openBytes(modelFile) {
+  const st = readSafetensors(modelFile);
+  let bytes = 8 + st.headerLen;
+  for (const [name, t] of Object.entries(st.header)) {
+    if (name === "__metadata__") continue;
+    if (/\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__(nf4|fp4))$/.test(name)) {
+      bytes += t.data_offsets[1] - t.data_offsets[0];
+    }
+  }
+  return bytes;
+}
+
+const results = [];
+function check(name, ok, detail) {
+  results.push({ name, ok, detail });
+  console.log(`${ok ? "ok  " : "FAIL"} ${name}${detail ? `: ${detail}` : ""}`);
+}
+
+async function startServer() {
+  const www = resolve("web/www");
+  const srv = spawn(nibbleBin, ["serve", www, "--mount", `fixtures=${fixturesDir}`, "--addr", "127.0.0.1:0"], {
+    stdio: ["ignore", "pipe", "inherit"],
+  });
+  const base = await new Promise((res, rej) => {
+    let buf = "";
+    srv.stdout.on("data", (d) => {
+      buf += d;
+      const m = buf.match(/at (http:\/\/127\.0\.0\.1:\d+)\//);
+      if (m) res(m[1]);
+    });
+    srv.on("exit", (c) => rej(new Error(`nibble serve exited with ${c}`)));
+    setTimeout(() => rej(new Error("nibble serve did not start")), 20000);
+  });
+  return { srv, base };
+}
+
+const flags = [
+  "--headless=new", "--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
+  "--disable-component-update", "--disable-sync", "--enable-unsafe-webgpu",
+];
+
+async function main() {
+  mkdirSync(outDir, { recursive: true });
+  const { srv, base } = await startServer();
+  const userDir = mkdtempSync(join(tmpdir(), "nibble-chromium-"));
+  const browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+    ignoreDefaultArgs: true,
+    args: [...flags, `--user-data-dir=${userDir}`, "--remote-debugging-pipe"],
+  });
+  const report = {};
+  try {
+    const page = await browser.newPage({ viewport: { width: 1000, height: 1400 } });
+    const weightRequests = [];
+    page.on("request", (r) => {
+      if (r.url().endsWith(".safetensors")) weightRequests.push({ url: r.url(), range: r.headers()["range"] ?? null });
+    });
+    page.on("console", (m) => { if (m.type() === "error" || m.type() === "warning") console.log(`[page ${m.type()}] ${m.text()}`); });
+    page.on("pageerror", (e) => console.log(`[page error] ${e.message}`));
+    await page.goto(`${base}/`);
+    await page.waitForFunction(() => window.nibbleDemo?.ready === true, null, { timeout: 120000 });
+    const adapter = await page.evaluate(() => window.nibbleDemo.adapter ?? null);
+    const err = await page.evaluate(() => window.nibbleDemo.error ?? null);
+    check("WebGPU adapter", !!adapter, adapter ? adapter.name : err);
+    if (!adapter) throw new Error(`no WebGPU adapter: ${err}`);
+    report.adapter = adapter;
+    const mem = { deviceBudget: "min", slots: 2, slotBytes: 65536 };
+
+    // 1. tiny-llama: 16 greedy tokens.
+    const llamaDir = join(fixturesDir, "tiny-llama-nf4");
+    const exp = readSafetensors(join(llamaDir, "expected.safetensors"));
+    const prompt = exp.get("prompt_ids");
+    const want = exp.get("greedy_tokens_deq");
+    const llamaUrl = `${base}/fixtures/tiny-llama-nf4/model`;
+    const before = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
+    await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [llamaUrl, mem]);
+    const afterOpen = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
+    const wantOpen = openBytes(join(llamaDir, "model/model.safetensors"));
+    const gotOpen = afterOpen.header + afterOpen.quant_state - before.header - before.quant_state;
+    check("tiny-llama opening reads 8 + header + quant states", gotOpen === wantOpen, `${gotOpen} bytes, expected ${wantOpen}`);
+    const t0 = Date.now();
+    const r = await page.evaluate(([p, m]) => window.nibbleDemo.runLlm(p, { ...m, maxTokens: 16, stopAtEos: false }), [prompt, mem]);
+    const wall = (Date.now() - t0) / 1000;
+    check("tiny-llama greedy tokens equal greedy_tokens_deq", JSON.stringify(r.tokens) === JSON.stringify(want),
+      `got [${r.tokens}], want [${want}]`);
+    check("tiny-llama every group streamed", r.plan.resident_groups === 0 && r.plan.streamed_groups > 0,
+      `${r.plan.resident_groups} resident, ${r.plan.streamed_groups} streamed`);
+    check("tiny-llama weight bytes fetched equal the plan's prediction", r.weight_bytes === r.predicted_weight_bytes && r.passes === 16,
+      `${r.weight_bytes} fetched, ${r.predicted_weight_bytes} predicted (${r.passes} passes x ${r.plan.streamed_bytes_per_step})`);
+    report.llama = { tokens: r.tokens, prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s, wall_s: wall,
+      weight_bytes: r.weight_bytes, predicted: r.predicted_weight_bytes, open_bytes: gotOpen };
+    await page.screenshot({ path: join(outDir, "browser-llama.png"), fullPage: true });
+
+    // 2. tiny-dit: the 4-step Euler loop.
+    const ditDir = join(fixturesDir, "tiny-dit-nf4");
+    const e = readSafetensors(join(ditDir, "expected.safetensors"));
+    const inputs = {
+      hidden_states: e.get("euler_x0"), encoder_hidden_states: e.get("encoder_hidden_states"),
+      pooled_projections: e.get("pooled_projections"), guidance: e.get("guidance"),
+      img_ids: e.get("img_ids"), txt_ids: e.get("txt_ids"),
+    };
+    const final = e.get("euler_final");
+    const b1 = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
+    await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [`${base}/fixtures/tiny-dit-nf4/model`, mem]);
+    const b2 = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
+    const wantDitOpen = openBytes(join(ditDir, "model/diffusion_pytorch_model.safetensors"));
+    const gotDitOpen = b2.header + b2.quant_state - b1.header - b1.quant_state;
+    check("tiny-dit opening reads 8 + header + quant states", gotDitOpen === wantDitOpen, `${gotDitOpen} bytes, expected ${wantDitOpen}`);
+    const t1 = Date.now();
+    const d = await page.evaluate(async ([inp, m]) => {
+      const r = await window.nibbleDemo.runDit({ ...m, steps: 4, inputs: inp });
+      return { ...r, latent: Array.from(r.latent) };
+    }, [inputs, mem]);
+    const ditWall = (Date.now() - t1) / 1000;
+    const maxAbs = Math.max(...final.map(Math.abs));
+    const maxErr = Math.max(...final.map((v, i) => Math.abs(v - d.latent[i])));
+    check("tiny-dit 4-step Euler final within 1e-4 x max of euler_final",
+      d.latent.length === final.length && maxErr <= 1e-4 * maxAbs, `max error ${(maxErr / maxAbs).toExponential(2)} x max`);
+    check("tiny-dit weight bytes fetched equal the plan's prediction", d.weight_bytes === d.predicted_weight_bytes,
+      `${d.weight_bytes} fetched, ${d.predicted_weight_bytes} predicted (4 x ${d.plan.streamed_bytes_per_step})`);
+    report.dit = { steps: d.steps, wall_s: ditWall, rel_err: maxErr / maxAbs, weight_bytes: d.weight_bytes, predicted: d.predicted_weight_bytes };
+
+    // Requests: every read of a weight file was a Range request (seen by the browser and by the page).
+    const stats = await page.evaluate(() => window.nibbleDemo.nb.stats());
+    const unranged = weightRequests.filter((q) => !q.range);
+    check("no request to a weight file without Range", unranged.length === 0 && stats.weight_file_requests_without_range === 0,
+      `${weightRequests.length} requests to .safetensors files, ${unranged.length} without Range`);
+    report.requests = { weight_file_requests: weightRequests.length, bytes: stats.bytes };
+    const shot = join(outDir, "browser-demo.png");
+    await page.screenshot({ path: shot, fullPage: true });
+    report.screenshot = shot;
+  } catch (e) {
+    check("browser run", false, String(e.stack ?? e));
+  } finally {
+    await browser.close();
+    srv.kill();
+  }
+  writeFileSync(join(outDir, "browser-report.json"), JSON.stringify(report, null, 2));
+  const failed = results.filter((r) => !r.ok).length;
+  console.log(`report: ${join(outDir, "browser-report.json")}`);
+  if (report.llama) console.log(`tiny-llama in Chromium (SwiftShader): prompt ${report.llama.prefill_tok_s.toFixed(1)} tok/s, decode ${report.llama.decode_tok_s.toFixed(2)} tok/s, ${report.llama.weight_bytes} weight bytes fetched`);
+  console.log(`${results.length - failed} passed, ${failed} failed`);
+  process.exit(failed ? 1 : 0);
+}
+
+main().catch((e) => { console.error(e); process.exit(1); });

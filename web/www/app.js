@@ -1,0 +1,216 @@
+// nibble's browser demo: opens a model over HTTP Range requests, shows the memory plan, then
+// generates text (LLMs) or denoises (DiTs) on WebGPU, one streaming pass over the layers per
+// step. The page's functions are also what the browser test drives (window.nibbleDemo).
+import init, { Nibble } from "./pkg/nibble_web.js";
+
+const $ = (id) => document.getElementById(id);
+const fmt = (b) => {
+  const u = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (b >= 1024 && i < u.length - 1) { b /= 1024; i++; }
+  return `${b.toFixed(i ? 2 : 0)} ${u[i]}`;
+};
+
+let nb = null;
+let model = null;
+let tokenizer = null; // { decode(ids) } when the model folder has a byte-level BPE tokenizer.json
+const chart = { rows: [] };
+
+function settings() {
+  const budget = $("budget").value.trim();
+  return {
+    deviceBudget: budget === "" || budget === "min" ? "min" : (/^\d+$/.test(budget) ? Number(budget) : budget),
+    slots: Number($("slots").value),
+    slotBytes: $("slotSize").value.trim(),
+  };
+}
+
+function drawChart() {
+  const c = $("chart"), g = c.getContext("2d");
+  g.clearRect(0, 0, c.width, c.height);
+  const rows = chart.rows;
+  if (!rows.length) return;
+  const pad = 36, w = c.width - 2 * pad, h = c.height - 2 * pad;
+  const maxMs = Math.max(...rows.map((r) => r.wall_ms)) * 1.1 || 1;
+  const maxB = Math.max(...rows.map((r) => r.bytes_streamed)) * 1.1 || 1;
+  const x = (i) => pad + (rows.length === 1 ? w / 2 : (i * w) / (rows.length - 1));
+  g.fillStyle = "#c9dcf0";
+  const bw = Math.max(2, w / rows.length - 2);
+  rows.forEach((r, i) => {
+    const bh = (r.bytes_streamed / maxB) * h;
+    g.fillRect(x(i) - bw / 2, pad + h - bh, bw, bh);
+  });
+  g.strokeStyle = "#2f6fb2"; g.lineWidth = 2; g.beginPath();
+  rows.forEach((r, i) => {
+    const y = pad + h - (r.wall_ms / maxMs) * h;
+    i ? g.lineTo(x(i), y) : g.moveTo(x(i), y);
+  });
+  g.stroke();
+  g.fillStyle = "#333"; g.font = "12px system-ui";
+  g.fillText(`${maxMs.toFixed(0)} ms`, 2, pad - 6);
+  g.fillText(`${fmt(maxB)} / step`, c.width - pad - 90, pad - 6);
+  g.fillText(`step 1 … ${rows.length}`, pad, c.height - 8);
+}
+
+// Progress within a step: weight bytes fetched since the run started, modulo one step's bytes.
+function watchStep(perStep) {
+  const start = nb.stats().bytes.weights;
+  let live = true;
+  const tick = () => {
+    if (!live) return;
+    const done = nb.stats().bytes.weights - start;
+    const frac = perStep > 0 ? (done % perStep) / perStep : 1;
+    $("stepBar").style.width = `${(frac * 100).toFixed(1)}%`;
+    requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+  return () => { live = false; $("stepBar").style.width = "100%"; };
+}
+
+async function loadTokenizer(url) {
+  tokenizer = null;
+  try {
+    const r = await fetch(`${url.replace(/\/$/, "")}/tokenizer.json`);
+    if (!r.ok) return;
+    const t = await r.json();
+    const vocab = new Map();
+    for (const [s, id] of Object.entries(t.model?.vocab ?? {})) vocab.set(id, s);
+    for (const a of t.added_tokens ?? []) vocab.set(a.id, a.content);
+    // GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100...
+    const byteOf = new Map();
+    let n = 0;
+    for (let b = 0; b < 256; b++) {
+      const printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+      byteOf.set(String.fromCodePoint(printable ? b : 256 + n++), b);
+    }
+    const dec = new TextDecoder();
+    tokenizer = {
+      decode(ids) {
+        const bytes = [];
+        for (const id of ids) for (const ch of vocab.get(id) ?? "") bytes.push(byteOf.get(ch) ?? 63);
+        return dec.decode(new Uint8Array(bytes));
+      },
+    };
+  } catch (_) { tokenizer = null; }
+}
+
+export async function openModel(url, s = settings()) {
+  $("openStatus").textContent = `opening ${url} …`;
+  $("openBar").style.width = "15%";
+  const t0 = performance.now();
+  model = await nb.load(url, s);
+  $("openBar").style.width = "100%";
+  $("openStatus").textContent =
+    `${model.kind === "llm" ? "language model" : "diffusion transformer"}: ${model.tensors} tensors, ` +
+    `${fmt(model.bytes)} in ${model.files.length} file(s); opened with ${fmt(model.open_bytes)} ` +
+    `(headers and quant states) in ${(performance.now() - t0).toFixed(0)} ms`;
+  $("runCard").hidden = false;
+  $("llmControls").hidden = model.kind !== "llm";
+  $("ditControls").hidden = model.kind !== "dit";
+  $("runTitle").textContent = model.kind === "llm" ? "Generate" : "Denoise";
+  if (model.kind === "llm") await loadTokenizer(url);
+  return model;
+}
+
+export async function showPlan(opts) {
+  const p = await nb.plan(opts);
+  $("plan").textContent = p.text;
+  return p;
+}
+
+export async function runLlm(promptIds, opts = {}) {
+  const maxTokens = opts.maxTokens ?? Number($("maxTokens").value);
+  const plan = await showPlan({ ...opts, promptTokens: promptIds.length, maxTokens });
+  chart.rows = []; drawChart();
+  $("output").textContent = "";
+  const tokens = [];
+  let last = performance.now();
+  let stop = watchStep(plan.streamed_bytes_per_step);
+  let prevWeights = nb.stats().bytes.weights;
+  const onToken = (id, i) => {
+    tokens.push(id);
+    const now = performance.now(), w = nb.stats().bytes.weights;
+    chart.rows.push({ wall_ms: now - last, bytes_streamed: w - prevWeights });
+    last = now; prevWeights = w;
+    drawChart();
+    $("output").textContent = tokenizer ? tokenizer.decode(tokens) : tokens.join(" ");
+    $("runStatus").textContent = `token ${i + 1} of at most ${maxTokens}`;
+  };
+  try {
+    const r = await nb.generate(Uint32Array.from(promptIds), { ...opts, maxTokens }, onToken);
+    $("runStatus").textContent =
+      `${r.tokens.length} tokens; prompt ${r.prefill_tok_s.toFixed(1)} tok/s, decode ${r.decode_tok_s.toFixed(2)} tok/s; ` +
+      `streamed ${fmt(r.weight_bytes)} (plan: ${fmt(r.predicted_weight_bytes)})`;
+    return r;
+  } finally { stop(); }
+}
+
+export async function runDit(opts = {}) {
+  const o = {
+    steps: Number($("steps").value), height: Number($("height").value), width: Number($("width").value),
+    textTokens: Number($("textTokens").value), seed: Number($("seed").value), ...opts,
+  };
+  const plan = await showPlan(o);
+  chart.rows = []; drawChart();
+  $("output").textContent = "";
+  let stop = watchStep(plan.streamed_bytes_per_step);
+  try {
+    const r = await nb.denoise(o, (row) => {
+      chart.rows.push(row);
+      drawChart();
+      $("runStatus").textContent =
+        `step ${row.step} of ${o.steps}: ${row.wall_ms.toFixed(0)} ms, ${fmt(row.bytes_streamed)} streamed, stall ${row.stall_ms.toFixed(0)} ms`;
+    });
+    const l = r.latent;
+    let sum = 0, sq = 0;
+    for (const v of l) { sum += v; sq += v * v; }
+    const mean = sum / l.length;
+    $("output").textContent =
+      `final latent: ${l.length} values, mean ${mean.toFixed(4)}, std ${Math.sqrt(sq / l.length - mean * mean).toFixed(4)}`;
+    return r;
+  } finally { stop(); }
+}
+
+async function main() {
+  await init();
+  nb = new Nibble();
+  window.nibbleDemo = { nb, openModel, showPlan, runLlm, runDit };
+  try {
+    const a = await nb.adapter();
+    $("adapter").textContent =
+      `WebGPU adapter: ${a.name}; max storage binding ${fmt(a.limits.max_storage_buffer_binding_size)}, ` +
+      `max buffer ${fmt(a.limits.max_buffer_size)}, ${a.limits.max_storage_buffers_per_shader_stage} storage buffers per stage, ` +
+      `${a.limits.max_compute_invocations_per_workgroup} invocations per workgroup`;
+    window.nibbleDemo.adapter = a;
+  } catch (e) {
+    $("adapter").hidden = true;
+    $("nowebgpu").hidden = false;
+    $("nowebgpu").textContent = String(e.message ?? e);
+    window.nibbleDemo.error = String(e.message ?? e);
+  }
+  const params = new URLSearchParams(location.search);
+  if (params.get("model")) $("url").value = params.get("model");
+  $("settings").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    openModel($("url").value.trim()).catch((e) => { $("openStatus").textContent = `error: ${e.message ?? e}`; });
+  });
+  $("showPlan").addEventListener("click", () => {
+    const o = model?.kind === "llm"
+      ? { promptTokens: parseIds().length, maxTokens: Number($("maxTokens").value) }
+      : { height: Number($("height").value), width: Number($("width").value), textTokens: Number($("textTokens").value) };
+    showPlan({ ...settings(), ...o }).catch((e) => { $("plan").textContent = `error: ${e.message ?? e}`; });
+  });
+  $("run").addEventListener("click", () => {
+    const p = model?.kind === "llm"
+      ? runLlm(parseIds(), { ...settings(), stopAtEos: $("stopAtEos").checked })
+      : runDit(settings());
+    p.catch((e) => { $("runStatus").textContent = `error: ${e.message ?? e}`; });
+  });
+  window.nibbleDemo.ready = true;
+}
+
+function parseIds() {
+  return $("promptIds").value.split(/[\s,]+/).filter(Boolean).map(Number);
+}
+
+main();
