@@ -16,7 +16,7 @@ wasm_cargo() {
     # A target folder of its own: the native build uses rustup's compiler, this one Debian's.
     PATH="$tools/bin:/usr/bin:$PATH" RUSTC_BOOTSTRAP=1 \
         CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER="$tools/bin/rust-lld" \
-        CARGO_TARGET_DIR=target/wasm \
+        CARGO_TARGET_DIR=target/wasm CARGO_PROFILE_RELEASE_DEBUG=false \
         /usr/bin/cargo "$1" -p nibble-web --target wasm32-unknown-unknown -Zbuild-std=std,panic_abort \
         -j "${CARGO_BUILD_JOBS:-2}" "${@:2}"
 }

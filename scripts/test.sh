@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README's quick start and CI run it. Installs what the tests need
-# (idempotently; tools are kept outside the repository and reused), then runs every test.
+# (idempotently; tools are kept outside the repository and reused: lavapipe, NVRTC wheels,
+# SmolLM2, Debian's Rust for wasm32, wasm-bindgen-cli, Chromium, playwright-core), then runs
+# every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,5 +47,9 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo clippy (wasm32: the browser engine)"
+scripts/build-web.sh --clippy
 echo "== cargo test"
 cargo test --workspace
+echo "== browser: headless Chromium on WebGPU (builds the wasm engine first if needed)"
+scripts/test-browser.sh target/debug/nibble

@@ -166,6 +166,11 @@ impl WgpuBackend {
         self.info.device_type == wgpu::DeviceType::Cpu
     }
 
+    /// The adapter's own description (vendor, architecture, driver).
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.info
+    }
+
     /// The device limits in force.
     pub fn limits(&self) -> &wgpu::Limits {
         &self.limits

@@ -37,6 +37,8 @@ pub struct OffloadBench {
     pub text_len: usize,
     /// Resident mode only when the model needs at most this much device memory.
     pub resident_limit: Option<String>,
+    /// How local files are read (`--file-mode`).
+    pub file_mode: String,
     /// Run one mode in this process (the parent spawns one child per mode).
     pub mode: Option<String>,
     /// Chart path stem.
@@ -54,7 +56,7 @@ impl crate::backends::WithBackend for OneMode<'_> {
     type Output = serde_json::Value;
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
-        let model = crate::open_model(&b.model)?;
+        let model = crate::open_model_with(&b.model, &b.file_mode)?;
         let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;
         let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0);
         let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens());
@@ -139,6 +141,7 @@ pub fn run(b: &OffloadBench) -> Result<()> {
                 &b.device_budget,
             ])
             .args(["--slots", &b.slots.to_string(), "--slot-size", &b.slot_size])
+            .args(["--file-mode", &b.file_mode])
             .args(["--backend", &b.backend, "--height", &b.height.to_string()])
             .args([
                 "--width",

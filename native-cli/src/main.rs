@@ -349,6 +349,10 @@ enum BenchKind {
         /// available memory).
         #[arg(long)]
         resident_limit: Option<String>,
+        /// How local files are read: auto, pread, pread-dropcache, direct (O_DIRECT: the disk's
+        /// DMA fills the ring, no CPU copy from the page cache), mmap.
+        #[arg(long, default_value = "auto")]
+        file_mode: String,
         /// Internal: run one mode (resident, streamed, naive) and print its JSON.
         #[arg(long, hide = true)]
         mode: Option<String>,
@@ -636,6 +640,7 @@ fn main() -> ExitCode {
                     width,
                     text_len,
                     resident_limit,
+                    file_mode,
                     mode,
                     chart,
                     json,
@@ -651,6 +656,7 @@ fn main() -> ExitCode {
             width,
             text_len,
             resident_limit,
+            file_mode,
             mode,
             chart,
             json,

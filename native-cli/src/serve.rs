@@ -139,15 +139,19 @@ pub fn run(dir: &Path, mounts: &[(String, PathBuf)], addr: &str) -> Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
-        println!(
+        // Nobody may be reading our output any more (a test that took the address): a closed
+        // pipe must not stop the server.
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        let _ = writeln!(
+            out,
             "serving {} at http://{local}/ (Ctrl-C to stop)",
             dir.display()
         );
         for (name, path) in mounts {
-            println!("serving {} at http://{local}/{name}/", path.display());
+            let _ = writeln!(out, "serving {} at http://{local}/{name}/", path.display());
         }
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
+        let _ = out.flush();
         axum::serve(listener, app.into_make_service())
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;

@@ -17,6 +17,10 @@ impl Drop for Server {
 }
 
 fn start(dir: &std::path::Path) -> Server {
+    start_with(dir, &[])
+}
+
+fn start_with(dir: &std::path::Path, extra: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args([
             "serve",
@@ -24,6 +28,7 @@ fn start(dir: &std::path::Path) -> Server {
             "--addr",
             "127.0.0.1:0",
         ])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -167,6 +172,63 @@ fn nothing_outside_the_folder_is_served() {
         );
     }
     assert_eq!(raw(&srv.addr, "/data.bin").0, 200);
+}
+
+/// `--mount models=DIR` serves a second folder at /models/, ranges included, with the same
+/// guard: nothing outside it, nor outside the main folder, leaks through the mount.
+#[test]
+fn mounted_folders_are_served_and_guarded() {
+    let (root, _outside) = fixture();
+    let (models, outside2) = fixture();
+    let mount = format!("models={}", models.path().display());
+    let srv = start_with(root.path(), &["--mount", &mount]);
+    let (status, resp) = raw(&srv.addr, "/models/sub/inner.txt");
+    assert_eq!(status, 200, "{resp}");
+    assert!(resp.ends_with("inner"), "{resp}");
+    assert_eq!(
+        raw(&srv.addr, "/sub/inner.txt").0,
+        200,
+        "the main folder still at /"
+    );
+    let mut s = TcpStream::connect(&srv.addr).expect("connect");
+    write!(
+        s,
+        "GET /models/data.bin HTTP/1.1\r\nHost: x\r\nRange: bytes=10-19\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut bytes = Vec::new();
+    let _ = s.read_to_end(&mut bytes);
+    let head = String::from_utf8_lossy(&bytes).to_lowercase();
+    assert!(head.starts_with("http/1.1 206"), "{head}");
+    assert!(head.contains("content-range: bytes 10-19/10000"), "{head}");
+    assert!(
+        bytes.ends_with(&(10..20u8).collect::<Vec<_>>()),
+        "range body"
+    );
+    for path in [
+        "/models/../../secret.txt",
+        "/models/%2e%2e/secret.txt",
+        "/models/link.txt",
+        "/models/linkdir/secret.txt",
+    ] {
+        let (status, resp) = raw(&srv.addr, path);
+        assert!(
+            status == 403 || status == 404 || status == 400,
+            "{path}: status {status}"
+        );
+        assert!(!resp.contains("TOP-SECRET"), "{path} leaked: {resp}");
+    }
+    drop(outside2);
+    let bad = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["serve", ".", "--mount", "../x=/tmp"])
+        .output()
+        .expect("run");
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("NAME must be one path segment"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }
 
 #[test]

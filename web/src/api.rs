@@ -11,13 +11,14 @@ use nibble_core::models::llama::{self, Decoder, LlamaShape};
 use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
 use nibble_core::plan::{Budgets, MemoryPlan, Placement};
 use nibble_core::source::ByteSource;
+use nibble_core::text::{Message, TextStream, TextTokenizer};
 use nibble_wgpu::WgpuBackend;
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 use web_time::Instant;
 
-use crate::fetch::{FetchSource, SharedTraffic, Traffic};
+use crate::fetch::{fetch_small, FetchSource, SharedTraffic, Traffic};
 use crate::open::{open, RemoteModel};
 
 /// What a model is.
@@ -53,6 +54,10 @@ struct State {
     kind: Option<Kind>,
     settings: Settings,
     busy: bool,
+    /// The language model's tokenizer and chat template, when its folder has them.
+    text: Option<Rc<TextTokenizer>>,
+    /// End-of-sequence ids (config.json's and generation_config.json's).
+    eos: Vec<u32>,
 }
 
 /// nibble in a browser tab: one WebGPU device, one model streamed over HTTP Range requests.
@@ -253,8 +258,16 @@ impl Nibble {
         future_to_promise(async move {
             let b = backend_of(&state).await?;
             let l = b.limits();
+            let i = b.adapter_info();
+            // Browsers leave the name empty and say vendor / architecture instead.
+            let name = if i.name.is_empty() {
+                format!("{} {} ({:?})", i.driver, i.driver_info, i.device_type)
+            } else {
+                b.describe()
+            };
             let v = json!({
-                "name": b.describe(),
+                "name": name.trim(),
+                "info": format!("{i:?}"),
                 "limits": {
                     "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
                     "max_buffer_size": l.max_buffer_size,
@@ -280,6 +293,11 @@ impl Nibble {
             let t0 = Instant::now();
             let model = open(&traffic, &url).await.map_err(js_err)?;
             let kind = kind_of(model.index.config.as_ref())?;
+            let (text, eos) = if kind == Kind::Llm {
+                language_side_files(&traffic, &url).await?
+            } else {
+                (None, Vec::new())
+            };
             let open_ms = t0.elapsed().as_secs_f64() * 1e3;
             let total: u64 = model.files.iter().map(|f| f.len).sum();
             let summary = json!({
@@ -290,12 +308,16 @@ impl Nibble {
                 "tensors": model.index.len(),
                 "open_bytes": model.open_bytes,
                 "open_ms": open_ms,
+                "tokenizer": text.is_some(),
+                "chat_template": text.as_ref().is_some_and(|t| t.has_chat_template()),
             });
             {
                 let mut st = state.borrow_mut();
                 st.model = Some(model);
                 st.kind = Some(kind);
                 st.settings = s;
+                st.text = text.map(Rc::new);
+                st.eos = eos;
             }
             to_js(&summary)
         })
@@ -394,7 +416,18 @@ impl Nibble {
                     return Err(js_err(e));
                 }
             };
-            let eos = lg.config.eos.clone();
+            let (mut eos, text) = {
+                let st = state.borrow();
+                (st.eos.clone(), st.text.clone())
+            };
+            eos.extend(lg.config.eos.iter().copied());
+            let mut stream = TextStream::default();
+            let mut piece = |id: u32| -> JsValue {
+                match &text {
+                    Some(t) => JsValue::from(stream.push(t, id).unwrap_or_default()),
+                    None => JsValue::UNDEFINED,
+                }
+            };
             let o = exec_options(s, &lg.graph, &backend);
             let before = traffic_bytes(&traffic, "weights");
             let mut make = || -> Box<dyn ByteSource> {
@@ -415,8 +448,13 @@ impl Nibble {
                 let (last, _) = d.prefill_async(&prompt).await.map_err(js_err)?;
                 let prefill_s = t0.elapsed().as_secs_f64();
                 let mut tokens = vec![argmax(&last)];
-                let _ =
-                    on_token.call2(&JsValue::NULL, &JsValue::from(tokens[0]), &JsValue::from(0));
+                let first = piece(tokens[0]);
+                let _ = on_token.call3(
+                    &JsValue::NULL,
+                    &JsValue::from(tokens[0]),
+                    &JsValue::from(0),
+                    &first,
+                );
                 let t1 = Instant::now();
                 while tokens.len() < max_tokens
                     && !(stop_at_eos && eos.contains(tokens.last().unwrap_or(&0)))
@@ -425,10 +463,12 @@ impl Nibble {
                     let (l, _) = d.decode_async(prev).await.map_err(js_err)?;
                     let t = argmax(&l);
                     tokens.push(t);
-                    let _ = on_token.call2(
+                    let p = piece(t);
+                    let _ = on_token.call3(
                         &JsValue::NULL,
                         &JsValue::from(t),
                         &JsValue::from(tokens.len() as u32 - 1),
+                        &p,
                     );
                 }
                 Ok::<_, JsValue>((tokens, prefill_s, t1.elapsed().as_secs_f64()))
@@ -553,6 +593,38 @@ impl Nibble {
         })
     }
 
+    /// Token ids of `text` with the model's tokenizer; with `chat`, as the user's turn of the
+    /// model's chat template, ready for the assistant's answer (as `nibble run --chat`).
+    pub fn tokenize(&self, text: String, chat: bool) -> Result<Vec<u32>, JsValue> {
+        let tok = self
+            .state
+            .try_borrow()
+            .map_err(|_| js_err("busy"))?
+            .text
+            .clone()
+            .ok_or_else(|| js_err("the loaded model has no tokenizer.json: give token ids"))?;
+        if chat {
+            let rendered = tok
+                .apply_chat_template(&[Message::new("user", &text)], true)
+                .map_err(js_err)?;
+            tok.encode(&rendered, false).map_err(js_err)
+        } else {
+            tok.encode(&text, true).map_err(js_err)
+        }
+    }
+
+    /// The text of token ids (special tokens skipped).
+    pub fn detokenize(&self, ids: Vec<u32>) -> Result<String, JsValue> {
+        let tok = self
+            .state
+            .try_borrow()
+            .map_err(|_| js_err("busy"))?
+            .text
+            .clone()
+            .ok_or_else(|| js_err("the loaded model has no tokenizer.json"))?;
+        tok.decode(&ids, true).map_err(js_err)
+    }
+
     /// Every request so far and the bytes by purpose: `{ requests: [{url, range, status,
     /// bytes, purpose}], bytes: { header, quant_state, weights, side_file, total },
     /// weight_file_requests_without_range }`.
@@ -585,6 +657,46 @@ impl Nibble {
             "weight_file_requests_without_range": unranged,
         }))
     }
+}
+
+/// `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and the extra
+/// end-of-sequence ids of `generation_config.json`, where the model folder has them.
+async fn language_side_files(
+    traffic: &SharedTraffic,
+    url: &str,
+) -> Result<(Option<TextTokenizer>, Vec<u32>), JsValue> {
+    const LIMIT: u64 = 64 << 20;
+    let base = url.trim_end_matches('/');
+    let get = |name: &'static str| {
+        let u = format!("{base}/{name}");
+        async move { fetch_small(traffic, &u, LIMIT).await.map_err(js_err) }
+    };
+    let mut eos = Vec::new();
+    if let Some(b) = get("generation_config.json").await? {
+        if let Ok(v) = serde_json::from_slice::<Value>(&b) {
+            match v.get("eos_token_id") {
+                Some(Value::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
+                Some(Value::Array(a)) => {
+                    eos.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)))
+                }
+                _ => {}
+            }
+        }
+    }
+    let Some(json) = get("tokenizer.json").await? else {
+        return Ok((None, eos));
+    };
+    let cfg = get("tokenizer_config.json").await?;
+    let has_template = cfg.as_ref().is_some_and(|c| {
+        serde_json::from_slice::<Value>(c).is_ok_and(|v| v.get("chat_template").is_some())
+    });
+    let tpl = if has_template {
+        None
+    } else {
+        get("chat_template.jinja").await?
+    };
+    let t = TextTokenizer::from_parts(&json, cfg.as_deref(), tpl.as_deref()).map_err(js_err)?;
+    Ok((Some(t), eos))
 }
 
 /// The DiT's inputs: from JavaScript (`inputs`), else random from the seed at the size asked.

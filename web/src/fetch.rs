@@ -243,12 +243,14 @@ pub async fn fetch_range(
     let validator = header(&resp, "etag").or_else(|| header(&resp, "last-modified"));
     if let (Some(v), Ok(mut t)) = (validator, traffic.lock()) {
         match t.validators.get(url) {
-            Some(prev) if *prev != v => return Err(http_err(
-                url,
-                format!(
+            Some(prev) if *prev != v => {
+                return Err(http_err(
+                    url,
+                    format!(
                     "the file changed during the run (ETag/Last-Modified '{prev}' became '{v}')"
                 ),
-            )),
+                ))
+            }
             Some(_) => {}
             None => {
                 t.validators.insert(url.to_string(), v);

@@ -9,7 +9,7 @@
 //
 //   node web/tests/browser.mjs NIBBLE_BINARY FIXTURES_DIR OUT_DIR
 import { spawn } from "node:child_process";
-import { mkdtempSync, readFileSync, mkdirSync, writeFileSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, mkdirSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { createRequire } from "node:module";
@@ -58,7 +58,9 @@ function check(name, ok, detail) {
 
 async function startServer() {
   const www = resolve("web/www");
-  const srv = spawn(nibbleBin, ["serve", www, "--mount", `fixtures=${fixturesDir}`, "--addr", "127.0.0.1:0"], {
+  const mounts = ["--mount", `fixtures=${fixturesDir}`];
+  if (existsSync("models")) mounts.push("--mount", `models=${resolve("models")}`);
+  const srv = spawn(nibbleBin, ["serve", www, ...mounts, "--addr", "127.0.0.1:0"], {
     stdio: ["ignore", "pipe", "inherit"],
   });
   const base = await new Promise((res, rej) => {
@@ -160,6 +162,33 @@ async function main() {
       `${d.weight_bytes} fetched, ${d.predicted_weight_bytes} predicted (4 x ${d.plan.streamed_bytes_per_step})`);
     report.dit = { steps: d.steps, wall_s: ditWall, rel_err: maxErr / maxAbs, weight_bytes: d.weight_bytes, predicted: d.predicted_weight_bytes };
 
+    // 3. SmolLM2-135M-Instruct (when scripts/get-smollm2.sh has converted it): the tokenizer and
+    // chat template in wasm give transformers' prompt ids; 8 greedy tokens (within the robust
+    // prefix) equal transformers' and say Paris, with part of the model streamed each token.
+    const smolDir = resolve("models/smollm2-135m-nf4");
+    if (existsSync(join(smolDir, "model.safetensors"))) {
+      const ref = JSON.parse(readFileSync(join(fixturesDir, "smollm2/reference.json"), "utf8")).prompts[0];
+      const smolMem = { deviceBudget: "140MiB", slots: 4, slotBytes: 4 << 20 };
+      const m = await page.evaluate(([u, mm]) => window.nibbleDemo.openModel(u, mm), [`${base}/models/smollm2-135m-nf4`, smolMem]);
+      check("SmolLM2 tokenizer and chat template load in wasm", m.tokenizer && m.chat_template, JSON.stringify({ tokenizer: m.tokenizer, chat: m.chat_template }));
+      const ids = await page.evaluate((msg) => Array.from(window.nibbleDemo.nb.tokenize(msg, true)), ref.user_message);
+      check("SmolLM2 chat prompt ids equal transformers'", JSON.stringify(ids) === JSON.stringify(ref.prompt_ids), `${ids.length} ids`);
+      const n = 8;
+      const t2 = Date.now();
+      const g = await page.evaluate(([p, mm, n]) => window.nibbleDemo.runLlm(p, { ...mm, maxTokens: n, stopAtEos: false }), [ref.prompt_ids, smolMem, n]);
+      const text = await page.evaluate((t) => window.nibbleDemo.nb.detokenize(Uint32Array.from(t)), g.tokens);
+      check("SmolLM2 greedy tokens equal transformers' (robust prefix)", JSON.stringify(g.tokens) === JSON.stringify(ref.nf4.greedy_ids.slice(0, n)),
+        `got [${g.tokens}] "${text}"`);
+      check("SmolLM2 says Paris", /Paris/.test(text), JSON.stringify(text));
+      check("SmolLM2 streams part of the model each token", g.plan.streamed_groups > 0 && g.weight_bytes === g.predicted_weight_bytes,
+        `${g.plan.resident_groups} groups resident, ${g.plan.streamed_groups} streamed; ${g.weight_bytes} weight bytes fetched, ${g.predicted_weight_bytes} predicted`);
+      report.smollm2 = { text, tokens: g.tokens, prefill_tok_s: g.prefill_tok_s, decode_tok_s: g.decode_tok_s, wall_s: (Date.now() - t2) / 1000,
+        weight_bytes: g.weight_bytes, plan: { resident: g.plan.resident_groups, streamed: g.plan.streamed_groups, per_token: g.plan.streamed_bytes_per_step } };
+      await page.screenshot({ path: join(outDir, "browser-smollm2.png"), fullPage: true });
+    } else {
+      console.log("skip SmolLM2 in the browser: models/smollm2-135m-nf4 is missing (scripts/get-smollm2.sh converts it)");
+    }
+
     // Requests: every read of a weight file was a Range request (seen by the browser and by the page).
     const stats = await page.evaluate(() => window.nibbleDemo.nb.stats());
     const unranged = weightRequests.filter((q) => !q.range);
@@ -178,6 +207,7 @@ async function main() {
   writeFileSync(join(outDir, "browser-report.json"), JSON.stringify(report, null, 2));
   const failed = results.filter((r) => !r.ok).length;
   console.log(`report: ${join(outDir, "browser-report.json")}`);
+  if (report.smollm2) console.log(`SmolLM2 in Chromium: "${report.smollm2.text}" prompt ${report.smollm2.prefill_tok_s.toFixed(1)} tok/s, decode ${report.smollm2.decode_tok_s.toFixed(2)} tok/s`);
   if (report.llama) console.log(`tiny-llama in Chromium (SwiftShader): prompt ${report.llama.prefill_tok_s.toFixed(1)} tok/s, decode ${report.llama.decode_tok_s.toFixed(2)} tok/s, ${report.llama.weight_bytes} weight bytes fetched`);
   console.log(`${results.length - failed} passed, ${failed} failed`);
   process.exit(failed ? 1 : 0);

@@ -13,7 +13,6 @@ const fmt = (b) => {
 
 let nb = null;
 let model = null;
-let tokenizer = null; // { decode(ids) } when the model folder has a byte-level BPE tokenizer.json
 const chart = { rows: [] };
 
 function settings() {
@@ -67,34 +66,11 @@ function watchStep(perStep) {
   return () => { live = false; $("stepBar").style.width = "100%"; };
 }
 
-async function loadTokenizer(url) {
-  tokenizer = null;
-  try {
-    const r = await fetch(`${url.replace(/\/$/, "")}/tokenizer.json`);
-    if (!r.ok) return;
-    const t = await r.json();
-    const vocab = new Map();
-    for (const [s, id] of Object.entries(t.model?.vocab ?? {})) vocab.set(id, s);
-    for (const a of t.added_tokens ?? []) vocab.set(a.id, a.content);
-    // GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100...
-    const byteOf = new Map();
-    let n = 0;
-    for (let b = 0; b < 256; b++) {
-      const printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-      byteOf.set(String.fromCodePoint(printable ? b : 256 + n++), b);
-    }
-    const dec = new TextDecoder();
-    tokenizer = {
-      decode(ids) {
-        const bytes = [];
-        for (const id of ids) for (const ch of vocab.get(id) ?? "") bytes.push(byteOf.get(ch) ?? 63);
-        return dec.decode(new Uint8Array(bytes));
-      },
-    };
-  } catch (_) { tokenizer = null; }
-}
-
 export async function openModel(url, s = settings()) {
+  $("url").value = url;
+  $("budget").value = s.deviceBudget ?? "min";
+  if (s.slots) $("slots").value = s.slots;
+  if (s.slotBytes) $("slotSize").value = typeof s.slotBytes === "number" ? fmt(s.slotBytes).replace(" ", "") : s.slotBytes;
   $("openStatus").textContent = `opening ${url} …`;
   $("openBar").style.width = "15%";
   const t0 = performance.now();
@@ -103,12 +79,16 @@ export async function openModel(url, s = settings()) {
   $("openStatus").textContent =
     `${model.kind === "llm" ? "language model" : "diffusion transformer"}: ${model.tensors} tensors, ` +
     `${fmt(model.bytes)} in ${model.files.length} file(s); opened with ${fmt(model.open_bytes)} ` +
-    `(headers and quant states) in ${(performance.now() - t0).toFixed(0)} ms`;
+    `(headers and quant states) in ${(performance.now() - t0).toFixed(0)} ms` +
+    (model.kind === "llm" ? (model.tokenizer ? `; tokenizer${model.chat_template ? " and chat template" : ""}` : "; no tokenizer.json: prompts are token ids") : "");
   $("runCard").hidden = false;
   $("llmControls").hidden = model.kind !== "llm";
   $("ditControls").hidden = model.kind !== "dit";
   $("runTitle").textContent = model.kind === "llm" ? "Generate" : "Denoise";
-  if (model.kind === "llm") await loadTokenizer(url);
+  $("textPrompt").hidden = !(model.kind === "llm" && model.tokenizer);
+  $("idsPrompt").hidden = !!(model.kind === "llm" && model.tokenizer);
+  $("chat").disabled = !model.chat_template;
+  $("chat").checked = !!model.chat_template;
   return model;
 }
 
@@ -127,13 +107,15 @@ export async function runLlm(promptIds, opts = {}) {
   let last = performance.now();
   let stop = watchStep(plan.streamed_bytes_per_step);
   let prevWeights = nb.stats().bytes.weights;
-  const onToken = (id, i) => {
+  let text = "";
+  const onToken = (id, i, piece) => {
     tokens.push(id);
     const now = performance.now(), w = nb.stats().bytes.weights;
     chart.rows.push({ wall_ms: now - last, bytes_streamed: w - prevWeights });
     last = now; prevWeights = w;
     drawChart();
-    $("output").textContent = tokenizer ? tokenizer.decode(tokens) : tokens.join(" ");
+    if (typeof piece === "string") text += piece;
+    $("output").textContent = typeof piece === "string" ? text : tokens.join(" ");
     $("runStatus").textContent = `token ${i + 1} of at most ${maxTokens}`;
   };
   try {
@@ -150,6 +132,7 @@ export async function runDit(opts = {}) {
     steps: Number($("steps").value), height: Number($("height").value), width: Number($("width").value),
     textTokens: Number($("textTokens").value), seed: Number($("seed").value), ...opts,
   };
+  for (const k of ["steps", "height", "width", "textTokens", "seed"]) $(k).value = o[k];
   const plan = await showPlan(o);
   chart.rows = []; drawChart();
   $("output").textContent = "";
@@ -174,11 +157,11 @@ export async function runDit(opts = {}) {
 async function main() {
   await init();
   nb = new Nibble();
-  window.nibbleDemo = { nb, openModel, showPlan, runLlm, runDit };
+  window.nibbleDemo = { nb, openModel, showPlan, runLlm, runDit, promptIds };
   try {
     const a = await nb.adapter();
     $("adapter").textContent =
-      `WebGPU adapter: ${a.name}; max storage binding ${fmt(a.limits.max_storage_buffer_binding_size)}, ` +
+      `WebGPU adapter: ${a.name || "(unnamed)"}; max storage binding ${fmt(a.limits.max_storage_buffer_binding_size)}, ` +
       `max buffer ${fmt(a.limits.max_buffer_size)}, ${a.limits.max_storage_buffers_per_shader_stage} storage buffers per stage, ` +
       `${a.limits.max_compute_invocations_per_workgroup} invocations per workgroup`;
     window.nibbleDemo.adapter = a;
@@ -190,26 +173,30 @@ async function main() {
   }
   const params = new URLSearchParams(location.search);
   if (params.get("model")) $("url").value = params.get("model");
+  if (params.get("open") !== null) $("load").click();
   $("settings").addEventListener("submit", (ev) => {
     ev.preventDefault();
     openModel($("url").value.trim()).catch((e) => { $("openStatus").textContent = `error: ${e.message ?? e}`; });
   });
   $("showPlan").addEventListener("click", () => {
     const o = model?.kind === "llm"
-      ? { promptTokens: parseIds().length, maxTokens: Number($("maxTokens").value) }
+      ? { promptTokens: promptIds().length, maxTokens: Number($("maxTokens").value) }
       : { height: Number($("height").value), width: Number($("width").value), textTokens: Number($("textTokens").value) };
     showPlan({ ...settings(), ...o }).catch((e) => { $("plan").textContent = `error: ${e.message ?? e}`; });
   });
   $("run").addEventListener("click", () => {
     const p = model?.kind === "llm"
-      ? runLlm(parseIds(), { ...settings(), stopAtEos: $("stopAtEos").checked })
+      ? runLlm(promptIds(), { ...settings(), stopAtEos: $("stopAtEos").checked })
       : runDit(settings());
     p.catch((e) => { $("runStatus").textContent = `error: ${e.message ?? e}`; });
   });
   window.nibbleDemo.ready = true;
 }
 
-function parseIds() {
+// The prompt as token ids: the text through the model's tokenizer (and chat template), or the
+// ids typed in for models without a tokenizer.
+function promptIds() {
+  if (model?.tokenizer) return Array.from(nb.tokenize($("prompt").value, $("chat").checked));
   return $("promptIds").value.split(/[\s,]+/).filter(Boolean).map(Number);
 }
 
