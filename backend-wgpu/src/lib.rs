@@ -6,6 +6,7 @@
 //! adapter gets [`WgpuError::NoAdapter`], never a panic.
 
 use std::collections::HashMap;
+pub use wgpu;
 
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::cpu_ref::Q4Ref;
@@ -113,6 +114,21 @@ impl WgpuBackend {
     #[cfg(not(target_arch = "wasm32"))]
     pub fn new() -> Result<Self> {
         pollster::block_on(Self::new_async())
+    }
+
+    /// The adapter [`WgpuBackend::new`] would open, without opening a device (a software
+    /// renderer's device costs tens of MiB that stay mapped after it is dropped).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn probe() -> Result<wgpu::AdapterInfo> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            force_fallback_adapter: false,
+            compatible_surface: None,
+            apply_limit_buckets: false,
+        }))
+        .map_err(|e| WgpuError::NoAdapter(e.to_string()))?;
+        Ok(adapter.get_info())
     }
 
     /// Async form of [`WgpuBackend::new`] (the browser cannot block).
@@ -414,39 +430,10 @@ impl WgpuBackend {
         }
     }
 
+    /// Natively the read-back's future is ready once the device has been polled to idle.
     #[cfg(not(target_arch = "wasm32"))]
     fn read_back(&self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
-        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("read"),
-            });
-        enc.copy_buffer_to_buffer(src, offset, &readback, 0, bytes);
-        self.queue.submit([enc.finish()]);
-        let slice = readback.slice(..);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| WgpuError::Gpu(e.to_string()))?;
-        rx.recv()
-            .map_err(|e| WgpuError::Gpu(e.to_string()))?
-            .map_err(|e| WgpuError::Gpu(e.to_string()))?;
-        let view = slice
-            .get_mapped_range()
-            .map_err(|e| WgpuError::Gpu(e.to_string()))?;
-        let v = view[..bytes as usize].to_vec();
-        drop(view);
-        readback.unmap();
-        Ok(v)
+        pollster::block_on(self.read_back_async(src, offset, bytes))
     }
 
     /// Runs one op with host inputs and returns the host output, through the same arena and

@@ -80,18 +80,7 @@ fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String>
         .map(|s| s.to_string())
 }
 
-/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`).
-fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
-    let rest = v.trim().strip_prefix("bytes ")?;
-    let (range, total) = rest.split_once('/')?;
-    let (a, b) = range.split_once('-')?;
-    let total = if total.trim() == "*" {
-        None
-    } else {
-        Some(total.trim().parse().ok()?)
-    };
-    Some((a.trim().parse().ok()?, b.trim().parse().ok()?, total))
-}
+use crate::source::parse_content_range;
 
 impl HttpSource {
     /// A client with no files yet.

@@ -67,6 +67,27 @@ impl DitInputs {
         }
     }
 
+    /// Inputs from tensors named like diffusers' pipeline arguments and the fixtures':
+    /// `hidden_states`, `encoder_hidden_states`, `pooled_projections`, `guidance` (read only when
+    /// the model has a guidance embedding), `img_ids`, `txt_ids`.
+    pub fn from_named<E>(
+        cfg: &DitConfig,
+        mut get: impl FnMut(&str) -> std::result::Result<Vec<f32>, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(DitInputs {
+            x0: get("hidden_states")?,
+            context: get("encoder_hidden_states")?,
+            pooled: get("pooled_projections")?,
+            guidance: if cfg.guidance {
+                get("guidance")?.first().copied().unwrap_or(0.0)
+            } else {
+                0.0
+            },
+            img_ids: get("img_ids")?,
+            txt_ids: get("txt_ids")?,
+        })
+    }
+
     /// Image tokens.
     pub fn image_tokens(&self) -> usize {
         self.img_ids.len() / 3

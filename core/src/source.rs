@@ -61,6 +61,20 @@ impl SlotMemory for HostSlot {
     }
 }
 
+/// Parses an HTTP `Content-Range: bytes START-END/TOTAL` value (TOTAL may be `*`), for the
+/// native HTTP source and the browser's alike.
+pub fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let rest = v.trim().strip_prefix("bytes ")?;
+    let (range, total) = rest.split_once('/')?;
+    let (a, b) = range.split_once('-')?;
+    let total = if total.trim() == "*" {
+        None
+    } else {
+        Some(total.trim().parse().ok()?)
+    };
+    Some((a.trim().parse().ok()?, b.trim().parse().ok()?, total))
+}
+
 /// One file of a source.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SourceFile {

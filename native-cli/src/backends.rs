@@ -61,11 +61,10 @@ pub fn select(name: &str) -> Result<AnyBackend> {
                 Ok(b) => return Ok(AnyBackend::Cuda(Box::new(b))),
                 Err(e) => eprintln!("auto: no CUDA ({e})"),
             }
-            match nibble_wgpu::WgpuBackend::new() {
-                Ok(b) if !b.is_software() => return Ok(AnyBackend::Wgpu(Box::new(b))),
-                Ok(b) => eprintln!(
-                    "auto: the wgpu adapter {} is a CPU renderer; nibble's CPU backend is faster",
-                    b.describe()
+            match probe_wgpu() {
+                Ok((_, false)) => return Ok(AnyBackend::Wgpu(Box::new(nibble_wgpu::WgpuBackend::new()?))),
+                Ok((name, true)) => eprintln!(
+                    "auto: the wgpu adapter {name} is a CPU renderer; nibble's CPU backend is faster"
                 ),
                 Err(e) => eprintln!("auto: no wgpu GPU ({e})"),
             }
@@ -73,4 +72,37 @@ pub fn select(name: &str) -> Result<AnyBackend> {
         }
         other => bail!("--backend '{other}': expected auto, cpu, cpu-ref, wgpu or cuda"),
     })
+}
+
+/// The wgpu adapter's name and whether it is a software renderer, asked of a child process
+/// (`nibble probe-wgpu`): even without a device, loading a software Vulkan driver leaves tens of
+/// MiB mapped in the process that asked, which would count against the run's memory plan.
+fn probe_wgpu() -> Result<(String, bool)> {
+    let child = std::env::current_exe().ok().and_then(|exe| {
+        std::process::Command::new(exe)
+            .arg("probe-wgpu")
+            .output()
+            .ok()
+    });
+    if let Some(out) = child {
+        if !out.status.success() {
+            let msg = String::from_utf8_lossy(&out.stderr);
+            bail!("{}", msg.trim().trim_start_matches("error: "));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        return Ok((
+            format!(
+                "{} ({})",
+                v["name"].as_str().unwrap_or("?"),
+                v["backend"].as_str().unwrap_or("?")
+            ),
+            v["software"].as_bool().unwrap_or(true),
+        ));
+    }
+    // No executable to spawn (embedded use): ask in this process.
+    let info = nibble_wgpu::WgpuBackend::probe()?;
+    Ok((
+        format!("{} ({:?})", info.name, info.backend),
+        info.device_type == nibble_wgpu::wgpu::DeviceType::Cpu,
+    ))
 }

@@ -258,6 +258,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Internal (`--backend auto`): print the wgpu adapter as one JSON line, from a process of
+    /// its own so that a software renderer's memory does not stay in the caller's.
+    #[command(hide = true)]
+    ProbeWgpu,
     /// Serve a folder over HTTP with byte ranges, ETag and CORS (models, the browser demo).
     Serve {
         /// The folder to serve; nothing outside it is reachable.
@@ -496,6 +500,14 @@ fn main() -> ExitCode {
             json,
             quant_state,
         } => inspect::run(&path, json, quant_state),
+        Command::ProbeWgpu => (|| {
+            let info = nibble_wgpu::WgpuBackend::probe()?;
+            write_stdout(&format!(
+                "{}\n",
+                serde_json::json!({"name": info.name, "backend": format!("{:?}", info.backend),
+                                   "software": info.device_type == nibble_wgpu::wgpu::DeviceType::Cpu})
+            ))
+        })(),
         Command::Serve { dir, addr, mounts } => (|| {
             let mounts = mounts
                 .iter()

@@ -52,18 +52,7 @@ pub fn read_inputs(path: &std::path::Path, cfg: &DitConfig) -> Result<DitInputs>
                 .with_context(|| format!("{}: no tensor '{n}'", path.display()))?,
         )?)
     };
-    Ok(DitInputs {
-        x0: get("hidden_states")?,
-        context: get("encoder_hidden_states")?,
-        pooled: get("pooled_projections")?,
-        guidance: if cfg.guidance {
-            get("guidance")?.first().copied().unwrap_or(0.0)
-        } else {
-            0.0
-        },
-        img_ids: get("img_ids")?,
-        txt_ids: get("txt_ids")?,
-    })
+    DitInputs::from_named(cfg, get)
 }
 
 /// Writes the first three channels of a latent `[h * w, c]` as an RGB PNG (each normalized),

@@ -596,13 +596,7 @@ impl Nibble {
     /// Token ids of `text` with the model's tokenizer; with `chat`, as the user's turn of the
     /// model's chat template, ready for the assistant's answer (as `nibble run --chat`).
     pub fn tokenize(&self, text: String, chat: bool) -> Result<Vec<u32>, JsValue> {
-        let tok = self
-            .state
-            .try_borrow()
-            .map_err(|_| js_err("busy"))?
-            .text
-            .clone()
-            .ok_or_else(|| js_err("the loaded model has no tokenizer.json: give token ids"))?;
+        let tok = self.text()?;
         if chat {
             let rendered = tok
                 .apply_chat_template(&[Message::new("user", &text)], true)
@@ -615,14 +609,7 @@ impl Nibble {
 
     /// The text of token ids (special tokens skipped).
     pub fn detokenize(&self, ids: Vec<u32>) -> Result<String, JsValue> {
-        let tok = self
-            .state
-            .try_borrow()
-            .map_err(|_| js_err("busy"))?
-            .text
-            .clone()
-            .ok_or_else(|| js_err("the loaded model has no tokenizer.json"))?;
-        tok.decode(&ids, true).map_err(js_err)
+        self.text()?.decode(&ids, true).map_err(js_err)
     }
 
     /// Every request so far and the bytes by purpose: `{ requests: [{url, range, status,
@@ -656,6 +643,18 @@ impl Nibble {
             },
             "weight_file_requests_without_range": unranged,
         }))
+    }
+}
+
+impl Nibble {
+    /// The loaded language model's tokenizer.
+    fn text(&self) -> Result<Rc<TextTokenizer>, JsValue> {
+        self.state
+            .try_borrow()
+            .map_err(|_| js_err("busy"))?
+            .text
+            .clone()
+            .ok_or_else(|| js_err("the loaded model has no tokenizer.json: give token ids"))
     }
 }
 
@@ -720,18 +719,7 @@ fn dit_inputs(
             }
             Ok(js_sys::Float32Array::new(&v).to_vec())
         };
-        let inputs = DitInputs {
-            x0: get("hidden_states")?,
-            context: get("encoder_hidden_states")?,
-            pooled: get("pooled_projections")?,
-            guidance: if cfg.guidance {
-                get("guidance")?.first().copied().unwrap_or(0.0)
-            } else {
-                0.0
-            },
-            img_ids: get("img_ids")?,
-            txt_ids: get("txt_ids")?,
-        };
+        let inputs = DitInputs::from_named(&cfg, get)?;
         inputs.check(&cfg).map_err(js_err)?;
         return Ok(inputs);
     }

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
 
-use nibble_core::source::{ByteSource, ReadCompletion, ReadRequest, SourceFile};
+use nibble_core::source::{
+    parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
+};
 use nibble_core::{Error, Result};
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
@@ -168,19 +170,6 @@ fn header(r: &web_sys::Response, name: &str) -> Option<String> {
     r.headers().get(name).ok().flatten()
 }
 
-/// Parses `bytes a-b/total` (total may be `*`).
-fn content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
-    let rest = v.trim().strip_prefix("bytes ")?;
-    let (range, total) = rest.split_once('/')?;
-    let (a, b) = range.split_once('-')?;
-    let total = if total.trim() == "*" {
-        None
-    } else {
-        Some(total.trim().parse().ok()?)
-    };
-    Some((a.trim().parse().ok()?, b.trim().parse().ok()?, total))
-}
-
 /// The bytes `offset .. offset + len` of `url` and the file's total length, by one Range
 /// request whose answer must be exactly that range.
 pub async fn fetch_range(
@@ -227,7 +216,7 @@ pub async fn fetch_range(
         ));
     }
     let cr = header(&resp, "content-range").unwrap_or_default();
-    let total = match content_range(&cr) {
+    let total = match parse_content_range(&cr) {
         Some((a, b, total)) if (a, b) == want => total,
         _ => {
             log(status, 0);
