@@ -127,8 +127,10 @@ pub struct PinnedAllocator(Arc<CudaContext>);
 
 impl SlotAllocator for PinnedAllocator {
     fn allocate(&self, bytes: usize) -> nibble_core::Result<SlotBuffer> {
+        // Cached (not write-combined) page-locked memory: the executor also reads slots on the
+        // host (absmax, dense tensors), and reads of write-combined memory are uncached.
         // SAFETY: the memory is written by readers before anything reads it.
-        let slice = unsafe { self.0.alloc_pinned::<u8>(bytes) }.map_err(drv)?;
+        let slice = unsafe { self.0.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(drv)?;
         Ok(Box::new(PinnedSlot(slice)))
     }
 }
@@ -154,6 +156,10 @@ pub struct CudaBackend {
     device: Option<Device>,
     blas: Option<cudarc::cublas::CudaBlas>,
     scratch: Option<(CudaSlice<u8>, u64)>,
+    /// Compute-stream events recorded when the last two streamed groups began loading: the
+    /// older one covers every kernel of the group before it, the last reader of the pool
+    /// region the next upload overwrites.
+    group_starts: std::collections::VecDeque<cudarc::driver::CudaEvent>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -228,6 +234,7 @@ impl CudaBackend {
             device: None,
             blas: None,
             scratch: None,
+            group_starts: std::collections::VecDeque::new(),
         })
     }
 
@@ -582,8 +589,26 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn begin_group_load(&mut self) {
+        // Without an event the uploads would wait on nothing; record() failing leaves the
+        // conservative order: wait for everything queued so far.
+        match self.compute.record_event(None) {
+            Ok(e) => {
+                self.group_starts.push_back(e);
+                while self.group_starts.len() > 2 {
+                    self.group_starts.pop_front();
+                }
+            }
+            Err(_) => {
+                let _ = self.compute.synchronize();
+                self.group_starts.clear();
+            }
+        }
+    }
+
     fn release(&mut self) {
         let _ = self.compute.synchronize();
+        self.group_starts.clear();
         self.device = None;
         self.scratch = None;
     }
@@ -636,12 +661,19 @@ impl Backend for CudaBackend {
         let base = self.dev()?.pool_ptr;
         // The copy runs on the copy stream; the compute stream waits for it, and the ring waits
         // for the same event before it refills the slot.
+        // The region may still be read by kernels queued on the compute stream: the group two
+        // back used the same stream slot, and all of its kernels were queued before the previous
+        // group began loading. The copy waits for that point only, so it overlaps the previous
+        // group's kernels.
+        if let Some(e) = self
+            .group_starts
+            .front()
+            .filter(|_| self.group_starts.len() == 2)
+        {
+            self.copy.wait(e).map_err(drv)?;
+        }
         // SAFETY: the destination lies inside the pool; the source slot stays untouched until
         // the returned fence has signalled.
-        // The region may still be read by kernels queued on the compute stream (a stream slot
-        // two groups back): the copy waits for everything queued there so far.
-        let queued = self.compute.record_event(None).map_err(drv)?;
-        self.copy.wait(&queued).map_err(drv)?;
         unsafe {
             cudarc::driver::result::memcpy_htod_async(base + offset, bytes, self.copy.cu_stream())
         }

@@ -112,6 +112,10 @@ pub trait Backend {
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// A weight group is about to be uploaded (the executor calls this before each group's
+    /// first chunk). Asynchronous backends mark here how far the queued compute had got, so
+    /// that a later upload waits only for the kernels that read the region it overwrites.
+    fn begin_group_load(&mut self) {}
     /// Frees the arena and the pool (the end of a pipeline phase); `allocate` may follow.
     fn release(&mut self) {}
     /// The executor is about to block on the weight stream: a backend that spins worker threads

@@ -1422,11 +1422,12 @@ impl<B: Backend> Executor<B> {
     }
 
     fn load_group(&mut self, pf: &mut Prefetcher<Box<dyn ByteSource>>, g: usize) -> Result<()> {
+        self.backend.begin_group_load();
         loop {
             if !pf.next_ready() {
                 self.backend.idle();
             }
-            let Some(chunk) = pf.next_chunk()? else { break };
+            let chunk = pf.next_chunk()?.ok_or_else(|| stream_ended(g))?;
             if self.take_chunk(pf, chunk, g)? {
                 break;
             }
@@ -1440,9 +1441,10 @@ impl<B: Backend> Executor<B> {
         pf: &mut Prefetcher<Box<dyn ByteSource>>,
         g: usize,
     ) -> Result<()> {
+        self.backend.begin_group_load();
         loop {
             pf.ready().await?;
-            let Some(chunk) = pf.next_chunk()? else { break };
+            let chunk = pf.next_chunk()?.ok_or_else(|| stream_ended(g))?;
             if self.take_chunk(pf, chunk, g)? {
                 break;
             }
@@ -1488,6 +1490,7 @@ impl<B: Backend> Executor<B> {
         let tensors = naive.tensors[g].clone();
         let source = naive.source.clone();
         let total: u64 = tensors.iter().map(|t| t.len).sum();
+        self.backend.begin_group_load();
         let t0 = web_time::Instant::now();
         let mut buf = vec![0u8; total as usize];
         let mut parts = Vec::with_capacity(tensors.len());
@@ -1802,6 +1805,14 @@ struct StepCursor {
     end: usize,
     next_group: usize,
     stats: ExecStats,
+}
+
+/// The stream ran out (its pass limit) before group `g` arrived: running on would compute with
+/// whatever the pool region still holds.
+fn stream_ended(g: usize) -> Error {
+    Error::Invalid(format!(
+        "the weight stream ended before group {g} was loaded (more steps than the stream was limited to)"
+    ))
 }
 
 fn pf_peek_group(pf: &Prefetcher<Box<dyn ByteSource>>, idx: usize) -> Option<usize> {

@@ -62,7 +62,10 @@ pub fn select(name: &str) -> Result<AnyBackend> {
                 Err(e) => eprintln!("auto: no CUDA ({e})"),
             }
             match probe_wgpu() {
-                Ok((_, false)) => return Ok(AnyBackend::Wgpu(Box::new(nibble_wgpu::WgpuBackend::new()?))),
+                Ok((name, false)) => match nibble_wgpu::WgpuBackend::new() {
+                    Ok(b) => return Ok(AnyBackend::Wgpu(Box::new(b))),
+                    Err(e) => eprintln!("auto: the wgpu adapter {name} did not open ({e})"),
+                },
                 Ok((name, true)) => eprintln!(
                     "auto: the wgpu adapter {name} is a CPU renderer; nibble's CPU backend is faster"
                 ),

@@ -216,3 +216,27 @@ fn tied_embeddings_stream_like_resident() {
         "the tied head really is the embedding table"
     );
 }
+
+/// A stream limited to N passes (the browser limits it to the tokens asked for, so that no read
+/// runs ahead) serves exactly N; a pass beyond is an error, never a step computed with whatever
+/// the pool region still holds.
+#[test]
+fn a_limited_stream_refuses_a_pass_beyond_its_limit() {
+    let m = model();
+    let e = Expected::open(&fixture("tiny-llama-nf4/expected.safetensors"));
+    let prompt = ids(&e, "prompt_ids");
+    let want = ids(&e, "greedy_tokens_deq");
+    let mut d = decoder(
+        &m,
+        &mut CpuRefBackend::new,
+        LlamaShape::generate(prompt.len(), 4),
+        opts(true),
+    );
+    d.executor_mut().limit_stream_passes(2);
+    let (last, _) = d.prefill(&prompt).expect("pass 1");
+    assert_eq!(argmax(&last), want[0]);
+    let (l, _) = d.decode(want[0]).expect("pass 2");
+    assert_eq!(argmax(&l), want[1]);
+    let err = d.decode(want[1]).expect_err("pass 3 is past the limit");
+    assert!(err.to_string().contains("weight stream ended"), "{err}");
+}

@@ -256,6 +256,7 @@ impl Nibble {
     pub fn adapter(&self) -> js_sys::Promise {
         let state = self.state.clone();
         future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
             let b = backend_of(&state).await?;
             let l = b.limits();
             let i = b.adapter_info();
@@ -290,6 +291,10 @@ impl Nibble {
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
             let s = settings_from(&settings, Settings::default())?;
+            // A new model (or the same one, changed on the server) starts new validators.
+            if let Ok(mut t) = traffic.lock() {
+                t.forget_validators();
+            }
             let t0 = Instant::now();
             let model = open(&traffic, &url).await.map_err(js_err)?;
             let kind = kind_of(model.index.config.as_ref())?;
@@ -378,11 +383,11 @@ impl Nibble {
         let opts = from_js(&opts);
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
-            let backend = backend_of(&state).await?;
+            // Everything that can be refused is checked before the device is taken out of the
+            // state (it goes back when the run ends).
             let (index, files, urls, s) = {
                 let st = state.borrow();
                 if st.kind != Some(Kind::Llm) {
-                    state.borrow_mut().backend = Some(backend);
                     return Err(js_err("the loaded model is not a language model"));
                 }
                 let m = st
@@ -406,16 +411,11 @@ impl Nibble {
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
             if prompt.is_empty() {
-                state.borrow_mut().backend = Some(backend);
                 return Err(js_err("the prompt has no tokens"));
             }
-            let lg = match llama::build(&index, LlamaShape::generate(prompt.len(), max_tokens)) {
-                Ok(g) => g,
-                Err(e) => {
-                    state.borrow_mut().backend = Some(backend);
-                    return Err(js_err(e));
-                }
-            };
+            let lg = llama::build(&index, LlamaShape::generate(prompt.len(), max_tokens))
+                .map_err(js_err)?;
+            let backend = backend_of(&state).await?;
             let (mut eos, text) = {
                 let st = state.borrow();
                 (st.eos.clone(), st.text.clone())
@@ -506,7 +506,6 @@ impl Nibble {
         let inputs_js = js_sys::Reflect::get(&opts, &JsValue::from_str("inputs")).ok();
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
-            let backend = backend_of(&state).await?;
             let prepared = (|| -> Result<_, JsValue> {
                 let st = state.borrow();
                 if st.kind != Some(Kind::Dit) {
@@ -525,13 +524,7 @@ impl Nibble {
                     inputs,
                 ))
             })();
-            let (index, files, urls, s, inputs) = match prepared {
-                Ok(p) => p,
-                Err(e) => {
-                    state.borrow_mut().backend = Some(backend);
-                    return Err(e);
-                }
-            };
+            let (index, files, urls, s, inputs) = prepared?;
             let steps = opts_v
                 .get("steps")
                 .and_then(Value::as_u64)
@@ -539,13 +532,9 @@ impl Nibble {
                 .max(1) as usize;
             let shift = opts_v.get("shift").and_then(Value::as_f64).unwrap_or(1.0);
             let sigmas = schedule(steps, shift, false, inputs.image_tokens());
-            let graph = match Denoiser::<WgpuBackend>::graph_for(&index, &inputs) {
-                Ok(g) => g,
-                Err(e) => {
-                    state.borrow_mut().backend = Some(backend);
-                    return Err(js_err(e));
-                }
-            };
+            let graph = Denoiser::<WgpuBackend>::graph_for(&index, &inputs).map_err(js_err)?;
+            // The device leaves the state only now that nothing before the run can be refused.
+            let backend = backend_of(&state).await?;
             let o = exec_options(s, &graph, &backend);
             drop(graph);
             let before = traffic_bytes(&traffic, "weights");

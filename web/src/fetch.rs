@@ -41,6 +41,11 @@ pub struct Traffic {
 }
 
 impl Traffic {
+    /// Forgets the `ETag`s seen (a new model is being opened).
+    pub fn forget_validators(&mut self) {
+        self.validators.clear();
+    }
+
     /// Body bytes received for `purpose` (all purposes when `None`).
     pub fn bytes(&self, purpose: Option<&str>) -> u64 {
         self.requests

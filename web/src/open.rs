@@ -16,6 +16,9 @@ use nibble_core::{Error, Result};
 
 use crate::fetch::{fetch_range, fetch_small, SharedTraffic};
 
+/// The most one quant-state request reads (adjacent small tensors are read together).
+const MAX_RUN: u64 = 16 << 20;
+
 /// Side files larger than this are refused.
 const SMALL: u64 = 64 << 20;
 
@@ -176,7 +179,9 @@ pub async fn open(traffic: &SharedTraffic, url: &str) -> Result<RemoteModel> {
     let mut runs: Vec<Run> = Vec::new();
     for (file, offset, len) in wanted {
         match runs.last_mut() {
-            Some((f, _, end, parts)) if *f == file && *end == offset => {
+            Some((f, start, end, parts))
+                if *f == file && *end == offset && *end + len - *start <= MAX_RUN =>
+            {
                 *end += len;
                 parts.push((offset, len));
             }
@@ -187,12 +192,13 @@ pub async fn open(traffic: &SharedTraffic, url: &str) -> Result<RemoteModel> {
     for (file, start, end, parts) in runs {
         let len = end - start;
         let bytes = if len == 0 {
-            Vec::new()
+            None
         } else {
-            fetch_range(traffic, &urls[file], start, len, "quant-state")
-                .await?
-                .0
-                .to_vec()
+            Some(
+                fetch_range(traffic, &urls[file], start, len, "quant-state")
+                    .await?
+                    .0,
+            )
         };
         open_bytes += len;
         let mut ranges = prefetched
@@ -200,8 +206,12 @@ pub async fn open(traffic: &SharedTraffic, url: &str) -> Result<RemoteModel> {
             .lock()
             .map_err(|_| Error::Invalid("prefetched ranges poisoned".into()))?;
         for (offset, l) in parts {
-            let at = (offset - start) as usize;
-            ranges.insert((file, offset), bytes[at..at + l as usize].to_vec());
+            let at = (offset - start) as u32;
+            let part = match &bytes {
+                Some(b) if l > 0 => b.subarray(at, at + l as u32).to_vec(),
+                _ => Vec::new(),
+            };
+            ranges.insert((file, offset), part);
         }
     }
     Ok(RemoteModel {

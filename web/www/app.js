@@ -160,6 +160,11 @@ async function main() {
   window.nibbleDemo = { nb, openModel, showPlan, runLlm, runDit, promptIds };
   try {
     const a = await nb.adapter();
+    // Browsers give wgpu no adapter name; ask WebGPU itself for vendor and architecture.
+    if (!a.name || a.name === "(Cpu)" || a.name.startsWith("(")) {
+      const info = (await navigator.gpu?.requestAdapter())?.info;
+      if (info) a.name = [info.vendor, info.architecture, info.description].filter(Boolean).join(" ") || a.name;
+    }
     $("adapter").textContent =
       `WebGPU adapter: ${a.name || "(unnamed)"}; max storage binding ${fmt(a.limits.max_storage_buffer_binding_size)}, ` +
       `max buffer ${fmt(a.limits.max_buffer_size)}, ${a.limits.max_storage_buffers_per_shader_stage} storage buffers per stage, ` +
