@@ -74,13 +74,15 @@ for b in site.getsitepackages():
 export NIBBLE_REQUIRE_CUDA=1 NIBBLE_FIXTURES="$PWD/$bundle/fixtures"
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 status=0
+: >"$work/steps"
 step() { # name, command...
     local name=$1; shift
     echo "== $name"
     local t0=$SECONDS
     if "$@"; then echo "-- $name: ok ($((SECONDS - t0)) s)"; echo "| $name | ok | $((SECONDS - t0)) s |" >>"$work/steps"
-    else echo "-- $name: FAILED ($((SECONDS - t0)) s)"; echo "| $name | FAILED | $((SECONDS - t0)) s |" >>"$work/steps"; status=1; fi
+    else echo "-- $name: FAILED ($((SECONDS - t0)) s)"; echo "| $name | FAILED | $((SECONDS - t0)) s |" >>"$work/steps"; fi
 }
 {
     echo "== nvidia-smi"; nvidia-smi -L || true
@@ -119,4 +121,7 @@ d = load("demo-cuda.json")
 if d:
     print("\ndemo on cuda: " + json.dumps(d.get("summary", {k: v for k, v in d.items() if k != "steps"}))[:2000])
 PY
+# The steps ran in the pipeline's subshell: their results are in the steps file.
+grep -q "FAILED" "$work/steps" 2>/dev/null && status=1
+[ -s "$work/steps" ] || status=1
 exit $status
