@@ -324,6 +324,10 @@ impl Nibble {
                 st.text = text.map(Rc::new);
                 st.eos = eos;
             }
+            // The plan of a default run (16 prompt + 16 new tokens, or a 4 x 4 latent), before
+            // any weight is read; `plan()` gives it for other shapes.
+            let mut summary = summary;
+            summary["plan"] = plan_for(&state, &Value::Null).await?;
             to_js(&summary)
         })
     }
@@ -335,53 +339,34 @@ impl Nibble {
         let opts = from_js(&opts);
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
-            let backend = backend_of(&state).await?;
-            let r = (|| -> Result<Value, JsValue> {
-                let st = state.borrow();
-                let model = st
-                    .model
-                    .as_ref()
-                    .ok_or_else(|| js_err("load a model first"))?;
-                let s = settings_from(&opts, st.settings)?;
-                let graph = match st.kind {
-                    Some(Kind::Llm) => {
-                        let p = opts
-                            .get("promptTokens")
-                            .and_then(Value::as_u64)
-                            .unwrap_or(16) as usize;
-                        let m =
-                            opts.get("maxTokens").and_then(Value::as_u64).unwrap_or(16) as usize;
-                        llama::build(&model.index, LlamaShape::generate(p, m))
-                            .map_err(js_err)?
-                            .graph
-                    }
-                    _ => {
-                        let inputs = dit_inputs(&model.index, &opts, None)?;
-                        Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
-                    }
-                };
-                let o = exec_options(s, &graph, &backend);
-                let plan =
-                    Executor::plan_only(&graph, &model.index, &backend, o).map_err(js_err)?;
-                Ok(plan_json(&plan))
-            })();
-            state.borrow_mut().backend = Some(backend);
-            to_js(&r?)
+            to_js(&plan_for(&state, &opts).await?)
         })
     }
 
-    /// Greedy generation from token ids: `opts = { maxTokens: 16, stopAtEos: true }` plus any
-    /// memory setting; `on_token(id, index)` is called as each token is chosen. Resolves to
-    /// `{ tokens, plan, prefill_tok_s, decode_tok_s, weight_bytes, predicted_weight_bytes }`.
+    /// Greedy generation: `prompt` is text (through the tokenizer; as a chat turn unless
+    /// `opts.chat` is false and when the model has a chat template) or token ids; `opts =
+    /// { maxTokens: 16, stopAtEos: true, chat }` plus any memory setting; `on_token(id, index,
+    /// text)` is called as each token is chosen (`text`: the newly complete text, when the model
+    /// has a tokenizer). Resolves to `{ tokens, plan, prefill_tok_s, decode_tok_s, passes,
+    /// weight_bytes, predicted_weight_bytes }`.
     pub fn generate(
         &self,
-        prompt: Vec<u32>,
+        prompt: JsValue,
         opts: JsValue,
         on_token: js_sys::Function,
     ) -> js_sys::Promise {
         let (state, traffic) = (self.state.clone(), self.traffic.clone());
         let opts = from_js(&opts);
+        let prompt: Result<Vec<u32>, JsValue> = match prompt.as_string() {
+            Some(text) => {
+                let chat = opts.get("chat").and_then(Value::as_bool).unwrap_or(true)
+                    && self.text().is_ok_and(|t| t.has_chat_template());
+                self.tokenize(text, chat)
+            }
+            None => Ok(js_sys::Uint32Array::new(&prompt).to_vec()),
+        };
         future_to_promise(async move {
+            let prompt = prompt?;
             let _busy = BusyGuard::take(&state)?;
             // Everything that can be refused is checked before the device is taken out of the
             // state (it goes back when the run ends).
@@ -645,6 +630,41 @@ impl Nibble {
             .clone()
             .ok_or_else(|| js_err("the loaded model has no tokenizer.json: give token ids"))
     }
+}
+
+/// The plan for a run of the loaded model with `opts` (shape and memory settings), on the
+/// state's device (opened if needed, put back after).
+async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsValue> {
+    let backend = backend_of(state).await?;
+    let r = (|| -> Result<Value, JsValue> {
+        let st = state.borrow();
+        let model = st
+            .model
+            .as_ref()
+            .ok_or_else(|| js_err("load a model first"))?;
+        let s = settings_from(opts, st.settings)?;
+        let graph = match st.kind {
+            Some(Kind::Llm) => {
+                let p = opts
+                    .get("promptTokens")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(16) as usize;
+                let m = opts.get("maxTokens").and_then(Value::as_u64).unwrap_or(16) as usize;
+                llama::build(&model.index, LlamaShape::generate(p, m))
+                    .map_err(js_err)?
+                    .graph
+            }
+            _ => {
+                let inputs = dit_inputs(&model.index, opts, None)?;
+                Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
+            }
+        };
+        let o = exec_options(s, &graph, &backend);
+        let plan = Executor::plan_only(&graph, &model.index, &backend, o).map_err(js_err)?;
+        Ok(plan_json(&plan))
+    })();
+    state.borrow_mut().backend = Some(backend);
+    r
 }
 
 /// `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and the extra

@@ -8,8 +8,9 @@
 //! await init();
 //! const nb = new Nibble();
 //! const info = await nb.adapter();                 // adapter name, limits
-//! const plan = await nb.load(url, { deviceBudget: "min", slots: 2, slotBytes: 65536 });
-//! const out = await nb.generate([1, 2, 3], { maxTokens: 16 }, (tok) => ...);   // LLMs
+//! const model = await nb.load(url, { deviceBudget: "min", slots: 2, slotBytes: 65536 });
+//! // model.plan: the memory plan of a default run, before any weight byte is read
+//! const out = await nb.generate("Hello", { maxTokens: 16 }, (id, i, text) => ...); // LLMs
 //! const dit = await nb.denoise({ steps: 4, inputs }, (step) => ...);             // DiTs
 //! nb.stats();                                       // every request, bytes fetched vs the plan
 //! ```

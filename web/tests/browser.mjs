@@ -117,6 +117,10 @@ async function main() {
     const before = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
     await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [llamaUrl, mem]);
     const afterOpen = await page.evaluate(() => window.nibbleDemo.nb.stats().bytes);
+    const opened = await page.evaluate(() => window.nibbleDemo.lastModel);
+    check("tiny-llama load plans before any weight is read",
+      afterOpen.weights === before.weights && opened.plan && opened.plan.streamed_bytes_per_step > 0,
+      `${afterOpen.weights - before.weights} weight bytes read while opening; plan ${opened.plan ? opened.plan.streamed_bytes_per_step : "missing"} bytes per step`);
     const wantOpen = openBytes(join(llamaDir, "model/model.safetensors"));
     const gotOpen = afterOpen.header + afterOpen.quant_state - before.header - before.quant_state;
     check("tiny-llama opening reads 8 + header + quant states", gotOpen === wantOpen, `${gotOpen} bytes, expected ${wantOpen}`);

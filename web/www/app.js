@@ -75,6 +75,8 @@ export async function openModel(url, s = settings()) {
   $("openBar").style.width = "15%";
   const t0 = performance.now();
   model = await nb.load(url, s);
+  window.nibbleDemo.lastModel = model;
+  $("plan").textContent = model.plan.text;
   $("openBar").style.width = "100%";
   $("openStatus").textContent =
     `${model.kind === "llm" ? "language model" : "diffusion transformer"}: ${model.tensors} tensors, ` +
