@@ -120,21 +120,13 @@ impl WgpuBackend {
     /// renderer's device costs tens of MiB that stay mapped after it is dropped).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn probe() -> Result<wgpu::AdapterInfo> {
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
-            power_preference: wgpu::PowerPreference::HighPerformance,
-            force_fallback_adapter: false,
-            compatible_surface: None,
-            apply_limit_buckets: false,
-        }))
-        .map_err(|e| WgpuError::NoAdapter(e.to_string()))?;
-        Ok(adapter.get_info())
+        Ok(pollster::block_on(Self::adapter())?.get_info())
     }
 
-    /// Async form of [`WgpuBackend::new`] (the browser cannot block).
-    pub async fn new_async() -> Result<Self> {
+    /// The adapter nibble opens: a high-performance GPU if any, else a software one.
+    async fn adapter() -> Result<wgpu::Adapter> {
         let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
-        let adapter = instance
+        instance
             .request_adapter(&wgpu::RequestAdapterOptions {
                 power_preference: wgpu::PowerPreference::HighPerformance,
                 force_fallback_adapter: false,
@@ -142,7 +134,12 @@ impl WgpuBackend {
                 apply_limit_buckets: false,
             })
             .await
-            .map_err(|e| WgpuError::NoAdapter(e.to_string()))?;
+            .map_err(|e| WgpuError::NoAdapter(e.to_string()))
+    }
+
+    /// Async form of [`WgpuBackend::new`] (the browser cannot block).
+    pub async fn new_async() -> Result<Self> {
+        let adapter = Self::adapter().await?;
         let info = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = adapter

@@ -1270,18 +1270,17 @@ impl<B: Backend> Executor<B> {
             ..
         } = load;
         let ring = pf.into_ring();
-        let ex = self;
         if opts.naive {
             // The naive offloader keeps no staging ring: drop it after the resident loads.
             drop(ring);
-            ex.naive = Some(Naive {
+            self.naive = Some(Naive {
                 source: model.source(),
-                tensors: group_tensors.clone(),
+                tensors: group_tensors,
             });
         } else if chunks.is_empty() {
-            ex.spare_ring = Some(ring);
+            self.spare_ring = Some(ring);
         } else {
-            ex.prefetch = Some(Prefetcher::new(make_source(), ring, chunks, None)?);
+            self.prefetch = Some(Prefetcher::new(make_source(), ring, chunks, None)?);
         }
         Ok(())
     }
@@ -1612,10 +1611,7 @@ impl<B: Backend> Executor<B> {
                 c.next_group += 1;
                 continue;
             }
-            let mut pf = self
-                .prefetch
-                .take()
-                .ok_or_else(|| Error::Invalid("no stream".into()))?;
+            let mut pf = self.take_stream()?;
             let t0 = self.profile.is_some().then(web_time::Instant::now);
             let r = self.load_group(&mut pf, g);
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
@@ -1625,12 +1621,7 @@ impl<B: Backend> Executor<B> {
                 e.0 += 1;
                 e.1 += t0.elapsed();
             }
-            if let Some(st) = pf.take_step_stats() {
-                c.stats.stream = st;
-            }
-            self.prefetch = Some(pf);
-            r?;
-            c.next_group += 1;
+            self.return_stream(pf, &mut c, r)?;
         }
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
@@ -1653,23 +1644,39 @@ impl<B: Backend> Executor<B> {
         }
         let mut c = self.begin_step(p, inputs)?;
         while let Some(g) = self.run_until_load(&mut c)? {
-            let mut pf = self
-                .prefetch
-                .take()
-                .ok_or_else(|| Error::Invalid("no stream".into()))?;
+            let mut pf = self.take_stream()?;
             let r = self.load_group_async(&mut pf, g).await;
-            if let Some(st) = pf.take_step_stats() {
-                c.stats.stream = st;
-            }
-            self.prefetch = Some(pf);
-            r?;
-            c.next_group += 1;
+            self.return_stream(pf, &mut c, r)?;
         }
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
             words.push(self.backend.read_arena_async(s).await?);
         }
         Ok((self.outputs_from_words(p, words)?, c.stats))
+    }
+
+    /// The stream's prefetcher, out of `self` while a group loads (loading borrows both).
+    fn take_stream(&mut self) -> Result<Prefetcher<Box<dyn ByteSource>>> {
+        self.prefetch
+            .take()
+            .ok_or_else(|| Error::Invalid("no stream".into()))
+    }
+
+    /// Puts the prefetcher back after a group's load `r`, keeping the step's streaming figures,
+    /// and moves the cursor past the group.
+    fn return_stream(
+        &mut self,
+        mut pf: Prefetcher<Box<dyn ByteSource>>,
+        c: &mut StepCursor,
+        r: Result<()>,
+    ) -> Result<()> {
+        if let Some(st) = pf.take_step_stats() {
+            c.stats.stream = st;
+        }
+        self.prefetch = Some(pf);
+        r?;
+        c.next_group += 1;
+        Ok(())
     }
 
     /// Checks and writes a step's inputs.

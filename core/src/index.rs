@@ -347,6 +347,18 @@ pub fn shard_files_of_index(
     Ok(files)
 }
 
+/// A side file's JSON (`config.json`, a shard index), `None` when the file is absent; invalid
+/// JSON is an error naming the file.
+pub fn side_json(bytes: Option<Vec<u8>>, name: &str) -> Result<Option<serde_json::Value>> {
+    bytes
+        .map(|b| serde_json::from_slice(&b))
+        .transpose()
+        .map_err(|e| Error::Model {
+            file: name.to_string(),
+            msg: format!("invalid JSON: {e}"),
+        })
+}
+
 impl ModelIndex {
     /// Builds an index from parsed headers and the source their bytes come from; checks a shard
     /// index's `weight_map` against the shards when given.
@@ -542,15 +554,7 @@ impl ModelIndex {
         if url.ends_with(".safetensors") {
             return single(http, url, None);
         }
-        let json = |bytes: Option<Vec<u8>>, name: &str| -> Result<Option<serde_json::Value>> {
-            bytes
-                .map(|b| serde_json::from_slice(&b))
-                .transpose()
-                .map_err(|e| Error::Model {
-                    file: name.to_string(),
-                    msg: format!("invalid JSON: {e}"),
-                })
-        };
+        let json = side_json;
         let config_url = format!("{url}/config.json");
         let config = json(http.get_small(&config_url, SMALL)?, &config_url)?;
         for idx_name in SHARD_INDEX_NAMES {

@@ -106,20 +106,31 @@ pub trait RangeSource: Send + Sync {
 
     /// Checks a range against the file length before reading.
     fn check_range(&self, file: usize, offset: u64, len: u64, what: &str) -> Result<()> {
-        let f = self
-            .files()
-            .get(file)
-            .ok_or_else(|| Error::Invalid(format!("no file #{file}")))?;
-        match offset.checked_add(len) {
-            Some(end) if end <= f.len => Ok(()),
-            _ => Err(Error::OffsetOutOfRange {
-                file: f.name.clone(),
-                tensor: what.to_string(),
-                offset,
-                end: offset.saturating_add(len),
-                file_len: f.len,
-            }),
-        }
+        check_range(self.files(), file, offset, len, what)
+    }
+}
+
+/// Checks that `len` bytes at `offset` lie inside file `file` of `files`; the error names the
+/// file, the tensor (`what`) and the offsets.
+pub fn check_range(
+    files: &[SourceFile],
+    file: usize,
+    offset: u64,
+    len: u64,
+    what: &str,
+) -> Result<()> {
+    let f = files
+        .get(file)
+        .ok_or_else(|| Error::Invalid(format!("no file #{file}")))?;
+    match offset.checked_add(len) {
+        Some(end) if end <= f.len => Ok(()),
+        _ => Err(Error::OffsetOutOfRange {
+            file: f.name.clone(),
+            tensor: what.to_string(),
+            offset,
+            end: offset.saturating_add(len),
+            file_len: f.len,
+        }),
     }
 }
 

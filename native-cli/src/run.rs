@@ -11,6 +11,7 @@ use nibble_core::backend::Backend;
 use nibble_core::executor::ExecOptions;
 use nibble_core::index::ModelIndex;
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::models::ModelKind;
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
 use nibble_core::text::{Message, TextStream, TextTokenizer};
 use serde_json::json;
@@ -112,40 +113,21 @@ impl Sampler {
     }
 }
 
-/// A decoder-only language model: an `*ForCausalLM` architecture, or a Llama-family model type.
-fn is_llm(model: &ModelIndex) -> bool {
-    model.config.as_ref().is_some_and(|c| {
-        let causal = c
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .is_some_and(|a| {
-                a.iter()
-                    .any(|x| x.as_str().is_some_and(|s| s.ends_with("ForCausalLM")))
-            });
-        let family = c
-            .get("model_type")
-            .and_then(|m| m.as_str())
-            .is_some_and(|m| ["llama", "mistral", "qwen2", "smollm"].contains(&m));
-        causal || family
-    })
-}
-
-fn is_dit(model: &ModelIndex) -> bool {
-    model.config.as_ref().is_some_and(|c| {
-        c.get("num_single_layers").is_some() && c.get("joint_attention_dim").is_some()
-    })
+/// The model's kind by its config.json.
+fn kind(model: &ModelIndex) -> Option<ModelKind> {
+    model.config.as_ref().and_then(ModelKind::of_config)
 }
 
 /// Runs generation (LLM) or denoising (DiT), by what config.json says, on `o.backend`.
 pub fn run(o: &RunOptions) -> Result<()> {
     let model = crate::open_model_with(&o.model, &o.file_mode)?;
-    if !is_llm(&model) && !is_dit(&model) {
+    let Some(k) = kind(&model) else {
         bail!(
             "{}: config.json is neither a Llama-family decoder nor a Flux-style DiT",
             o.model
         );
-    }
-    if is_llm(&model) && o.prompt_ids.is_empty() && o.prompt.is_none() {
+    };
+    if k == ModelKind::Llm && o.prompt_ids.is_empty() && o.prompt.is_none() {
         bail!("a language model needs --prompt TEXT or --prompt-ids 1,2,3");
     }
     crate::backends::select(&o.backend)?.run(Dispatch { o, model: &model })
@@ -160,7 +142,7 @@ struct Dispatch<'a> {
 impl crate::backends::WithBackend for Dispatch<'_> {
     type Output = ();
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
-        if is_llm(self.model) {
+        if kind(self.model) == Some(ModelKind::Llm) {
             generate(self.o, self.model, backend, label)
         } else {
             crate::run_dit::run(self.o, &self.o.dit, self.model, backend, label)

@@ -8,9 +8,9 @@ use nibble_core::executor::Graph;
 use nibble_core::executor::{ExecOptions, Executor};
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::models::ModelKind;
 use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
 use nibble_core::plan::{Budgets, MemoryPlan, Placement};
-use nibble_core::source::ByteSource;
 use nibble_core::text::{Message, TextStream, TextTokenizer};
 use nibble_wgpu::WgpuBackend;
 use serde_json::{json, Value};
@@ -20,13 +20,6 @@ use web_time::Instant;
 
 use crate::fetch::{fetch_small, FetchSource, SharedTraffic, Traffic};
 use crate::open::{open, RemoteModel};
-
-/// What a model is.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    Llm,
-    Dit,
-}
 
 /// Memory settings from JavaScript: `{ deviceBudget: bytes | "min", slots, slotBytes }`.
 #[derive(Debug, Clone, Copy)]
@@ -51,7 +44,7 @@ impl Default for Settings {
 struct State {
     backend: Option<WgpuBackend>,
     model: Option<RemoteModel>,
-    kind: Option<Kind>,
+    kind: Option<ModelKind>,
     settings: Settings,
     busy: bool,
     /// The language model's tokenizer and chat template, when its folder has them.
@@ -169,28 +162,11 @@ fn plan_json(plan: &MemoryPlan) -> Value {
     })
 }
 
-fn kind_of(config: Option<&Value>) -> Result<Kind, JsValue> {
+fn kind_of(config: Option<&Value>) -> Result<ModelKind, JsValue> {
     let c = config.ok_or_else(|| js_err("the model has no config.json"))?;
-    let causal = c
-        .get("architectures")
-        .and_then(Value::as_array)
-        .is_some_and(|a| {
-            a.iter()
-                .any(|x| x.as_str().is_some_and(|s| s.ends_with("ForCausalLM")))
-        });
-    if causal
-        || c.get("model_type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| matches!(t, "llama" | "mistral" | "qwen2"))
-    {
-        return Ok(Kind::Llm);
-    }
-    if DitConfig::from_json(c).is_ok() {
-        return Ok(Kind::Dit);
-    }
-    Err(js_err(
-        "config.json describes neither a Llama-family decoder nor a Flux-style DiT",
-    ))
+    ModelKind::of_config(c).ok_or_else(|| {
+        js_err("config.json describes neither a Llama-family decoder nor a Flux-style DiT")
+    })
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -205,6 +181,24 @@ fn argmax(v: &[f32]) -> u32 {
 
 fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
     t.lock().map(|t| t.bytes(Some(purpose))).unwrap_or(0)
+}
+
+impl State {
+    /// The loaded model, which must be of `kind` (its files and index, cheap to clone: the
+    /// index shares its source), and the memory settings with `opts` applied.
+    fn loaded(&self, kind: ModelKind, opts: &Value) -> Result<(RemoteModel, Settings), JsValue> {
+        let m = self
+            .model
+            .as_ref()
+            .ok_or_else(|| js_err("load a model first"))?;
+        if self.kind != Some(kind) {
+            return Err(js_err(match kind {
+                ModelKind::Llm => "the loaded model is not a language model",
+                ModelKind::Dit => "the loaded model is not a diffusion transformer",
+            }));
+        }
+        Ok((m.clone(), settings_from(opts, self.settings)?))
+    }
 }
 
 /// Marks the state busy for the life of a call (one run at a time).
@@ -298,7 +292,7 @@ impl Nibble {
             let t0 = Instant::now();
             let model = open(&traffic, &url).await.map_err(js_err)?;
             let kind = kind_of(model.index.config.as_ref())?;
-            let (text, eos) = if kind == Kind::Llm {
+            let (text, eos) = if kind == ModelKind::Llm {
                 language_side_files(&traffic, &url).await?
             } else {
                 (None, Vec::new())
@@ -307,7 +301,7 @@ impl Nibble {
             let total: u64 = model.files.iter().map(|f| f.len).sum();
             let summary = json!({
                 "url": url,
-                "kind": match kind { Kind::Llm => "llm", Kind::Dit => "dit" },
+                "kind": match kind { ModelKind::Llm => "llm", ModelKind::Dit => "dit" },
                 "files": model.files.iter().map(|f| json!({"url": f.name, "bytes": f.len})).collect::<Vec<_>>(),
                 "bytes": total,
                 "tensors": model.index.len(),
@@ -370,22 +364,8 @@ impl Nibble {
             let _busy = BusyGuard::take(&state)?;
             // Everything that can be refused is checked before the device is taken out of the
             // state (it goes back when the run ends).
-            let (index, files, urls, s) = {
-                let st = state.borrow();
-                if st.kind != Some(Kind::Llm) {
-                    return Err(js_err("the loaded model is not a language model"));
-                }
-                let m = st
-                    .model
-                    .as_ref()
-                    .ok_or_else(|| js_err("load a model first"))?;
-                (
-                    m.index.clone(),
-                    m.files.clone(),
-                    m.urls.clone(),
-                    settings_from(&opts, st.settings)?,
-                )
-            };
+            let (model, s) = state.borrow().loaded(ModelKind::Llm, &opts)?;
+            let index = model.index.clone();
             let max_tokens = opts
                 .get("maxTokens")
                 .and_then(Value::as_u64)
@@ -415,13 +395,7 @@ impl Nibble {
             };
             let o = exec_options(s, &lg.graph, &backend);
             let before = traffic_bytes(&traffic, "weights");
-            let mut make = || -> Box<dyn ByteSource> {
-                Box::new(FetchSource::new(
-                    files.clone(),
-                    urls.clone(),
-                    traffic.clone(),
-                ))
-            };
+            let mut make = FetchSource::maker(&model, &traffic);
             let mut d = Decoder::from_graph_async(lg, &index, backend, o, &mut make)
                 .await
                 .map_err(js_err)?;
@@ -491,25 +465,9 @@ impl Nibble {
         let inputs_js = js_sys::Reflect::get(&opts, &JsValue::from_str("inputs")).ok();
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
-            let prepared = (|| -> Result<_, JsValue> {
-                let st = state.borrow();
-                if st.kind != Some(Kind::Dit) {
-                    return Err(js_err("the loaded model is not a diffusion transformer"));
-                }
-                let m = st
-                    .model
-                    .as_ref()
-                    .ok_or_else(|| js_err("load a model first"))?;
-                let inputs = dit_inputs(&m.index, &opts_v, inputs_js.as_ref())?;
-                Ok((
-                    m.index.clone(),
-                    m.files.clone(),
-                    m.urls.clone(),
-                    settings_from(&opts_v, st.settings)?,
-                    inputs,
-                ))
-            })();
-            let (index, files, urls, s, inputs) = prepared?;
+            let (model, s) = state.borrow().loaded(ModelKind::Dit, &opts_v)?;
+            let index = model.index.clone();
+            let inputs = dit_inputs(&index, &opts_v, inputs_js.as_ref())?;
             let steps = opts_v
                 .get("steps")
                 .and_then(Value::as_u64)
@@ -523,13 +481,7 @@ impl Nibble {
             let o = exec_options(s, &graph, &backend);
             drop(graph);
             let before = traffic_bytes(&traffic, "weights");
-            let mut make = || -> Box<dyn ByteSource> {
-                Box::new(FetchSource::new(
-                    files.clone(),
-                    urls.clone(),
-                    traffic.clone(),
-                ))
-            };
+            let mut make = FetchSource::maker(&model, &traffic);
             let mut den =
                 Denoiser::with_source_async(&index, backend, inputs, sigmas, o, &mut make)
                     .await
@@ -644,7 +596,7 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
             .ok_or_else(|| js_err("load a model first"))?;
         let s = settings_from(opts, st.settings)?;
         let graph = match st.kind {
-            Some(Kind::Llm) => {
+            Some(ModelKind::Llm) => {
                 let p = opts
                     .get("promptTokens")
                     .and_then(Value::as_u64)

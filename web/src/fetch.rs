@@ -9,7 +9,7 @@ use std::task::Waker;
 use std::time::Duration;
 
 use nibble_core::source::{
-    parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
+    check_range, parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
 };
 use nibble_core::{Error, Result};
 use wasm_bindgen::{JsCast, JsValue};
@@ -337,6 +337,22 @@ impl FetchSource {
             traffic,
         }
     }
+
+    /// The source factory the executor asks for (one source for the resident pass, one for the
+    /// stream) over `model`'s files.
+    pub fn maker(
+        model: &crate::open::RemoteModel,
+        traffic: &SharedTraffic,
+    ) -> impl FnMut() -> Box<dyn ByteSource> {
+        let (files, urls, traffic) = (model.files.clone(), model.urls.clone(), traffic.clone());
+        move || {
+            Box::new(FetchSource::new(
+                files.clone(),
+                urls.clone(),
+                traffic.clone(),
+            ))
+        }
+    }
 }
 
 impl ByteSource for FetchSource {
@@ -345,23 +361,7 @@ impl ByteSource for FetchSource {
     }
 
     fn submit(&mut self, req: ReadRequest) -> Result<()> {
-        let file = self
-            .files
-            .get(req.file)
-            .ok_or_else(|| Error::Invalid(format!("no file #{}", req.file)))?;
-        if req
-            .offset
-            .checked_add(req.len as u64)
-            .is_none_or(|end| end > file.len)
-        {
-            return Err(Error::OffsetOutOfRange {
-                file: file.name.clone(),
-                tensor: req.what.clone(),
-                offset: req.offset,
-                end: req.offset.saturating_add(req.len as u64),
-                file_len: file.len,
-            });
-        }
+        check_range(&self.files, req.file, req.offset, req.len as u64, &req.what)?;
         if req.len > req.slot.bytes().len() {
             return Err(Error::Invalid(format!(
                 "read of {} bytes does not fit a ring slot of {} bytes",

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use nibble_core::bnb::find_4bit_weights;
 use nibble_core::index::{
-    shard_files_of_index, ModelIndex, SafetensorsHeader, Shard, SHARD_INDEX_NAMES,
-    SINGLE_FILE_NAMES,
+    shard_files_of_index, side_json as json, ModelIndex, SafetensorsHeader, Shard,
+    SHARD_INDEX_NAMES, SINGLE_FILE_NAMES,
 };
 use nibble_core::source::{RangeSource, SourceFile};
 use nibble_core::{Error, Result};
@@ -59,6 +59,7 @@ impl RangeSource for PrefetchedRanges {
 type Run = (usize, u64, u64, Vec<(u64, u64)>);
 
 /// A model opened over HTTP.
+#[derive(Clone)]
 pub struct RemoteModel {
     /// The index (its source serves the prefetched quant states).
     pub index: ModelIndex,
@@ -78,16 +79,6 @@ async fn open_file(traffic: &SharedTraffic, url: &str) -> Result<SafetensorsHead
     }
     let (json, _) = fetch_range(traffic, url, 8, header_len, "header").await?;
     SafetensorsHeader::parse(url, &json.to_vec(), total)
-}
-
-fn json(bytes: Option<Vec<u8>>, name: &str) -> Result<Option<serde_json::Value>> {
-    bytes
-        .map(|b| serde_json::from_slice(&b))
-        .transpose()
-        .map_err(|e| Error::Model {
-            file: name.to_string(),
-            msg: format!("invalid JSON: {e}"),
-        })
 }
 
 /// Opens the model folder at `url` (holding `config.json` and `model.safetensors`,

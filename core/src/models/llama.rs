@@ -644,9 +644,7 @@ impl<B: crate::backend::Backend> Decoder<B> {
     pub fn into_parts(self) -> (B, Option<crate::ring::StagingRing>) {
         self.ex.into_parts()
     }
-}
 
-impl<B: crate::backend::Backend> Decoder<B> {
     /// The executor (plan, backend).
     pub fn executor(&self) -> &crate::executor::Executor<B> {
         &self.ex
