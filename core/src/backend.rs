@@ -112,6 +112,25 @@ pub trait Backend {
     /// Copies bytes (usually from a ring slot) into the weight pool at `offset`. The returned
     /// fence signals when the source bytes may be overwritten.
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> Result<Box<dyn Fence>>;
+    /// Where the weight pool is host memory (the optimized CPU backend): the bytes of `r`,
+    /// writable in place, so that the executor decodes a streamed weight's absmax straight
+    /// into the pool instead of into a buffer that [`Backend::upload`] then copies. `None`
+    /// (the default): use `upload`.
+    fn host_pool_mut(&mut self, _r: PoolRegion) -> Option<&mut [u8]> {
+        None
+    }
+    /// Zero copy, where kernels read weights from host memory (the optimized CPU backend):
+    /// ops read the pool bytes at `offset` (a packed weight's region, `bytes.len()` long) from
+    /// `bytes` itself, a filled ring slot, instead of from a copy, until
+    /// [`Backend::end_borrow`]. False (the default): not done, [`Backend::upload`] instead.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unchanged until `end_borrow(offset)` or `release`.
+    unsafe fn borrow_weight(&mut self, _offset: u64, _bytes: &[u8]) -> bool {
+        false
+    }
+    /// Ends a [`Backend::borrow_weight`].
+    fn end_borrow(&mut self, _offset: u64) {}
     /// A weight group is about to be uploaded (the executor calls this before each group's
     /// first chunk). Asynchronous backends mark here how far the queued compute had got, so
     /// that a later upload waits only for the kernels that read the region it overwrites.

@@ -622,6 +622,9 @@ struct Q4Scratch {
 pub struct ExecStats {
     /// Streaming figures of the step (zero when everything is resident).
     pub stream: StepStats,
+    /// Streamed bytes the backend read in place from ring slots instead of copying them into
+    /// its pool (the optimized CPU backend; zero on GPUs).
+    pub in_place_bytes: u64,
 }
 
 /// The resident groups' single pass, between planning and streaming.
@@ -667,6 +670,23 @@ pub struct Executor<B: Backend> {
     naive: Option<Naive>,
     /// Per op kind (name, with the weight's shape for linears): calls and time, when profiling.
     profile: Option<HashMap<String, (u64, std::time::Duration)>>,
+    /// Per group: streamed every step (its packed weights may be read in place from the slot).
+    streamed_group: Vec<bool>,
+    /// Per program and group: the last node that reads the group.
+    group_last: Vec<Vec<Option<usize>>>,
+    /// Ring slots whose packed weights the backend reads in place, until their group's last op.
+    held: Vec<Held>,
+    /// Bytes lent in place during the current step.
+    in_place_bytes: u64,
+}
+
+/// A filled ring slot kept out of the ring while the backend reads weights from it in place
+/// ([`Backend::borrow_weight`]).
+struct Held {
+    group: usize,
+    offsets: Vec<u64>,
+    slot: crate::ring::SlotGuard,
+    fence: Option<Box<dyn crate::ring::Fence>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -1184,6 +1204,13 @@ impl<B: Backend> Executor<B> {
         } = prepare(&graph, model, &backend, opts)?;
         let n_groups = graph.groups.len();
         backend.allocate(arena_words.max(1), pool_bytes)?;
+        let mut streamed_group = vec![false; n_groups];
+        for &g in &streamed {
+            streamed_group[g] = true;
+        }
+        let group_last = (0..graph.programs.len())
+            .map(|p| graph.group_uses(p).iter().map(|u| u.map(|u| u.1)).collect())
+            .collect();
 
         let mut group_buf = vec![0u8; group_buf_len];
         for page in group_buf.chunks_mut(4096) {
@@ -1208,6 +1235,10 @@ impl<B: Backend> Executor<B> {
             profile: None,
             spare_ring: None,
             naive: None,
+            streamed_group,
+            group_last,
+            held: Vec::new(),
+            in_place_bytes: 0,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -1297,6 +1328,7 @@ impl<B: Backend> Executor<B> {
     /// Ends the executor: waits for reads in flight, releases the backend's device memory, and
     /// gives back the backend and the staging ring (for the next phase of a pipeline).
     pub fn into_parts(mut self) -> (B, Option<StagingRing>) {
+        self.release_held(None);
         let ring = match self.prefetch.take() {
             Some(pf) => Some(pf.finish()),
             None => self.spare_ring.take(),
@@ -1364,10 +1396,16 @@ impl<B: Backend> Executor<B> {
         &self.backend
     }
 
+    /// Places one chunk's tensors: uploads (the fences of the uploads are returned), host-side
+    /// quant-state parts, dense weights. With `borrow`, a packed weight that lies whole in the
+    /// chunk is lent to the backend in place where it can read it there (its pool offset is
+    /// pushed to `borrowed`; the caller then keeps `data` unchanged until `end_borrow`).
     fn handle(
         &mut self,
         spec: &ChunkSpec,
         data: &[u8],
+        borrow: bool,
+        borrowed: &mut Vec<u64>,
     ) -> Result<Vec<Box<dyn crate::ring::Fence>>> {
         let mut fences = Vec::new();
         for part in &spec.parts {
@@ -1387,10 +1425,18 @@ impl<B: Backend> Executor<B> {
                 Ok(())
             };
             match self.roles.get(&(spec.group, part.tensor.clone())).cloned() {
-                Some(Role::Packed(w)) => fences.push(
-                    self.backend
-                        .upload(self.views[w].packed.offset + part.tensor_offset, bytes)?,
-                ),
+                Some(Role::Packed(w)) => {
+                    let at = self.views[w].packed.offset;
+                    let whole = part.tensor_offset == 0 && part.len as u64 == part.tensor_len;
+                    // SAFETY: `borrow` is set only by `take_chunk`, which keeps the slot holding
+                    // `data` out of the ring, unchanged, until it calls `end_borrow(at)`.
+                    if borrow && whole && unsafe { self.backend.borrow_weight(at, bytes) } {
+                        borrowed.push(at);
+                        self.in_place_bytes += bytes.len() as u64;
+                    } else {
+                        fences.push(self.backend.upload(at + part.tensor_offset, bytes)?);
+                    }
+                }
                 Some(Role::QuantMap(w)) => fences.push(
                     self.backend
                         .upload(self.views[w].code.offset + part.tensor_offset, bytes)?,
@@ -1466,16 +1512,30 @@ impl<B: Backend> Executor<B> {
                 chunk.spec.group
             )));
         }
-        let fences = self.handle(&chunk.spec, chunk.bytes())?;
-        let last_of_group = {
-            let idx = (chunk.seq % per as u64) as usize;
-            idx + 1 == per || pf_peek_group(pf, idx + 1) != Some(g)
-        };
+        let idx = (chunk.seq % per as u64) as usize;
+        let last_of_group = idx + 1 == per || pf_peek_group(pf, idx + 1) != Some(g);
+        // Zero copy: the packed weights of a streamed group may be read from the slot in place;
+        // the slot then stays out of the ring until the group's last op. At least one slot is
+        // never held, so that the readers can always fill the chunk the executor waits for.
+        let borrow =
+            self.streamed_group.get(g) == Some(&true) && self.held.len() + 2 <= pf.ring().slots();
+        let mut borrowed = Vec::new();
+        let fences = self.handle(&chunk.spec, chunk.bytes(), borrow, &mut borrowed)?;
         let Chunk { slot, .. } = chunk;
         // Uploads from one slot complete in order: the last one frees the slot.
-        match fences.into_iter().last() {
-            Some(f) => slot.release_after(f),
-            None => drop(slot),
+        let fence = fences.into_iter().last();
+        if !borrowed.is_empty() {
+            self.held.push(Held {
+                group: g,
+                offsets: borrowed,
+                slot,
+                fence,
+            });
+        } else {
+            match fence {
+                Some(f) => slot.release_after(f),
+                None => drop(slot),
+            }
         }
         Ok(last_of_group)
     }
@@ -1518,7 +1578,7 @@ impl<B: Backend> Executor<B> {
             len: at,
             parts,
         };
-        for f in self.handle(&spec, &buf)? {
+        for f in self.handle(&spec, &buf, false, &mut Vec::new())? {
             f.wait();
         }
         drop(buf);
@@ -1548,41 +1608,56 @@ impl<B: Backend> Executor<B> {
             let st = &self.states[wi];
             let nblocks = st.num_blocks() as usize;
             let what = &self.graph.q4[wi].tensor;
-            let mut buf = std::mem::take(&mut self.absmax_bytes);
-            buf.clear();
+            let bad = |e: &str| Error::Invalid(format!("{what}: {e}"));
             match &st.nested {
-                None => {
-                    if absmax.len() != nblocks * 4 {
-                        return Err(Error::Invalid(format!(
-                            "{what}: streamed absmax has {} bytes, expected {}",
-                            absmax.len(),
-                            nblocks * 4
-                        )));
-                    }
-                    buf.extend_from_slice(absmax);
+                None if absmax.len() != nblocks * 4 => {
+                    return Err(bad(&format!(
+                        "streamed absmax has {} bytes, expected {}",
+                        absmax.len(),
+                        nblocks * 4
+                    )))
                 }
-                Some(n) => {
-                    let nbs = n.blocksize as usize;
-                    let nn = nblocks.div_ceil(nbs);
+                Some(n)
                     if absmax.len() != nblocks
-                        || nested_absmax.len() != nn * 4
-                        || nested_map.len() != 256 * 4
-                    {
-                        return Err(Error::Invalid(format!(
-                            "{what}: streamed double-quant state does not match the quant state"
-                        )));
-                    }
-                    let f = |b: &[u8], i: usize| {
-                        f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
-                    };
-                    let offset = n.offset_f32();
-                    for (j, &q) in absmax.iter().enumerate() {
-                        let v = (f(nested_map, q as usize) * f(nested_absmax, j / nbs)) + offset;
-                        buf.extend_from_slice(&v.to_le_bytes());
-                    }
+                        || nested_absmax.len() != nblocks.div_ceil(n.blocksize as usize) * 4
+                        || nested_map.len() != 256 * 4 =>
+                {
+                    return Err(bad(
+                        "streamed double-quant state does not match the quant state",
+                    ))
                 }
+                _ => {}
             }
-            let r = self.backend.upload(self.views[wi].absmax.offset, &buf);
+            let region = self.views[wi].absmax;
+            // Host-memory pools are written in place; device pools get one upload.
+            let mut buf = std::mem::take(&mut self.absmax_bytes);
+            let in_place = self.backend.host_pool_mut(region);
+            let host = in_place.is_some();
+            let out: &mut [u8] = match in_place {
+                Some(s) if s.len() >= nblocks * 4 => s,
+                Some(_) => return Err(bad("the pool region is smaller than its absmax")),
+                None => {
+                    buf.clear();
+                    buf.resize(nblocks * 4, 0);
+                    &mut buf
+                }
+            };
+            match &st.nested {
+                None => out[..nblocks * 4].copy_from_slice(absmax),
+                Some(n) => decode_nested_absmax(
+                    absmax,
+                    nested_absmax,
+                    nested_map,
+                    n.blocksize as usize,
+                    n.offset_f32(),
+                    &mut out[..nblocks * 4],
+                ),
+            }
+            let r = if host {
+                Ok(Box::new(crate::backend::Signalled) as Box<dyn crate::ring::Fence>)
+            } else {
+                self.backend.upload(region.offset, &buf)
+            };
             self.absmax_bytes = buf;
             r?;
         }
@@ -1623,6 +1698,7 @@ impl<B: Backend> Executor<B> {
             }
             self.return_stream(pf, &mut c, r)?;
         }
+        c.stats.in_place_bytes = std::mem::take(&mut self.in_place_bytes);
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
             words.push(self.backend.read_arena(s)?);
@@ -1648,11 +1724,45 @@ impl<B: Backend> Executor<B> {
             let r = self.load_group_async(&mut pf, g).await;
             self.return_stream(pf, &mut c, r)?;
         }
+        c.stats.in_place_bytes = std::mem::take(&mut self.in_place_bytes);
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
             words.push(self.backend.read_arena_async(s).await?);
         }
         Ok((self.outputs_from_words(p, words)?, c.stats))
+    }
+
+    /// Ends the in-place reads of held slots and returns those slots to the ring (after their
+    /// uploads' fences), so that the readers may fill them at once: the slots of the groups
+    /// whose last op in program `p` is node `n` for `after: Some((p, n))`, all for `None`.
+    fn release_held(&mut self, after: Option<(usize, usize)>) {
+        let mut i = 0;
+        let mut any = false;
+        while i < self.held.len() {
+            let done = match after {
+                None => true,
+                Some((p, n)) => self.group_last[p].get(self.held[i].group) == Some(&Some(n)),
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            let h = self.held.swap_remove(i);
+            for &at in &h.offsets {
+                self.backend.end_borrow(at);
+            }
+            match h.fence {
+                Some(f) => h.slot.release_after(f),
+                None => drop(h.slot),
+            }
+            any = true;
+        }
+        if any {
+            if let Some(pf) = self.prefetch.as_mut() {
+                // Starts the reads into the freed slots now, not at the next group's load.
+                pf.next_ready();
+            }
+        }
     }
 
     /// The stream's prefetcher, out of `self` while a group loads (loading borrows both).
@@ -1681,6 +1791,9 @@ impl<B: Backend> Executor<B> {
 
     /// Checks and writes a step's inputs.
     fn begin_step(&mut self, p: usize, inputs: &[HostTensor]) -> Result<StepCursor> {
+        // Normally none are left: a step that failed part-way may have kept some.
+        self.release_held(None);
+        self.in_place_bytes = 0;
         let prog = self
             .graph
             .programs
@@ -1773,8 +1886,12 @@ impl<B: Backend> Executor<B> {
                     e.1 += t0.elapsed();
                 }
             }
+            if !self.held.is_empty() {
+                self.release_held(Some((p, ni)));
+            }
             c.node += 1;
         }
+        self.release_held(None);
         Ok(None)
     }
 
@@ -1816,6 +1933,33 @@ struct StepCursor {
 
 /// The stream ran out (its pass limit) before group `g` arrived: running on would compute with
 /// whatever the pool region still holds.
+/// Double quantization undone, bit-exactly (the formula of `QuantState::from_parts`):
+/// `absmax[j] = nested_map[code[j]] * nested_absmax[j / nbs] + offset`, as little-endian f32.
+fn decode_nested_absmax(
+    codes: &[u8],
+    nested_absmax: &[u8],
+    nested_map: &[u8],
+    nbs: usize,
+    offset: f32,
+    out: &mut [u8],
+) {
+    let le = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut table = [0f32; 256];
+    for (t, b) in table.iter_mut().zip(nested_map.chunks_exact(4)) {
+        *t = le(b);
+    }
+    for ((codes, out), scale) in codes
+        .chunks(nbs)
+        .zip(out.chunks_mut(nbs * 4))
+        .zip(nested_absmax.chunks_exact(4))
+    {
+        let scale = le(scale);
+        for (&q, o) in codes.iter().zip(out.chunks_exact_mut(4)) {
+            o.copy_from_slice(&(table[q as usize] * scale + offset).to_le_bytes());
+        }
+    }
+}
+
 fn stream_ended(g: usize) -> Error {
     Error::Invalid(format!(
         "the weight stream ended before group {g} was loaded (more steps than the stream was limited to)"

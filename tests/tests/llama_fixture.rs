@@ -240,3 +240,65 @@ fn a_limited_stream_refuses_a_pass_beyond_its_limit() {
     let err = d.decode(want[1]).expect_err("pass 3 is past the limit");
     assert!(err.to_string().contains("weight stream ended"), "{err}");
 }
+
+/// The optimized CPU backend reads streamed 4-bit weights in place from the ring slots (no copy
+/// into its pool): with slots to spare every packed weight of every pass is read in place, with
+/// two slots those that arrive while no other slot is held (one is always left to the readers),
+/// with one none; the greedy
+/// tokens are exact and every decode step's logits are the same bits in all three, and the held
+/// slots go back to the ring after each group's last op (the stream goes on for every token).
+#[test]
+fn cpu_reads_streamed_weights_in_place() {
+    let m = model();
+    let e = Expected::open(&fixture("tiny-llama-nf4/expected.safetensors"));
+    let prompt = ids(&e, "prompt_ids");
+    let want = ids(&e, "greedy_tokens_deq");
+    let packed: u64 = m
+        .tensors()
+        .filter(|t| {
+            ["nf4", "fp4"].iter().any(|q| {
+                m.get(&format!("{}.quant_state.bitsandbytes__{q}", t.name))
+                    .is_some()
+            })
+        })
+        .map(|t| t.len)
+        .sum();
+    assert!(packed > 0, "tiny-llama has 4-bit weights");
+    let run = |slots: u64| {
+        let mut o = opts(true);
+        o.budgets.ring_slots = slots;
+        o.budgets.slot_bytes = 256 << 10;
+        let mut d = decoder(
+            &m,
+            &mut CpuBackend::new,
+            LlamaShape::generate(prompt.len(), want.len()),
+            o,
+        );
+        let (last, st) = d.prefill(&prompt).expect("prefill");
+        let mut tokens = vec![argmax(&last)];
+        let mut logits = Vec::new();
+        let mut in_place = vec![st.in_place_bytes];
+        while tokens.len() < want.len() {
+            let (l, st) = d.decode(*tokens.last().expect("token")).expect("decode");
+            tokens.push(argmax(&l));
+            logits.extend_from_slice(&l);
+            in_place.push(st.in_place_bytes);
+        }
+        assert_eq!(tokens, want, "{slots} slots: greedy tokens");
+        (logits, in_place)
+    };
+    let (logits4, in_place4) = run(4);
+    assert!(
+        in_place4.iter().all(|&p| p == packed),
+        "4 slots: every pass reads all {packed} packed bytes in place: {in_place4:?}"
+    );
+    let (logits2, in_place2) = run(2);
+    assert!(
+        in_place2.iter().all(|&p| p > 0 && p <= packed),
+        "2 slots: in place while one slot is left to the readers: {in_place2:?}"
+    );
+    let (logits1, in_place1) = run(1);
+    assert!(in_place1.iter().all(|&p| p == 0), "1 slot: all copied");
+    assert_bits_eq(&logits4, &logits1, "decode logits, in place vs copied");
+    assert_bits_eq(&logits2, &logits1, "decode logits, part in place vs copied");
+}

@@ -32,7 +32,21 @@ pub struct CpuBackend {
     /// Activations in kernel order and transposed matmul operands: kept between ops so that
     /// they grow once to the largest shape instead of being allocated per call.
     scratch: Vec<f32>,
+    /// Streamed packed weights read in place from ring slots ([`Backend::borrow_weight`]).
+    borrowed: Vec<Borrowed>,
 }
+
+/// A pool region whose bytes are read from a ring slot instead.
+#[derive(Debug)]
+struct Borrowed {
+    offset: u64,
+    ptr: *const u8,
+    len: usize,
+}
+// SAFETY: the slot memory is plain host memory that the executor keeps alive and unchanged
+// while lent (`borrow_weight`'s contract); the backend only reads it.
+unsafe impl Send for Borrowed {}
+unsafe impl Sync for Borrowed {}
 
 impl Default for CpuBackend {
     fn default() -> Self {
@@ -96,6 +110,7 @@ impl CpuBackend {
             pool_len: 0,
             threads: ThreadPool::global(),
             scratch: Vec::new(),
+            borrowed: Vec::new(),
         }
     }
 
@@ -118,6 +133,14 @@ impl CpuBackend {
     }
 
     fn region(&self, r: PoolRegion) -> Result<&[u8]> {
+        if let Some(b) = self
+            .borrowed
+            .iter()
+            .find(|b| b.offset == r.offset && r.len as usize <= b.len)
+        {
+            // SAFETY: lent by the executor, alive and unchanged until `end_borrow`.
+            return Ok(unsafe { std::slice::from_raw_parts(b.ptr, r.len as usize) });
+        }
         self.pool_bytes()
             .get(r.offset as usize..(r.offset + r.len) as usize)
             .ok_or_else(|| Error::Invalid(format!("cpu: pool region {r:?} out of range")))
@@ -170,7 +193,27 @@ impl Backend for CpuBackend {
     fn idle(&mut self) {
         self.threads.park();
     }
+    fn host_pool_mut(&mut self, r: PoolRegion) -> Option<&mut [u8]> {
+        let len = self.pool_len;
+        // SAFETY: the u64 storage viewed as bytes; the length is the allocated byte count.
+        let pool =
+            unsafe { std::slice::from_raw_parts_mut(self.pool.as_mut_ptr() as *mut u8, len) };
+        pool.get_mut(r.offset as usize..(r.offset + r.len) as usize)
+    }
+    unsafe fn borrow_weight(&mut self, offset: u64, bytes: &[u8]) -> bool {
+        self.end_borrow(offset);
+        self.borrowed.push(Borrowed {
+            offset,
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+        });
+        true
+    }
+    fn end_borrow(&mut self, offset: u64) {
+        self.borrowed.retain(|b| b.offset != offset);
+    }
     fn release(&mut self) {
+        self.borrowed.clear();
         self.arena = Vec::new();
         self.pool = Vec::new();
         self.pool_len = 0;

@@ -1,21 +1,34 @@
 //! A fixed pool of worker threads for the optimized CPU backend, started once. A parallel call
 //! hands every worker the same job (a closure over task indices); workers and the caller claim
-//! tasks from one counter until none are left, and the call returns when every worker is done
-//! with the job. Workers spin briefly between jobs (an op every few microseconds during a decode
-//! step), then sleep on a condition variable. On wasm32 (no threads) every job runs inline.
+//! tasks from one counter until none are left, and the call returns when every task has run.
+//! The caller never waits for a worker that has not claimed a task: when a reader thread (or
+//! anything else) has the worker's core, the caller runs the tasks itself instead of spinning
+//! until the worker is scheduled again. Workers spin briefly between jobs (an op every few
+//! microseconds during a decode step), then sleep on a condition variable. On wasm32 (no
+//! threads) every job runs inline.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 type Job = dyn Fn(usize) + Sync;
 
+/// The posted job: its generation, the closure (lifetime erased) and its task count.
+#[derive(Clone, Copy)]
+struct Posted {
+    generation: u64,
+    job: Option<JobPtr>,
+    tasks: usize,
+}
+
 struct Inner {
-    /// The job of the current generation (lifetime erased; valid while `pending > 0`).
-    job: Mutex<Option<JobPtr>>,
+    posted: Mutex<Posted>,
+    /// Bumped when a job is posted; workers watch it.
     generation: AtomicU64,
-    next: AtomicUsize,
-    tasks: AtomicUsize,
-    pending: AtomicUsize,
+    /// The low 32 bits of the current job's generation, then the next unclaimed task index:
+    /// a claim succeeds only for the job whose closure the worker read.
+    claim: AtomicU64,
+    /// Tasks of the current job that have finished.
+    done: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     /// Set while the caller waits on something else (a read): workers sleep instead of spinning.
@@ -26,7 +39,8 @@ struct Inner {
 
 #[derive(Clone, Copy)]
 struct JobPtr(*const Job);
-// SAFETY: the pointee is `Sync` and outlives every use (the caller waits for all workers).
+// SAFETY: the pointee is `Sync` and outlives every call through it (the caller returns only
+// after every claimed task has finished, and a task is called only after a successful claim).
 unsafe impl Send for JobPtr {}
 
 /// The worker pool.
@@ -42,15 +56,36 @@ impl std::fmt::Debug for ThreadPool {
     }
 }
 
+fn tag(generation: u64) -> u64 {
+    (generation & 0xffff_ffff) << 32
+}
+
 impl Inner {
-    fn claim_and_run(&self, job: &(dyn Fn(usize) + Sync + '_)) {
-        let n = self.tasks.load(Ordering::Acquire);
+    /// Claims and runs tasks of the job of `generation` until none are left.
+    fn claim_and_run(&self, generation: u64, tasks: usize, job: &(dyn Fn(usize) + Sync + '_)) {
+        let tag = tag(generation);
+        let mut cur = self.claim.load(Ordering::Acquire);
         loop {
-            let i = self.next.fetch_add(1, Ordering::AcqRel);
-            if i >= n {
-                break;
+            let i = (cur & 0xffff_ffff) as usize;
+            if cur & !0xffff_ffff != tag || i >= tasks {
+                return;
             }
-            job(i);
+            match self.claim.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(i)));
+                    if r.is_err() {
+                        self.panicked.store(true, Ordering::Release);
+                    }
+                    self.done.fetch_add(1, Ordering::AcqRel);
+                    cur = self.claim.load(Ordering::Acquire);
+                }
+                Err(now) => cur = now,
+            }
         }
     }
 }
@@ -78,18 +113,14 @@ fn worker(inner: Arc<Inner>) {
         if inner.shutdown.load(Ordering::Acquire) {
             return;
         }
-        seen = g;
-        let job = *inner.job.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(JobPtr(p)) = job {
-            // SAFETY: the caller keeps the closure alive until `pending` reaches zero.
+        let posted = *inner.posted.lock().unwrap_or_else(|e| e.into_inner());
+        seen = g.max(posted.generation);
+        if let Some(JobPtr(p)) = posted.job {
+            // SAFETY: a task is called only after a claim for this very job succeeded, and the
+            // caller keeps the closure alive until every claimed task has finished.
             let f: &Job = unsafe { &*p };
-            let r =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.claim_and_run(f)));
-            if r.is_err() {
-                inner.panicked.store(true, Ordering::Release);
-            }
+            inner.claim_and_run(posted.generation, posted.tasks, f);
         }
-        inner.pending.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -97,11 +128,14 @@ impl ThreadPool {
     /// A pool of `threads` threads in all (the caller counts as one).
     pub fn new(threads: usize) -> Self {
         let inner = Arc::new(Inner {
-            job: Mutex::new(None),
+            posted: Mutex::new(Posted {
+                generation: 0,
+                job: None,
+                tasks: 0,
+            }),
             generation: AtomicU64::new(0),
-            next: AtomicUsize::new(0),
-            tasks: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
+            claim: AtomicU64::new(0),
+            done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             parked: AtomicBool::new(false),
@@ -167,31 +201,36 @@ impl ThreadPool {
         let _one_at_a_time = self.caller.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &self.inner;
         inner.parked.store(false, Ordering::Relaxed);
-        // SAFETY: only the lifetime is erased; this call waits below until every worker has
-        // finished with the job, so the reference never outlives `f`.
+        // SAFETY: only the lifetime is erased; this call returns only after every task has
+        // finished, and workers call the closure only for tasks they claimed.
         let erased: *const Job =
             unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
-        *inner.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(erased));
-        inner.next.store(0, Ordering::Release);
-        inner.tasks.store(tasks, Ordering::Release);
-        inner.pending.store(self.workers, Ordering::Release);
+        let generation = inner.generation.load(Ordering::Acquire) + 1;
+        *inner.posted.lock().unwrap_or_else(|e| e.into_inner()) = Posted {
+            generation,
+            job: Some(JobPtr(erased)),
+            tasks,
+        };
+        inner.done.store(0, Ordering::Release);
+        inner.claim.store(tag(generation), Ordering::Release);
         {
             let _g = inner.sleep.lock().unwrap_or_else(|e| e.into_inner());
-            inner.generation.fetch_add(1, Ordering::AcqRel);
+            inner.generation.store(generation, Ordering::Release);
             inner.wake.notify_all();
         }
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.claim_and_run(f)));
+        inner.claim_and_run(generation, tasks, f);
+        // Every task is claimed; wait for those that workers are still running.
         let mut spins = 0u32;
-        while inner.pending.load(Ordering::Acquire) != 0 {
+        while inner.done.load(Ordering::Acquire) != tasks {
             spins += 1;
-            if spins < 1_000_000 {
+            if spins < 100_000 {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
             }
         }
-        *inner.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        if r.is_err() || inner.panicked.swap(false, Ordering::AcqRel) {
+        inner.posted.lock().unwrap_or_else(|e| e.into_inner()).job = None;
+        if inner.panicked.swap(false, Ordering::AcqRel) {
             panic!("a CPU kernel task panicked");
         }
     }
