@@ -604,6 +604,24 @@ fn f32_component(
     })
 }
 
+/// Double quantization undone as bitsandbytes does it: `dequantize_blockwise(absmax_u8,
+/// nested_absmax)` in f32, then `+ offset`, i.e. `map[codes[j]] * nested_absmax[j / nbs] +
+/// offset`; `put(j, value)` receives every block's absmax in order.
+pub fn undo_double_quant(
+    codes: &[u8],
+    map: &[f32],
+    nested_absmax: &[f32],
+    nbs: usize,
+    offset: f32,
+    mut put: impl FnMut(usize, f32),
+) {
+    for (b, (codes, &scale)) in codes.chunks(nbs).zip(nested_absmax).enumerate() {
+        for (i, &q) in codes.iter().enumerate() {
+            put(b * nbs + i, map[q as usize] * scale + offset);
+        }
+    }
+}
+
 impl QuantState {
     /// Validates the parts against each other and resolves absmax.
     pub fn from_parts(file: &str, tensor: &str, parts: &QuantStateParts<'_>) -> Result<Self> {
@@ -647,16 +665,16 @@ impl QuantState {
                     let nn = nblocks.div_ceil(nested.blocksize);
                     let nested_absmax = f32_component(file, tensor, "nested_absmax", &na, nn)?;
                     let map = f32_component(file, tensor, "nested_quant_map", &nq, 256)?;
-                    let offset = nested.offset_f32();
-                    let nbs = nested.blocksize as usize;
-                    // bitsandbytes: dequantize_blockwise(absmax_u8, nested_absmax) in f32, then + offset.
-                    parts
-                        .absmax
-                        .bytes
-                        .iter()
-                        .enumerate()
-                        .map(|(j, &q)| (map[q as usize] * nested_absmax[j / nbs]) + offset)
-                        .collect()
+                    let mut absmax = vec![0f32; nblocks as usize];
+                    undo_double_quant(
+                        parts.absmax.bytes,
+                        &map,
+                        &nested_absmax,
+                        nested.blocksize as usize,
+                        nested.offset_f32(),
+                        |j, a| absmax[j] = a,
+                    );
+                    absmax
                 }
                 (Some(_), _, _) => return Err(err(QuantProblem::InconsistentNesting(
                     "the JSON has nested_* fields but nested_absmax / nested_quant_map are missing"

@@ -664,6 +664,8 @@ pub struct Executor<B: Backend> {
     state_slices: Vec<ArenaSlice>,
     /// Reused buffer for a streamed weight's f32 absmax.
     absmax_bytes: Vec<u8>,
+    /// Reused buffer for a streamed weight's nested absmax, as f32.
+    nested_scales: Vec<f32>,
     /// The staging ring when nothing streams (kept to hand on to a later phase).
     spare_ring: Option<StagingRing>,
     /// The naive offloader's mode: no ring for the streamed groups.
@@ -1232,6 +1234,7 @@ impl<B: Backend> Executor<B> {
             pool_bytes,
             state_slices,
             absmax_bytes: Vec::new(),
+            nested_scales: Vec::new(),
             profile: None,
             spare_ring: None,
             naive: None,
@@ -1397,15 +1400,14 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Places one chunk's tensors: uploads (the fences of the uploads are returned), host-side
-    /// quant-state parts, dense weights. With `borrow`, a packed weight that lies whole in the
-    /// chunk is lent to the backend in place where it can read it there (its pool offset is
+    /// quant-state parts, dense weights. With `borrowed`, a packed weight that lies whole in
+    /// the chunk is lent to the backend in place where it can read it there (its pool offset is
     /// pushed to `borrowed`; the caller then keeps `data` unchanged until `end_borrow`).
     fn handle(
         &mut self,
         spec: &ChunkSpec,
         data: &[u8],
-        borrow: bool,
-        borrowed: &mut Vec<u64>,
+        mut borrowed: Option<&mut Vec<u64>>,
     ) -> Result<Vec<Box<dyn crate::ring::Fence>>> {
         let mut fences = Vec::new();
         for part in &spec.parts {
@@ -1428,13 +1430,14 @@ impl<B: Backend> Executor<B> {
                 Some(Role::Packed(w)) => {
                     let at = self.views[w].packed.offset;
                     let whole = part.tensor_offset == 0 && part.len as u64 == part.tensor_len;
-                    // SAFETY: `borrow` is set only by `take_chunk`, which keeps the slot holding
-                    // `data` out of the ring, unchanged, until it calls `end_borrow(at)`.
-                    if borrow && whole && unsafe { self.backend.borrow_weight(at, bytes) } {
-                        borrowed.push(at);
-                        self.in_place_bytes += bytes.len() as u64;
-                    } else {
-                        fences.push(self.backend.upload(at + part.tensor_offset, bytes)?);
+                    match borrowed.as_deref_mut() {
+                        // SAFETY: only `take_chunk` passes `borrowed`, and it keeps the slot
+                        // holding `data` out of the ring, unchanged, until `end_borrow(at)`.
+                        Some(lent) if whole && unsafe { self.backend.borrow_weight(at, bytes) } => {
+                            lent.push(at);
+                            self.in_place_bytes += bytes.len() as u64;
+                        }
+                        _ => fences.push(self.backend.upload(at + part.tensor_offset, bytes)?),
                     }
                 }
                 Some(Role::QuantMap(w)) => fences.push(
@@ -1520,7 +1523,7 @@ impl<B: Backend> Executor<B> {
         let borrow =
             self.streamed_group.get(g) == Some(&true) && self.held.len() + 2 <= pf.ring().slots();
         let mut borrowed = Vec::new();
-        let fences = self.handle(&chunk.spec, chunk.bytes(), borrow, &mut borrowed)?;
+        let fences = self.handle(&chunk.spec, chunk.bytes(), borrow.then_some(&mut borrowed))?;
         let Chunk { slot, .. } = chunk;
         // Uploads from one slot complete in order: the last one frees the slot.
         let fence = fences.into_iter().last();
@@ -1578,7 +1581,7 @@ impl<B: Backend> Executor<B> {
             len: at,
             parts,
         };
-        for f in self.handle(&spec, &buf, false, &mut Vec::new())? {
+        for f in self.handle(&spec, &buf, None)? {
             f.wait();
         }
         drop(buf);
@@ -1644,19 +1647,31 @@ impl<B: Backend> Executor<B> {
             };
             match &st.nested {
                 None => out[..nblocks * 4].copy_from_slice(absmax),
-                Some(n) => decode_nested_absmax(
-                    absmax,
-                    nested_absmax,
-                    nested_map,
-                    n.blocksize as usize,
-                    n.offset_f32(),
-                    &mut out[..nblocks * 4],
-                ),
+                Some(n) => {
+                    let mut map = [0f32; 256];
+                    let scales = &mut self.nested_scales;
+                    scales.resize(nested_absmax.len() / 4, 0.0);
+                    // The byte counts were checked above.
+                    if !crate::convert::widen_into(nested_map, Dtype::F32, &mut map)
+                        || !crate::convert::widen_into(nested_absmax, Dtype::F32, scales)
+                    {
+                        return Err(bad("streamed double-quant state is not f32"));
+                    }
+                    let out = &mut out[..nblocks * 4];
+                    crate::bnb::undo_double_quant(
+                        absmax,
+                        &map,
+                        scales,
+                        n.blocksize as usize,
+                        n.offset_f32(),
+                        |j, a| out[4 * j..4 * j + 4].copy_from_slice(&a.to_le_bytes()),
+                    );
+                }
             }
             let r = if host {
-                Ok(Box::new(crate::backend::Signalled) as Box<dyn crate::ring::Fence>)
+                Ok(())
             } else {
-                self.backend.upload(region.offset, &buf)
+                self.backend.upload(region.offset, &buf).map(drop)
             };
             self.absmax_bytes = buf;
             r?;
@@ -1933,33 +1948,6 @@ struct StepCursor {
 
 /// The stream ran out (its pass limit) before group `g` arrived: running on would compute with
 /// whatever the pool region still holds.
-/// Double quantization undone, bit-exactly (the formula of `QuantState::from_parts`):
-/// `absmax[j] = nested_map[code[j]] * nested_absmax[j / nbs] + offset`, as little-endian f32.
-fn decode_nested_absmax(
-    codes: &[u8],
-    nested_absmax: &[u8],
-    nested_map: &[u8],
-    nbs: usize,
-    offset: f32,
-    out: &mut [u8],
-) {
-    let le = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let mut table = [0f32; 256];
-    for (t, b) in table.iter_mut().zip(nested_map.chunks_exact(4)) {
-        *t = le(b);
-    }
-    for ((codes, out), scale) in codes
-        .chunks(nbs)
-        .zip(out.chunks_mut(nbs * 4))
-        .zip(nested_absmax.chunks_exact(4))
-    {
-        let scale = le(scale);
-        for (&q, o) in codes.iter().zip(out.chunks_exact_mut(4)) {
-            o.copy_from_slice(&(table[q as usize] * scale + offset).to_le_bytes());
-        }
-    }
-}
-
 fn stream_ended(g: usize) -> Error {
     Error::Invalid(format!(
         "the weight stream ended before group {g} was loaded (more steps than the stream was limited to)"
