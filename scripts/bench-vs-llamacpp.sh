@@ -51,7 +51,7 @@ nib() { # extra args...
 echo "== nibble, resident"
 read -r rp rd _ < <(nib)
 # The embedding table (tied with lm_head) stays resident, every decoder layer streams.
-stream=(--device-budget 123MiB --slots 2 --slot-size 4MiB)
+stream=(--device-budget 68MiB --slots 2 --slot-size 4MiB)
 echo "== nibble, every decoder layer streamed through 2 x 4 MiB, page cache"
 read -r sp sd sn < <(nib "${stream[@]}" --file-mode pread)
 echo "== nibble, every decoder layer streamed through 2 x 4 MiB, from disk (pread-dropcache)"

@@ -98,6 +98,23 @@ pub trait Backend {
         let words: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
         self.write_arena(dst, &words)
     }
+    /// Whether ops here read [`ElemType::BF16`] dense weights (the weight of `Linear`, the table
+    /// of `Embedding`) as stored. The executor then keeps the model's bf16 tensors that only
+    /// such ops read at half the bytes of an f32 copy. False (the default): dense weights are
+    /// widened to f32 on the way in.
+    fn dense_bf16(&self) -> bool {
+        false
+    }
+    /// Writes bf16 bytes (as the model stores them) into a [`ElemType::BF16`] value at `dst`,
+    /// starting at its element `first` (two elements per arena word, so `first` may fall in the
+    /// middle of a word). Only called where [`Backend::dense_bf16`] is true.
+    fn write_bf16(&mut self, dst: ArenaSlice, first: usize, bytes: &[u8]) -> Result<()> {
+        let _ = (dst, first, bytes);
+        Err(Error::Invalid(format!(
+            "{}: bf16 dense weights are not supported",
+            self.name()
+        )))
+    }
     /// Reads arena words back.
     fn read_arena(&mut self, src: ArenaSlice) -> Result<Vec<u32>>;
     /// [`Backend::read_arena`] for an event loop (the browser), where waiting for the device
@@ -372,6 +389,10 @@ impl Backend for CpuRefBackend {
                     words.iter().map(|w| f32::from_bits(*w)).collect(),
                 )?,
                 ElemType::U32 => HostTensor::u32(&o.info.shape, words.to_vec())?,
+                ElemType::BF16 => HostTensor::f32(
+                    &o.info.shape,
+                    crate::convert::bf16_words_to_f32(words, o.info.numel()),
+                )?,
             };
             tensors.push(t);
         }

@@ -81,6 +81,16 @@ pub fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
+/// The first `n` bf16 values packed two per word (element `2i` in the low half of word `i`),
+/// widened to f32.
+pub fn bf16_words_to_f32(words: &[u32], n: usize) -> Vec<f32> {
+    words
+        .iter()
+        .flat_map(|w| [f32::from_bits(w << 16), f32::from_bits(w & 0xffff_0000)])
+        .take(n)
+        .collect()
+}
+
 /// Rounds f32 to bfloat16 (round to nearest even), as torch's `.to(torch.bfloat16)` does.
 pub fn round_bf16(v: f32) -> f32 {
     bf16::from_f32(v).to_f32()

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use crate::backend::{host_words, ArenaSlice, Backend, Operand, PoolRegion, Q4View};
 use crate::bnb::{find_4bit_weights, QuantState, QuantStateJson};
 use crate::error::{Error, Result};
-use crate::graph::{infer, ElemType, HostTensor, OpKind, Q4Info, ValueInfo};
+use crate::graph::{bf16_input_allowed, infer, ElemType, HostTensor, OpKind, Q4Info, ValueInfo};
 use crate::index::{Dtype, ModelIndex, TensorEntry};
 use crate::plan::{Allocation, Budgets, MemoryPlan, Placement, WeightGroup};
 use crate::prefetch::{chunk_schedule, Chunk, ChunkSpec, Prefetcher, StepStats};
@@ -81,6 +81,8 @@ pub struct Graph {
     q4: Vec<Q4Decl>,
     groups: Vec<String>,
     programs: Vec<Program>,
+    /// Dense tensors the model stores as bf16 ([`Graph::note_model`]).
+    stored_bf16: std::collections::BTreeSet<String>,
 }
 
 impl Default for Graph {
@@ -99,6 +101,7 @@ impl Default for Graph {
                 inputs: Vec::new(),
                 outputs: Vec::new(),
             }],
+            stored_bf16: Default::default(),
         }
     }
 }
@@ -270,6 +273,63 @@ impl Graph {
         &self.values[v.0]
     }
 
+    /// Records which of the graph's dense tensors `model` stores as bf16, so that
+    /// [`Graph::for_backend`] can keep them so (model builders call it once the graph is built;
+    /// the executor calls it again).
+    pub fn note_model(&mut self, model: &ModelIndex) {
+        for s in &self.sources {
+            if let Source::Dense { tensor, .. } = s {
+                if model.get(tensor).is_some_and(|e| e.dtype == Dtype::BF16) {
+                    self.stored_bf16.insert(tensor.clone());
+                }
+            }
+        }
+    }
+
+    /// This graph as `backend` runs it, where that differs (`None`: as it is): on a backend
+    /// that reads bf16 dense weights ([`Backend::dense_bf16`]), every dense weight that the
+    /// model stores as bf16 ([`Graph::note_model`]) and that only ops reading bf16 take (the
+    /// weight of `Linear`, the table of `Embedding`) becomes an [`ElemType::BF16`] value: half
+    /// the device bytes and half the bytes read per use, the same results.
+    pub fn for_backend<B: Backend + ?Sized>(&self, backend: &B) -> Option<Graph> {
+        if !backend.dense_bf16() || self.stored_bf16.is_empty() {
+            return None;
+        }
+        let mut ok: Vec<bool> = self
+            .sources
+            .iter()
+            .zip(&self.values)
+            .map(|(s, info)| match s {
+                Source::Dense { tensor, .. } => {
+                    info.elem == ElemType::F32 && self.stored_bf16.contains(tensor)
+                }
+                _ => false,
+            })
+            .collect();
+        for node in &self.nodes {
+            for (i, v) in node.inputs.iter().enumerate() {
+                if !bf16_input_allowed(&node.op, i) {
+                    ok[v.0] = false;
+                }
+            }
+        }
+        for p in &self.programs {
+            for v in &p.outputs {
+                ok[v.0] = false;
+            }
+        }
+        if !ok.contains(&true) {
+            return None;
+        }
+        let mut g = self.clone();
+        for (info, ok) in g.values.iter_mut().zip(ok) {
+            if ok {
+                info.elem = ElemType::BF16;
+            }
+        }
+        Some(g)
+    }
+
     /// Bytes of each weight group's tensors in `model` (every component of a 4-bit weight).
     pub fn group_bytes(&self, model: &ModelIndex) -> Result<Vec<u64>> {
         let keys = find_4bit_weights(model)?;
@@ -298,7 +358,7 @@ impl Graph {
     }
 
     /// Bytes every weight group takes on a device (4-bit codes + f32 absmax + code table, dense
-    /// tensors as f32).
+    /// tensors as f32, or as bf16 where [`Graph::for_backend`] kept them so).
     pub fn group_device_bytes(&self) -> Vec<u64> {
         let mut bytes = vec![0u64; self.groups.len()];
         for d in &self.q4 {
@@ -307,7 +367,7 @@ impl Graph {
         }
         for (vi, s) in self.sources.iter().enumerate() {
             if let Source::Dense { group, .. } = s {
-                bytes[*group] += self.values[vi].numel() as u64 * 4;
+                bytes[*group] += self.values[vi].words() as u64 * 4;
             }
         }
         bytes
@@ -317,13 +377,13 @@ impl Graph {
     pub fn state_bytes(&self) -> u64 {
         (0..self.values.len())
             .filter(|&v| self.sources[v] == Source::State)
-            .map(|v| self.values[v].numel() as u64 * 4)
+            .map(|v| self.values[v].words() as u64 * 4)
             .sum()
     }
 
     /// Device bytes of every value at once: an upper bound of the arena.
     pub fn activation_bytes(&self) -> u64 {
-        self.values.iter().map(|v| v.numel() as u64 * 4).sum()
+        self.values.iter().map(|v| v.words() as u64 * 4).sum()
     }
 
     /// Arena bytes for activations and state alone (dense weights left out), as laid out with
@@ -334,7 +394,7 @@ impl Graph {
         let owners = self.resident_dense_owners(&all_resident);
         let dense: u64 = owners
             .values()
-            .map(|&v| self.values[v].numel().div_ceil(align_w) as u64 * align_w as u64)
+            .map(|&v| self.values[v].words().div_ceil(align_w) as u64 * align_w as u64)
             .sum();
         (words.saturating_sub(dense)).max(1) * 4
     }
@@ -352,7 +412,7 @@ impl Graph {
                 holders
                     .entry(tensor.as_str())
                     .or_default()
-                    .push((*group, self.values[v].numel() as u64 * 4));
+                    .push((*group, self.values[v].words() as u64 * 4));
             }
         }
         (0..self.groups.len())
@@ -379,6 +439,9 @@ impl Graph {
     /// The smallest device budget with which this graph runs on `backend` (everything
     /// streamed), as the executor plans and lays it out.
     pub fn min_device_bytes<B: Backend + ?Sized>(&self, backend: &B) -> u64 {
+        if let Some(g) = self.for_backend(backend) {
+            return g.min_device_bytes(backend);
+        }
         let n = self.groups.len();
         let align_w = backend.arena_align_words().max(1);
         let pa = backend.pool_align_bytes().max(4);
@@ -399,7 +462,7 @@ impl Graph {
         let mut bytes = vec![0u64; self.groups.len()];
         for (vi, s) in self.sources.iter().enumerate() {
             if let Source::Dense { group, .. } = s {
-                bytes[*group] += self.values[vi].numel() as u64 * 4;
+                bytes[*group] += self.values[vi].words() as u64 * 4;
             }
         }
         bytes
@@ -550,7 +613,7 @@ impl Graph {
         let mut words = 0usize;
         let mut conflicts: Vec<(usize, usize)> = Vec::new();
         for v in order {
-            let len = self.values[v].numel().max(1);
+            let len = self.values[v].words().max(1);
             conflicts.clear();
             conflicts.extend(
                 placed
@@ -569,7 +632,7 @@ impl Graph {
             placed.push((off, len, v));
             slices[v] = Some(ArenaSlice {
                 offset: off,
-                len: self.values[v].numel(),
+                len: self.values[v].words(),
             });
             words = words.max(off + len);
         }
@@ -727,7 +790,7 @@ impl Layout {
             .enumerate()
             .filter_map(|(v, s)| match s {
                 Source::Dense { tensor, group } if self.resident_group[*group] => {
-                    Some((tensor.as_str(), graph.values[v].numel() as u64 * 4))
+                    Some((tensor.as_str(), graph.values[v].words() as u64 * 4))
                 }
                 _ => None,
             })
@@ -942,6 +1005,16 @@ fn prepare<B: Backend + ?Sized>(
                     actual: crate::index::dtype_name(e.dtype),
                 });
             }
+            if graph.values[vi].elem == ElemType::BF16
+                && (e.dtype != Dtype::BF16 || !backend.dense_bf16())
+            {
+                return Err(Error::Invalid(format!(
+                    "{tensor}: a bf16 value of the graph, but the model stores {} and {} reads bf16 weights: {}",
+                    crate::index::dtype_name(e.dtype),
+                    backend.name(),
+                    backend.dense_bf16()
+                )));
+            }
             roles.insert((*group, tensor.clone()), Role::Dense(ValueId(vi), e.dtype));
             group_tensors[*group].push(e.clone());
         }
@@ -1125,7 +1198,10 @@ impl<B: Backend> Executor<B> {
         backend: &B,
         opts: ExecOptions,
     ) -> Result<MemoryPlan> {
-        Ok(prepare(graph, model, backend, &opts)?.plan)
+        let mut own = graph.clone();
+        own.note_model(model);
+        let graph = own.for_backend(backend).unwrap_or(own);
+        Ok(prepare(&graph, model, backend, &opts)?.plan)
     }
 
     /// [`Executor::new`] reusing a staging ring from an earlier phase (same slot count and
@@ -1188,6 +1264,9 @@ impl<B: Backend> Executor<B> {
         ring: Option<StagingRing>,
         make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
     ) -> Result<(Self, ResidentLoad)> {
+        let mut graph = graph;
+        graph.note_model(model);
+        let graph = graph.for_backend(&backend).unwrap_or(graph);
         let Prepared {
             plan,
             scratch,
@@ -1455,6 +1534,11 @@ impl<B: Backend> Executor<B> {
                     }
                     let s =
                         self.slices[v.0].ok_or_else(|| Error::Invalid("unplaced weight".into()))?;
+                    if self.graph.values[v.0].elem == ElemType::BF16 {
+                        // As stored: the bytes go in as they are, at their element.
+                        self.backend.write_bf16(s, at / es, bytes)?;
+                        continue;
+                    }
                     self.backend.write_dense(
                         ArenaSlice {
                             offset: s.offset + at / es,
@@ -1931,6 +2015,10 @@ impl<B: Backend> Executor<B> {
                     words.iter().map(|w| f32::from_bits(*w)).collect(),
                 )?,
                 ElemType::U32 => HostTensor::u32(&info.shape, words)?,
+                ElemType::BF16 => HostTensor::f32(
+                    &info.shape,
+                    crate::convert::bf16_words_to_f32(&words, info.numel()),
+                )?,
             });
         }
         Ok(outs)

@@ -170,6 +170,12 @@ pub enum ElemType {
     F32,
     /// u32 token ids.
     U32,
+    /// A dense weight kept as the bf16 values the model stores, two per arena word (element
+    /// `2i` in the low half of word `i`): only where a backend reads it directly
+    /// ([`crate::backend::Backend::dense_bf16`]), only as the weight of `Linear` or the table of
+    /// `Embedding`, which widen each element to f32 exactly (the same results as an f32 copy,
+    /// from half the bytes).
+    BF16,
 }
 
 /// Shape and type of a value.
@@ -193,6 +199,13 @@ impl ValueInfo {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Arena words it takes.
+    pub fn words(&self) -> usize {
+        match self.elem {
+            ElemType::BF16 => self.numel().div_ceil(2),
+            ElemType::F32 | ElemType::U32 => self.numel(),
+        }
+    }
 }
 
 /// The logical shape of a 4-bit weight input (`[N, K]` for a linear).
@@ -213,6 +226,12 @@ fn want_f32(op: &OpKind, what: &str, v: &ValueInfo) -> Result<()> {
         return err(op, format!("{what} must be f32, is {:?}", v.elem));
     }
     Ok(())
+}
+
+/// Whether input `i` of `op` may be a [`ElemType::BF16`] dense weight: the weight of `Linear`,
+/// the table of `Embedding`.
+pub fn bf16_input_allowed(op: &OpKind, i: usize) -> bool {
+    matches!(op, OpKind::Linear { .. } | OpKind::Embedding) && i == 1
 }
 
 /// Checks an op's inputs and returns its output. `q4` is the 4-bit weight for `Dequant4` /
@@ -253,6 +272,9 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
     for (i, v) in inputs.iter().enumerate() {
         let ids = (matches!(op, OpKind::Embedding) && i == 0)
             || (matches!(op, OpKind::CacheWrite) && i == 2);
+        if bf16_input_allowed(op, i) && v.elem == ElemType::BF16 {
+            continue;
+        }
         if !ids {
             want_f32(op, &format!("input {i}"), v)?;
         }

@@ -19,7 +19,8 @@ pub struct WeightGroup {
     pub device_bytes: u64,
     /// Bytes of its stream-pool slot when it streams (its 4-bit weights, aligned).
     pub slot_bytes: u64,
-    /// Bytes its dense tensors take (as f32) in the arena while it is live, when it streams.
+    /// Bytes its dense tensors take in the arena (f32, or bf16 where the backend reads bf16)
+    /// while it is live, when it streams.
     pub dense_bytes: u64,
     /// Dense tensors it shares with other groups (tied embeddings): (other group, f32 bytes).
     /// While the other group is resident this group reads that copy and needs no room of its own.
@@ -95,7 +96,7 @@ pub struct Allocation {
     pub arena_bytes: u64,
     /// Of the arena: persistent state (KV cache).
     pub state_bytes: u64,
-    /// Of the arena: resident dense weights (f32).
+    /// Of the arena: resident dense weights (f32, or bf16 where the backend reads bf16).
     pub resident_dense_bytes: u64,
 }
 

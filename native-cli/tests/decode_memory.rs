@@ -50,7 +50,7 @@ fn streamed_decode_is_flat_and_equals_resident() {
     );
     let streamed = run(&[
         "--device-budget",
-        "128MiB",
+        "80MiB",
         "--slots",
         "2",
         "--slot-size",

@@ -13,6 +13,7 @@
 
 use std::path::PathBuf;
 
+use nibble_core::backend::CpuRefBackend;
 use nibble_core::cpu::CpuBackend;
 use nibble_core::executor::ExecOptions;
 use nibble_core::index::ModelIndex;
@@ -203,4 +204,82 @@ fn greedy_and_teacher_forced_match_transformers() {
             greedy.len()
         );
     }
+}
+
+/// The optimized CPU backend keeps SmolLM2's bf16 embedding table (tied to lm_head) as the bf16
+/// the model stores instead of an f32 copy: the plan's resident dense bytes drop by exactly half
+/// the table, and the logits of every prompt position agree with cpu_ref's (which widens the
+/// table to f32) within 1e-5 x max. Streamed every pass through small slots that split the
+/// table at many places, the greedy tokens and decode logits are those of the resident run.
+#[test]
+fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
+    let m = ModelIndex::open(&model_dir()).expect("open");
+    let table = m.require("model.embed_tokens.weight").expect("table");
+    assert_eq!(
+        table.dtype,
+        nibble_core::index::Dtype::BF16,
+        "the converted table"
+    );
+    let table_elems = table.numel();
+    let prompt = u32s(&reference()["prompts"][0]["prompt_ids"]);
+    let prompt = &prompt[..8];
+    let shape = LlamaShape {
+        prompt: prompt.len(),
+        capacity: prompt.len(),
+        all_logits: true,
+        hidden_states: false,
+    };
+    let mut cpu = Decoder::new(&m, CpuBackend::new(), shape, opts()).expect("cpu");
+    let mut rf = Decoder::new(&m, CpuRefBackend::new(), shape, opts()).expect("cpu_ref");
+    let dense = |p: &nibble_core::plan::MemoryPlan| {
+        p.allocation
+            .as_ref()
+            .expect("allocation")
+            .resident_dense_bytes
+    };
+    let (d_cpu, d_ref) = (dense(cpu.executor().plan()), dense(rf.executor().plan()));
+    assert_eq!(
+        d_ref - d_cpu,
+        table_elems * 2,
+        "cpu {d_cpu} B of resident dense weights, cpu_ref {d_ref} B"
+    );
+    let (got, _) = cpu.prefill(prompt).expect("cpu prefill");
+    let (want, _) = rf.prefill(prompt).expect("cpu_ref prefill");
+    let err = max_err_rel_to_max(&got, &want);
+    assert!(err <= 1e-5, "cpu vs cpu_ref logits: {err:.2e} x max");
+
+    // Resident against every group streamed through 2 x 1 MiB slots.
+    let n = 6;
+    let run = |o: ExecOptions| {
+        let mut d = Decoder::new(
+            &m,
+            CpuBackend::new(),
+            LlamaShape::generate(prompt.len(), n),
+            o,
+        )
+        .expect("decoder");
+        let streamed = d.executor().plan().streamed_bytes_per_step;
+        let (mut last, _) = d.prefill(prompt).expect("prefill");
+        let (mut tokens, mut logits) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let t = argmax(&last);
+            tokens.push(t);
+            last = d.decode(t).expect("decode").0;
+            logits.extend_from_slice(&last);
+        }
+        (tokens, logits, streamed)
+    };
+    let (t_res, l_res, s_res) = run(opts());
+    let mut small = opts();
+    small.stream_all = true;
+    small.budgets.ring_slots = 2;
+    small.budgets.slot_bytes = 1 << 20;
+    let (t_str, l_str, s_str) = run(small);
+    assert_eq!(s_res, 0, "the resident run streams nothing");
+    assert!(
+        s_str >= table.len,
+        "the streamed run reads the table each pass ({s_str} B per step)"
+    );
+    assert_eq!(t_str, t_res, "greedy tokens, streamed vs resident");
+    assert_bits_eq(&l_str, &l_res, "decode logits, streamed vs resident");
 }

@@ -193,6 +193,68 @@ pub fn dot_tile(
     }
 }
 
+/// [`dot_tile`] with bf16 weight rows (`w`, stride `ws` elements), each element widened to f32
+/// exactly as it is read: the same sums in the same order as `dot_tile` on the widened rows.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_tile_bf16(
+    x: &[f32],
+    xs: usize,
+    mr: usize,
+    w: &[u16],
+    ws: usize,
+    nr: usize,
+    k: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    debug_assert!(mr <= 4 && nr <= 3);
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present; the asserts below bound every access.
+        assert!(x.len() >= (mr - 1) * xs + k && w.len() >= (nr - 1) * ws + k);
+        assert!(out.len() >= (mr - 1) * out_stride + nr);
+        unsafe {
+            macro_rules! call {
+                ($m:literal, $n:literal) => {
+                    avx2::dot_tile_bf16::<$m, $n>(
+                        x.as_ptr(),
+                        xs,
+                        w.as_ptr(),
+                        ws,
+                        k,
+                        out.as_mut_ptr(),
+                        out_stride,
+                    )
+                };
+            }
+            match (mr, nr) {
+                (1, 1) => call!(1, 1),
+                (1, 2) => call!(1, 2),
+                (1, 3) => call!(1, 3),
+                (2, 1) => call!(2, 1),
+                (2, 2) => call!(2, 2),
+                (2, 3) => call!(2, 3),
+                (3, 1) => call!(3, 1),
+                (3, 2) => call!(3, 2),
+                (3, 3) => call!(3, 3),
+                (4, 1) => call!(4, 1),
+                (4, 2) => call!(4, 2),
+                _ => call!(4, 3),
+            }
+        }
+        return;
+    }
+    let mut row = vec![0f32; k];
+    for j in 0..nr {
+        for (r, &h) in row.iter_mut().zip(&w[j * ws..j * ws + k]) {
+            *r = f32::from_bits((h as u32) << 16);
+        }
+        for i in 0..mr {
+            out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], &row);
+        }
+    }
+}
+
 // Every function here is an intrinsics kernel whose callers check AVX2/FMA and the bounds; an
 // `unsafe` block around each intrinsic call would add nothing.
 #[cfg(target_arch = "x86_64")]
@@ -421,6 +483,48 @@ mod avx2 {
             }
         }
     }
+
+    /// 8 bf16 values at `p`, widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_tile_bf16<const MR: usize, const NR: usize>(
+        x: *const f32,
+        xs: usize,
+        w: *const u16,
+        ws: usize,
+        k: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+        let k8 = k / 8 * 8;
+        let mut kk = 0;
+        while kk < k8 {
+            let wv: [__m256; NR] = std::array::from_fn(|j| load_bf16(w.add(j * ws + kk)));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(i * xs + kk));
+                for j in 0..NR {
+                    row[j] = _mm256_fmadd_ps(xv, wv[j], row[j]);
+                }
+            }
+            kk += 8;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, a) in row.iter().enumerate() {
+                let mut s = hsum(*a);
+                for t in k8..k {
+                    s += *x.add(i * xs + t) * f32::from_bits((*w.add(j * ws + t) as u32) << 16);
+                }
+                *out.add(i * out_stride + j) = s;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -437,6 +541,32 @@ mod tests {
                 (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
             })
             .collect()
+    }
+
+    #[test]
+    fn bf16_tiles_equal_f32_tiles_of_the_widened_rows_bit_for_bit() {
+        // k = 37: full 8-lane steps and a tail.
+        let k = 37;
+        let x = vals(4 * 40, 3);
+        let w16: Vec<u16> = vals(3 * 41, 4)
+            .iter()
+            .map(|v| half::bf16::from_f32(*v * 3.0).to_bits())
+            .collect();
+        let w32: Vec<f32> = w16
+            .iter()
+            .map(|&h| f32::from_bits((h as u32) << 16))
+            .collect();
+        for mr in 1..=4 {
+            for nr in 1..=3 {
+                let mut a = vec![0f32; 4 * 5];
+                let mut b = vec![0f32; 4 * 5];
+                dot_tile(&x, 40, mr, &w32, 41, nr, k, &mut a, 5);
+                dot_tile_bf16(&x, 40, mr, &w16, 41, nr, k, &mut b, 5);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{mr}x{nr}");
+                assert!(a[..mr * 5].iter().any(|v| *v != 0.0));
+            }
+        }
     }
 
     #[test]

@@ -12,7 +12,9 @@ use crate::backend::{ArenaSlice, Backend, Operand, PoolRegion, Q4View, Signalled
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::ring::Fence;
-use kernels::{dequant_row_paired, dot, dot_tile, lane_order, pair_order, q4_row_dots};
+use kernels::{
+    dequant_row_paired, dot, dot_tile, dot_tile_bf16, lane_order, pair_order, q4_row_dots,
+};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
@@ -166,6 +168,25 @@ impl CpuBackend {
     }
 }
 
+/// The first `n` bf16 elements of a [`crate::graph::ElemType::BF16`] value's words.
+fn halves(words: &[f32], n: usize) -> &[u16] {
+    assert!(
+        n <= words.len() * 2,
+        "bf16 value of {n} in {} words",
+        words.len()
+    );
+    // SAFETY: u16 view of f32 storage (alignment 4 >= 2), in bounds (asserted).
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, n) }
+}
+
+/// A dense linear's weight rows: f32, or bf16 as the model stores them (widened exactly as
+/// they are read).
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
 /// The inputs and output of one op as slices of the arena.
 struct Io<'a> {
     ins: Vec<&'a [f32]>,
@@ -250,6 +271,27 @@ impl Backend for CpuBackend {
                 bytes.len(),
                 dst.len
             )));
+        }
+        Ok(())
+    }
+    fn dense_bf16(&self) -> bool {
+        true
+    }
+    fn write_bf16(&mut self, dst: ArenaSlice, first: usize, bytes: &[u8]) -> Result<()> {
+        self.check(dst)?;
+        let n = bytes.len() / 2;
+        if bytes.len() % 2 != 0 || first + n > dst.len * 2 {
+            return Err(Error::Invalid(format!(
+                "cpu: {} bf16 bytes at element {first} do not fit {dst:?}",
+                bytes.len()
+            )));
+        }
+        let words = &mut self.arena[dst.offset..dst.offset + dst.len];
+        // SAFETY: u16 view of the f32 words (alignment 4 >= 2), in bounds (checked above).
+        let h =
+            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, dst.len * 2) };
+        for (d, c) in h[first..first + n].iter_mut().zip(bytes.chunks_exact(2)) {
+            *d = u16::from_le_bytes([c[0], c[1]]);
         }
         Ok(())
     }
@@ -364,7 +406,11 @@ impl Backend for CpuBackend {
                 let (m, k) = (shape(0)[0], shape(0)[1]);
                 let n = shape(1)[0];
                 let b = bias.then(|| io.ins[2]);
-                dense_linear(pool, io.ins[0], m, io.ins[1], n, k, b, io.out);
+                let w = match inputs[1].info.elem {
+                    ElemType::BF16 => Rows::Bf16(halves(io.ins[1], n * k)),
+                    _ => Rows::F32(io.ins[1]),
+                };
+                dense_linear(pool, io.ins[0], m, w, n, k, b, io.out);
             }
             OpKind::MatMul { transpose_b } => {
                 let (bsz, m, k) = (shape(0)[0], shape(0)[1], shape(0)[2]);
@@ -389,7 +435,7 @@ impl Backend for CpuBackend {
                         pool,
                         a,
                         m,
-                        w,
+                        Rows::F32(w),
                         n,
                         k,
                         None,
@@ -511,6 +557,10 @@ impl Backend for CpuBackend {
             }
             OpKind::Embedding => {
                 let (vocab, d) = (shape(1)[0], shape(1)[1]);
+                let table = match inputs[1].info.elem {
+                    ElemType::BF16 => Rows::Bf16(halves(io.ins[1], vocab * d)),
+                    _ => Rows::F32(io.ins[1]),
+                };
                 for (i, &idw) in io.ins[0].iter().enumerate() {
                     let id = idw.to_bits() as usize;
                     if id >= vocab {
@@ -518,7 +568,15 @@ impl Backend for CpuBackend {
                             "embedding: token id {id} is outside the vocabulary of {vocab}"
                         )));
                     }
-                    io.out[i * d..(i + 1) * d].copy_from_slice(&io.ins[1][id * d..(id + 1) * d]);
+                    let o = &mut io.out[i * d..(i + 1) * d];
+                    match table {
+                        Rows::F32(t) => o.copy_from_slice(&t[id * d..(id + 1) * d]),
+                        Rows::Bf16(t) => {
+                            for (o, &h) in o.iter_mut().zip(&t[id * d..(id + 1) * d]) {
+                                *o = f32::from_bits((h as u32) << 16);
+                            }
+                        }
+                    }
                 }
             }
             OpKind::Concat { axis } => {
@@ -654,7 +712,7 @@ fn dense_linear(
     pool: &ThreadPool,
     x: &[f32],
     m: usize,
-    w: &[f32],
+    w: Rows<'_>,
     n: usize,
     k: usize,
     bias: Option<&[f32]>,
@@ -675,7 +733,14 @@ fn dense_linear(
             let mut i = 0;
             while i < m {
                 let mr = (m - i).min(4);
-                dot_tile(&x[i * k..], k, mr, &w[j * k..], k, nr, k, &mut tile, 3);
+                match w {
+                    Rows::F32(w) => {
+                        dot_tile(&x[i * k..], k, mr, &w[j * k..], k, nr, k, &mut tile, 3)
+                    }
+                    Rows::Bf16(w) => {
+                        dot_tile_bf16(&x[i * k..], k, mr, &w[j * k..], k, nr, k, &mut tile, 3)
+                    }
+                }
                 for a in 0..mr {
                     for bcol in 0..nr {
                         let mut v = tile[a * 3 + bcol];
