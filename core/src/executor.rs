@@ -81,8 +81,6 @@ pub struct Graph {
     q4: Vec<Q4Decl>,
     groups: Vec<String>,
     programs: Vec<Program>,
-    /// Dense tensors the model stores as bf16 ([`Graph::note_model`]).
-    stored_bf16: std::collections::BTreeSet<String>,
 }
 
 impl Default for Graph {
@@ -101,7 +99,6 @@ impl Default for Graph {
                 inputs: Vec::new(),
                 outputs: Vec::new(),
             }],
-            stored_bf16: Default::default(),
         }
     }
 }
@@ -273,26 +270,18 @@ impl Graph {
         &self.values[v.0]
     }
 
-    /// Records which of the graph's dense tensors `model` stores as bf16, so that
-    /// [`Graph::for_backend`] can keep them so (model builders call it once the graph is built;
-    /// the executor calls it again).
-    pub fn note_model(&mut self, model: &ModelIndex) {
-        for s in &self.sources {
-            if let Source::Dense { tensor, .. } = s {
-                if model.get(tensor).is_some_and(|e| e.dtype == Dtype::BF16) {
-                    self.stored_bf16.insert(tensor.clone());
-                }
-            }
-        }
-    }
-
-    /// This graph as `backend` runs it, where that differs (`None`: as it is): on a backend
-    /// that reads bf16 dense weights ([`Backend::dense_bf16`]), every dense weight that the
-    /// model stores as bf16 ([`Graph::note_model`]) and that only ops reading bf16 take (the
-    /// weight of `Linear`, the table of `Embedding`) becomes an [`ElemType::BF16`] value: half
-    /// the device bytes and half the bytes read per use, the same results.
-    pub fn for_backend<B: Backend + ?Sized>(&self, backend: &B) -> Option<Graph> {
-        if !backend.dense_bf16() || self.stored_bf16.is_empty() {
+    /// This graph as `backend` runs `model`, where that differs (`None`: as it is): on a backend
+    /// that reads bf16 dense weights ([`Backend::dense_bf16`]), every dense weight that `model`
+    /// stores as bf16 and that only ops reading bf16 take (the weight of `Linear`, the table of
+    /// `Embedding`) becomes an [`ElemType::BF16`] value: half the device bytes and half the
+    /// bytes read per use, the same results. The executor runs this; planners that size a
+    /// budget for it ([`Graph::min_device_bytes`]) do too.
+    pub fn for_backend<B: Backend + ?Sized>(
+        &self,
+        model: &ModelIndex,
+        backend: &B,
+    ) -> Option<Graph> {
+        if !backend.dense_bf16() {
             return None;
         }
         let mut ok: Vec<bool> = self
@@ -301,7 +290,8 @@ impl Graph {
             .zip(&self.values)
             .map(|(s, info)| match s {
                 Source::Dense { tensor, .. } => {
-                    info.elem == ElemType::F32 && self.stored_bf16.contains(tensor)
+                    info.elem == ElemType::F32
+                        && model.get(tensor).is_some_and(|e| e.dtype == Dtype::BF16)
                 }
                 _ => false,
             })
@@ -358,7 +348,7 @@ impl Graph {
     }
 
     /// Bytes every weight group takes on a device (4-bit codes + f32 absmax + code table, dense
-    /// tensors as f32, or as bf16 where [`Graph::for_backend`] kept them so).
+    /// tensors as f32, or as bf16 in a graph from [`Graph::for_backend`]).
     pub fn group_device_bytes(&self) -> Vec<u64> {
         let mut bytes = vec![0u64; self.groups.len()];
         for d in &self.q4 {
@@ -436,11 +426,11 @@ impl Graph {
             .collect()
     }
 
-    /// The smallest device budget with which this graph runs on `backend` (everything
+    /// The smallest device budget with which this graph runs `model` on `backend` (everything
     /// streamed), as the executor plans and lays it out.
-    pub fn min_device_bytes<B: Backend + ?Sized>(&self, backend: &B) -> u64 {
-        if let Some(g) = self.for_backend(backend) {
-            return g.min_device_bytes(backend);
+    pub fn min_device_bytes<B: Backend + ?Sized>(&self, model: &ModelIndex, backend: &B) -> u64 {
+        if let Some(g) = self.for_backend(model, backend) {
+            return g.min_device_bytes(model, backend);
         }
         let n = self.groups.len();
         let align_w = backend.arena_align_words().max(1);
@@ -1198,10 +1188,8 @@ impl<B: Backend> Executor<B> {
         backend: &B,
         opts: ExecOptions,
     ) -> Result<MemoryPlan> {
-        let mut own = graph.clone();
-        own.note_model(model);
-        let graph = own.for_backend(backend).unwrap_or(own);
-        Ok(prepare(&graph, model, backend, &opts)?.plan)
+        let narrowed = graph.for_backend(model, backend);
+        Ok(prepare(narrowed.as_ref().unwrap_or(graph), model, backend, &opts)?.plan)
     }
 
     /// [`Executor::new`] reusing a staging ring from an earlier phase (same slot count and
@@ -1264,9 +1252,7 @@ impl<B: Backend> Executor<B> {
         ring: Option<StagingRing>,
         make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
     ) -> Result<(Self, ResidentLoad)> {
-        let mut graph = graph;
-        graph.note_model(model);
-        let graph = graph.for_backend(&backend).unwrap_or(graph);
+        let graph = graph.for_backend(model, &backend).unwrap_or(graph);
         let Prepared {
             plan,
             scratch,

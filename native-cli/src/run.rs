@@ -214,7 +214,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         // Everything resident: every group plus the arena, with room to spare for alignment.
         None => {
             lg.graph.group_device_bytes().iter().sum::<u64>() * 2
-                + lg.graph.min_device_bytes(&backend)
+                + lg.graph.min_device_bytes(model, &backend)
         }
     };
     let budgets = Budgets {

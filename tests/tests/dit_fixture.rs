@@ -33,7 +33,7 @@ fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, 
         host_other_bytes: 0,
     };
     if streamed {
-        budgets.device_bytes = dg.graph.min_device_bytes(&backend);
+        budgets.device_bytes = dg.graph.min_device_bytes(&m, &backend);
     }
     let mut ex = Executor::new(
         dg.graph,
@@ -145,7 +145,7 @@ fn tiny_dit_euler_loop_streamed() {
     let ids: Vec<f32> = txt_ids.iter().chain(&img_ids).copied().collect();
     let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
     let budgets = Budgets {
-        device_bytes: dg.graph.min_device_bytes(&CpuRefBackend::new()),
+        device_bytes: dg.graph.min_device_bytes(&m, &CpuRefBackend::new()),
         ring_slots: 2,
         slot_bytes: 64 << 10,
         host_cache_bytes: 0,

@@ -67,7 +67,7 @@ fn decoder<B: Backend>(
     let lg = llama::build(m, shape).expect("graph");
     let mut o = o;
     if o.budgets.device_bytes == 0 {
-        o.budgets.device_bytes = lg.graph.min_device_bytes(&make());
+        o.budgets.device_bytes = lg.graph.min_device_bytes(m, &make());
     }
     Decoder::from_graph(lg, m, make(), o).expect("decoder")
 }

@@ -111,10 +111,15 @@ fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
     Ok(s)
 }
 
-fn exec_options(s: Settings, graph: &Graph, backend: &WgpuBackend) -> ExecOptions {
+fn exec_options(
+    s: Settings,
+    graph: &Graph,
+    model: &nibble_core::index::ModelIndex,
+    backend: &WgpuBackend,
+) -> ExecOptions {
     let device_bytes = s
         .device_bytes
-        .unwrap_or_else(|| graph.min_device_bytes(backend));
+        .unwrap_or_else(|| graph.min_device_bytes(model, backend));
     ExecOptions {
         budgets: Budgets {
             device_bytes,
@@ -393,7 +398,7 @@ impl Nibble {
                     None => JsValue::UNDEFINED,
                 }
             };
-            let o = exec_options(s, &lg.graph, &backend);
+            let o = exec_options(s, &lg.graph, &index, &backend);
             let before = traffic_bytes(&traffic, "weights");
             let mut make = FetchSource::maker(&model, &traffic);
             let mut d = Decoder::from_graph_async(lg, &index, backend, o, &mut make)
@@ -478,7 +483,7 @@ impl Nibble {
             let graph = Denoiser::<WgpuBackend>::graph_for(&index, &inputs).map_err(js_err)?;
             // The device leaves the state only now that nothing before the run can be refused.
             let backend = backend_of(&state).await?;
-            let o = exec_options(s, &graph, &backend);
+            let o = exec_options(s, &graph, &index, &backend);
             drop(graph);
             let before = traffic_bytes(&traffic, "weights");
             let mut make = FetchSource::maker(&model, &traffic);
@@ -611,7 +616,7 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
                 Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
             }
         };
-        let o = exec_options(s, &graph, &backend);
+        let o = exec_options(s, &graph, &model.index, &backend);
         let plan = Executor::plan_only(&graph, &model.index, &backend, o).map_err(js_err)?;
         Ok(plan_json(&plan))
     })();

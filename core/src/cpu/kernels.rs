@@ -135,6 +135,45 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Weight rows for [`dot_tile_rows`]: f32, or bf16 as a model stores them, each element widened
+/// to f32 exactly as it is read (the same sums in the same order as the widened f32 rows).
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    /// f32 rows.
+    F32(&'a [f32]),
+    /// bf16 rows (the bits, little-endian).
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Rows<'a> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn len(&self) -> usize {
+        match self {
+            Rows::F32(w) => w.len(),
+            Rows::Bf16(w) => w.len(),
+        }
+    }
+    /// The rows from element `at` on.
+    pub fn from(self, at: usize) -> Rows<'a> {
+        match self {
+            Rows::F32(w) => Rows::F32(&w[at..]),
+            Rows::Bf16(w) => Rows::Bf16(&w[at..]),
+        }
+    }
+    /// Elements `at..at + out.len()`, as f32, into `out`.
+    pub fn widen_into(&self, at: usize, out: &mut [f32]) {
+        match self {
+            Rows::F32(w) => out.copy_from_slice(&w[at..at + out.len()]),
+            Rows::Bf16(w) => {
+                let n = out.len();
+                for (o, &h) in out.iter_mut().zip(&w[at..at + n]) {
+                    *o = f32::from_bits((h as u32) << 16);
+                }
+            }
+        }
+    }
+}
+
 /// `out[i * out_stride + j] = dot(x row i, w row j)` for `mr` rows of x (stride `xs`) and `nr`
 /// rows of w (stride `ws`), each `k` long; mr <= 4, nr <= 3.
 #[allow(clippy::too_many_arguments)]
@@ -149,58 +188,16 @@ pub fn dot_tile(
     out: &mut [f32],
     out_stride: usize,
 ) {
-    debug_assert!(mr <= 4 && nr <= 3);
-    #[cfg(target_arch = "x86_64")]
-    if have_avx2() {
-        // SAFETY: AVX2 and FMA are present; the asserts below bound every access.
-        assert!(x.len() >= (mr - 1) * xs + k && w.len() >= (nr - 1) * ws + k);
-        assert!(out.len() >= (mr - 1) * out_stride + nr);
-        unsafe {
-            macro_rules! call {
-                ($m:literal, $n:literal) => {
-                    avx2::dot_tile::<$m, $n>(
-                        x.as_ptr(),
-                        xs,
-                        w.as_ptr(),
-                        ws,
-                        k,
-                        out.as_mut_ptr(),
-                        out_stride,
-                    )
-                };
-            }
-            match (mr, nr) {
-                (1, 1) => call!(1, 1),
-                (1, 2) => call!(1, 2),
-                (1, 3) => call!(1, 3),
-                (2, 1) => call!(2, 1),
-                (2, 2) => call!(2, 2),
-                (2, 3) => call!(2, 3),
-                (3, 1) => call!(3, 1),
-                (3, 2) => call!(3, 2),
-                (3, 3) => call!(3, 3),
-                (4, 1) => call!(4, 1),
-                (4, 2) => call!(4, 2),
-                _ => call!(4, 3),
-            }
-        }
-        return;
-    }
-    for i in 0..mr {
-        for j in 0..nr {
-            out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], &w[j * ws..j * ws + k]);
-        }
-    }
+    dot_tile_rows(x, xs, mr, Rows::F32(w), ws, nr, k, out, out_stride);
 }
 
-/// [`dot_tile`] with bf16 weight rows (`w`, stride `ws` elements), each element widened to f32
-/// exactly as it is read: the same sums in the same order as `dot_tile` on the widened rows.
+/// [`dot_tile`] over f32 or bf16 weight rows.
 #[allow(clippy::too_many_arguments)]
-pub fn dot_tile_bf16(
+pub fn dot_tile_rows(
     x: &[f32],
     xs: usize,
     mr: usize,
-    w: &[u16],
+    w: Rows<'_>,
     ws: usize,
     nr: usize,
     k: usize,
@@ -213,18 +210,34 @@ pub fn dot_tile_bf16(
         // SAFETY: AVX2 and FMA are present; the asserts below bound every access.
         assert!(x.len() >= (mr - 1) * xs + k && w.len() >= (nr - 1) * ws + k);
         assert!(out.len() >= (mr - 1) * out_stride + nr);
+        let (wp, bf16) = match w {
+            Rows::F32(w) => (w.as_ptr() as *const u8, false),
+            Rows::Bf16(w) => (w.as_ptr() as *const u8, true),
+        };
         unsafe {
             macro_rules! call {
                 ($m:literal, $n:literal) => {
-                    avx2::dot_tile_bf16::<$m, $n>(
-                        x.as_ptr(),
-                        xs,
-                        w.as_ptr(),
-                        ws,
-                        k,
-                        out.as_mut_ptr(),
-                        out_stride,
-                    )
+                    if bf16 {
+                        avx2::dot_tile::<$m, $n, true>(
+                            x.as_ptr(),
+                            xs,
+                            wp,
+                            ws,
+                            k,
+                            out.as_mut_ptr(),
+                            out_stride,
+                        )
+                    } else {
+                        avx2::dot_tile::<$m, $n, false>(
+                            x.as_ptr(),
+                            xs,
+                            wp,
+                            ws,
+                            k,
+                            out.as_mut_ptr(),
+                            out_stride,
+                        )
+                    }
                 };
             }
             match (mr, nr) {
@@ -246,9 +259,7 @@ pub fn dot_tile_bf16(
     }
     let mut row = vec![0f32; k];
     for j in 0..nr {
-        for (r, &h) in row.iter_mut().zip(&w[j * ws..j * ws + k]) {
-            *r = f32::from_bits((h as u32) << 16);
-        }
+        w.widen_into(j * ws, &mut row);
         for i in 0..mr {
             out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], &row);
         }
@@ -450,40 +461,6 @@ mod avx2 {
         s
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_tile<const MR: usize, const NR: usize>(
-        x: *const f32,
-        xs: usize,
-        w: *const f32,
-        ws: usize,
-        k: usize,
-        out: *mut f32,
-        out_stride: usize,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
-        let k8 = k / 8 * 8;
-        let mut kk = 0;
-        while kk < k8 {
-            let wv: [__m256; NR] = std::array::from_fn(|j| _mm256_loadu_ps(w.add(j * ws + kk)));
-            for (i, row) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(i * xs + kk));
-                for j in 0..NR {
-                    row[j] = _mm256_fmadd_ps(xv, wv[j], row[j]);
-                }
-            }
-            kk += 8;
-        }
-        for (i, row) in acc.iter().enumerate() {
-            for (j, a) in row.iter().enumerate() {
-                let mut s = hsum(*a);
-                for t in k8..k {
-                    s += *x.add(i * xs + t) * *w.add(j * ws + t);
-                }
-                *out.add(i * out_stride + j) = s;
-            }
-        }
-    }
-
     /// 8 bf16 values at `p`, widened to f32.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -492,21 +469,36 @@ mod avx2 {
         _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
     }
 
+    /// Weight rows are f32 at `w`, or bf16 with `BF16` (widened as loaded).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_tile_bf16<const MR: usize, const NR: usize>(
+    pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
         x: *const f32,
         xs: usize,
-        w: *const u16,
+        w: *const u8,
         ws: usize,
         k: usize,
         out: *mut f32,
         out_stride: usize,
     ) {
+        let load = |i: usize| {
+            if BF16 {
+                load_bf16((w as *const u16).add(i))
+            } else {
+                _mm256_loadu_ps((w as *const f32).add(i))
+            }
+        };
+        let get = |i: usize| {
+            if BF16 {
+                f32::from_bits((*(w as *const u16).add(i) as u32) << 16)
+            } else {
+                *(w as *const f32).add(i)
+            }
+        };
         let mut acc = [[_mm256_setzero_ps(); NR]; MR];
         let k8 = k / 8 * 8;
         let mut kk = 0;
         while kk < k8 {
-            let wv: [__m256; NR] = std::array::from_fn(|j| load_bf16(w.add(j * ws + kk)));
+            let wv: [__m256; NR] = std::array::from_fn(|j| load(j * ws + kk));
             for (i, row) in acc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_ps(x.add(i * xs + kk));
                 for j in 0..NR {
@@ -519,7 +511,7 @@ mod avx2 {
             for (j, a) in row.iter().enumerate() {
                 let mut s = hsum(*a);
                 for t in k8..k {
-                    s += *x.add(i * xs + t) * f32::from_bits((*w.add(j * ws + t) as u32) << 16);
+                    s += *x.add(i * xs + t) * get(j * ws + t);
                 }
                 *out.add(i * out_stride + j) = s;
             }
@@ -561,7 +553,7 @@ mod tests {
                 let mut a = vec![0f32; 4 * 5];
                 let mut b = vec![0f32; 4 * 5];
                 dot_tile(&x, 40, mr, &w32, 41, nr, k, &mut a, 5);
-                dot_tile_bf16(&x, 40, mr, &w16, 41, nr, k, &mut b, 5);
+                dot_tile_rows(&x, 40, mr, Rows::Bf16(&w16), 41, nr, k, &mut b, 5);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&a), bits(&b), "{mr}x{nr}");
                 assert!(a[..mr * 5].iter().any(|v| *v != 0.0));

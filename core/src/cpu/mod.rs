@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::ring::Fence;
 use kernels::{
-    dequant_row_paired, dot, dot_tile, dot_tile_bf16, lane_order, pair_order, q4_row_dots,
+    dequant_row_paired, dot, dot_tile, dot_tile_rows, lane_order, pair_order, q4_row_dots, Rows,
 };
 use pool::ThreadPool;
 
@@ -168,23 +168,22 @@ impl CpuBackend {
     }
 }
 
-/// The first `n` bf16 elements of a [`crate::graph::ElemType::BF16`] value's words.
-fn halves(words: &[f32], n: usize) -> &[u16] {
-    assert!(
-        n <= words.len() * 2,
-        "bf16 value of {n} in {} words",
-        words.len()
-    );
-    // SAFETY: u16 view of f32 storage (alignment 4 >= 2), in bounds (asserted).
-    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, n) }
-}
-
-/// A dense linear's weight rows: f32, or bf16 as the model stores them (widened exactly as
-/// they are read).
-#[derive(Clone, Copy)]
-enum Rows<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u16]),
+/// A dense weight operand's elements (`words` are its arena words): f32, or the bf16 of an
+/// [`ElemType::BF16`] value.
+fn rows<'a>(o: &Operand, words: &'a [f32]) -> Rows<'a> {
+    match o.info.elem {
+        ElemType::BF16 => {
+            let n = o.info.numel();
+            assert!(
+                n <= words.len() * 2,
+                "bf16 value of {n} in {} words",
+                words.len()
+            );
+            // SAFETY: u16 view of f32 storage (alignment 4 >= 2), in bounds (asserted).
+            Rows::Bf16(unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, n) })
+        }
+        _ => Rows::F32(words),
+    }
 }
 
 /// The inputs and output of one op as slices of the arena.
@@ -406,11 +405,16 @@ impl Backend for CpuBackend {
                 let (m, k) = (shape(0)[0], shape(0)[1]);
                 let n = shape(1)[0];
                 let b = bias.then(|| io.ins[2]);
-                let w = match inputs[1].info.elem {
-                    ElemType::BF16 => Rows::Bf16(halves(io.ins[1], n * k)),
-                    _ => Rows::F32(io.ins[1]),
-                };
-                dense_linear(pool, io.ins[0], m, w, n, k, b, io.out);
+                dense_linear(
+                    pool,
+                    io.ins[0],
+                    m,
+                    rows(&inputs[1], io.ins[1]),
+                    n,
+                    k,
+                    b,
+                    io.out,
+                );
             }
             OpKind::MatMul { transpose_b } => {
                 let (bsz, m, k) = (shape(0)[0], shape(0)[1], shape(0)[2]);
@@ -557,10 +561,7 @@ impl Backend for CpuBackend {
             }
             OpKind::Embedding => {
                 let (vocab, d) = (shape(1)[0], shape(1)[1]);
-                let table = match inputs[1].info.elem {
-                    ElemType::BF16 => Rows::Bf16(halves(io.ins[1], vocab * d)),
-                    _ => Rows::F32(io.ins[1]),
-                };
+                let table = rows(&inputs[1], io.ins[1]);
                 for (i, &idw) in io.ins[0].iter().enumerate() {
                     let id = idw.to_bits() as usize;
                     if id >= vocab {
@@ -568,15 +569,7 @@ impl Backend for CpuBackend {
                             "embedding: token id {id} is outside the vocabulary of {vocab}"
                         )));
                     }
-                    let o = &mut io.out[i * d..(i + 1) * d];
-                    match table {
-                        Rows::F32(t) => o.copy_from_slice(&t[id * d..(id + 1) * d]),
-                        Rows::Bf16(t) => {
-                            for (o, &h) in o.iter_mut().zip(&t[id * d..(id + 1) * d]) {
-                                *o = f32::from_bits((h as u32) << 16);
-                            }
-                        }
-                    }
+                    table.widen_into(id * d, &mut io.out[i * d..(i + 1) * d]);
                 }
             }
             OpKind::Concat { axis } => {
@@ -733,14 +726,7 @@ fn dense_linear(
             let mut i = 0;
             while i < m {
                 let mr = (m - i).min(4);
-                match w {
-                    Rows::F32(w) => {
-                        dot_tile(&x[i * k..], k, mr, &w[j * k..], k, nr, k, &mut tile, 3)
-                    }
-                    Rows::Bf16(w) => {
-                        dot_tile_bf16(&x[i * k..], k, mr, &w[j * k..], k, nr, k, &mut tile, 3)
-                    }
-                }
+                dot_tile_rows(&x[i * k..], k, mr, w.from(j * k), k, nr, k, &mut tile, 3);
                 for a in 0..mr {
                     for bcol in 0..nr {
                         let mut v = tile[a * 3 + bcol];
