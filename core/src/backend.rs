@@ -146,6 +146,10 @@ pub trait Backend {
     unsafe fn borrow_weight(&mut self, _offset: u64, _bytes: &[u8]) -> bool {
         false
     }
+    /// Whether [`Backend::borrow_weight`] reads weights in place (for the memory plan's line).
+    fn reads_weights_in_place(&self) -> bool {
+        false
+    }
     /// Ends a [`Backend::borrow_weight`].
     fn end_borrow(&mut self, _offset: u64) {}
     /// A weight group is about to be uploaded (the executor calls this before each group's

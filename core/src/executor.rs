@@ -1124,6 +1124,19 @@ fn prepare<B: Backend + ?Sized>(
         .into_iter()
         .filter(|&g| !group_tensors[g].is_empty())
         .collect();
+    if backend.reads_weights_in_place() && plan.budgets.ring_slots >= 2 {
+        // What `take_chunk` may lend: a streamed packed weight that arrives whole in one slot
+        // (while another slot stays with the readers).
+        plan.in_place_bytes_per_step = streamed
+            .iter()
+            .flat_map(|&g| group_tensors[g].iter().map(move |t| (g, t)))
+            .filter(|(g, t)| {
+                t.len <= plan.budgets.slot_bytes
+                    && matches!(roles.get(&(*g, t.name.clone())), Some(Role::Packed(_)))
+            })
+            .map(|(_, t)| t.len)
+            .sum();
+    }
     let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
         .filter(|&v| graph.sources[v] == Source::State)
         .filter_map(|v| slices[v])

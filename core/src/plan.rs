@@ -79,6 +79,10 @@ pub struct MemoryPlan {
     pub streamed_bytes_per_step: u64,
     /// Bytes uploaded from host to device per step (streamed plus host-cached).
     pub uploaded_bytes_per_step: u64,
+    /// Of those, the most that kernels read in place from the ring slots instead (packed
+    /// weights no larger than a slot, on a backend that reads host memory: the optimized CPU
+    /// backend); a slot is lent only while another stays free, so a run may read fewer.
+    pub in_place_bytes_per_step: u64,
     /// Predicted peak device bytes.
     pub peak_device_bytes: u64,
     /// Predicted peak host bytes.
@@ -283,6 +287,7 @@ impl MemoryPlan {
             prefetch_depth: budgets.ring_slots,
             streamed_bytes_per_step: streamed_bytes,
             uploaded_bytes_per_step: uploaded,
+            in_place_bytes_per_step: 0,
             peak_device_bytes: resident + pool_bytes + budgets.device_other_bytes,
             peak_host_bytes: ring_bytes + cache_used + budgets.host_other_bytes,
             allocation: None,
@@ -380,10 +385,20 @@ impl MemoryPlan {
             fmt_bytes(b.host_other_bytes),
             fmt_bytes(self.peak_host_bytes)
         ));
+        let copied = if self.in_place_bytes_per_step > 0 {
+            format!(
+                "up to {} of it read in place from the ring and the rest copied into the weight pool",
+                fmt_bytes(self.in_place_bytes_per_step)
+            )
+        } else {
+            format!(
+                "{} uploaded per step",
+                fmt_bytes(self.uploaded_bytes_per_step)
+            )
+        };
         t.push_str(&format!(
-            "  stream  {s} groups, {} read per step, {} uploaded per step, prefetch depth {}\n",
+            "  stream  {s} groups, {} read per step, {copied}, prefetch depth {}\n",
             fmt_bytes(self.streamed_bytes_per_step),
-            fmt_bytes(self.uploaded_bytes_per_step),
             self.prefetch_depth
         ));
         t

@@ -259,10 +259,12 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
     let mut generated = Vec::new();
     let mut chose: Vec<f32> = Vec::new();
     let mut bytes_streamed = 0u64;
+    let mut bytes_in_place = 0u64;
     let t = Instant::now();
     let (logits, stats) = dec.prefill(&prompt_ids)?;
     let prefill_s = t.elapsed().as_secs_f64();
     bytes_streamed += stats.stream.bytes;
+    bytes_in_place += stats.in_place_bytes;
     let vocab = cfg.vocab;
     let prompt_logits = if o.logits_out.is_some() {
         logits.clone()
@@ -295,6 +297,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         let (l, st) = dec.decode(next)?;
         decode_steps += 1;
         bytes_streamed += st.stream.bytes;
+        bytes_in_place += st.in_place_bytes;
         last = l;
     }
     let decode_s = t_dec.elapsed().as_secs_f64();
@@ -340,6 +343,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
             "decode_tok_s": decode_tok_s,
             "rss_max_bytes": rss_max,
             "bytes_streamed": bytes_streamed,
+            "bytes_in_place": bytes_in_place,
             "rss_bytes_per_token": rss_per_token,
             "plan": {
                 "resident_groups": dec.executor().plan().counts().0,
@@ -351,13 +355,18 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
     } else {
         let _ = writeln!(out);
         eprintln!(
-            "prefill {} tokens at {:.1} tok/s; decode {} tokens at {:.2} tok/s; peak RSS {}; streamed {}",
+            "prefill {} tokens at {:.1} tok/s; decode {} tokens at {:.2} tok/s; peak RSS {}; streamed {}{}",
             prompt_ids.len(),
             prefill_tok_s,
             decode_steps,
             decode_tok_s,
             fmt_bytes(rss_max),
-            fmt_bytes(bytes_streamed)
+            fmt_bytes(bytes_streamed),
+            if bytes_in_place > 0 {
+                format!(" ({} of it read in place from the ring)", fmt_bytes(bytes_in_place))
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())

@@ -247,6 +247,8 @@ fn a_limited_stream_refuses_a_pass_beyond_its_limit() {
 /// with one none; the greedy
 /// tokens are exact and every decode step's logits are the same bits in all three, and the held
 /// slots go back to the ring after each group's last op (the stream goes on for every token).
+/// The memory plan says beforehand how much may be read in place: all of it with 4 slots, an
+/// upper bound with 2, nothing with 1.
 #[test]
 fn cpu_reads_streamed_weights_in_place() {
     let m = model();
@@ -274,6 +276,7 @@ fn cpu_reads_streamed_weights_in_place() {
             LlamaShape::generate(prompt.len(), want.len()),
             o,
         );
+        let planned = d.executor().plan().in_place_bytes_per_step;
         let (last, st) = d.prefill(&prompt).expect("prefill");
         let mut tokens = vec![argmax(&last)];
         let mut logits = Vec::new();
@@ -285,20 +288,24 @@ fn cpu_reads_streamed_weights_in_place() {
             in_place.push(st.in_place_bytes);
         }
         assert_eq!(tokens, want, "{slots} slots: greedy tokens");
-        (logits, in_place)
+        (logits, in_place, planned)
     };
-    let (logits4, in_place4) = run(4);
+    let (logits4, in_place4, planned4) = run(4);
     assert!(
         in_place4.iter().all(|&p| p == packed),
         "4 slots: every pass reads all {packed} packed bytes in place: {in_place4:?}"
     );
-    let (logits2, in_place2) = run(2);
+    assert_eq!(planned4, packed, "4 slots: the plan's in-place bytes");
+    let (logits2, in_place2, planned2) = run(2);
     assert!(
-        in_place2.iter().all(|&p| p > 0 && p <= packed),
-        "2 slots: in place while one slot is left to the readers: {in_place2:?}"
+        in_place2.iter().all(|&p| p > 0 && p <= planned2),
+        "2 slots: in place while one slot is left to the readers, at most the plan's \
+         {planned2}: {in_place2:?}"
     );
-    let (logits1, in_place1) = run(1);
+    assert_eq!(planned2, packed, "2 slots: the plan's upper bound");
+    let (logits1, in_place1, planned1) = run(1);
     assert!(in_place1.iter().all(|&p| p == 0), "1 slot: all copied");
+    assert_eq!(planned1, 0, "1 slot: the plan promises nothing in place");
     assert_bits_eq(&logits4, &logits1, "decode logits, in place vs copied");
     assert_bits_eq(&logits2, &logits1, "decode logits, part in place vs copied");
 }

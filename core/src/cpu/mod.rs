@@ -229,6 +229,9 @@ impl Backend for CpuBackend {
         });
         true
     }
+    fn reads_weights_in_place(&self) -> bool {
+        true
+    }
     fn end_borrow(&mut self, offset: u64) {
         self.borrowed.retain(|b| b.offset != offset);
     }
