@@ -538,6 +538,13 @@ impl Nibble {
         }
     }
 
+    /// How long each later request waits for its response before it is aborted and tried again
+    /// (up to 4 attempts): `ms` milliseconds (default 30000, as the native HTTP source).
+    #[wasm_bindgen(js_name = setFetchTimeout)]
+    pub fn set_fetch_timeout(&self, ms: u32) {
+        crate::fetch::set_response_timeout_ms(ms);
+    }
+
     /// The text of token ids (special tokens skipped).
     pub fn detokenize(&self, ids: Vec<u32>) -> Result<String, JsValue> {
         self.text()?.decode(&ids, true).map_err(js_err)

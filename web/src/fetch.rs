@@ -1,9 +1,11 @@
 //! HTTP Range reads with the browser's `fetch`, checked the way the native HTTP source checks
 //! them (206, a `Content-Range` equal to what was asked, the exact byte count, an `ETag` that
-//! does not change during a run), retried with backoff on network errors and 5xx; and the
-//! [`ByteSource`] that fills staging-ring slots with them.
+//! does not change during a run), retried with backoff on network errors, 5xx and requests
+//! that get no response within the timeout (30 s, like the native source's; see
+//! [`set_response_timeout_ms`]); and the [`ByteSource`] that fills staging-ring slots with them.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
@@ -12,6 +14,7 @@ use nibble_core::source::{
     check_range, parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
 };
 use nibble_core::{Error, Result};
+use wasm_bindgen::closure::Closure;
 use wasm_bindgen::{JsCast, JsValue};
 use wasm_bindgen_futures::JsFuture;
 use web_time::Instant;
@@ -87,15 +90,47 @@ fn global_fetch(req: &web_sys::Request) -> std::result::Result<js_sys::Promise, 
     }
 }
 
+/// How long a request waits for its response (status and headers) before it is aborted and
+/// tried again; the body is not timed (a large range on a slow link takes what it takes).
+static RESPONSE_TIMEOUT_MS: AtomicU32 = AtomicU32::new(30_000);
+
+/// Sets the response timeout of every later request (at least 1 ms).
+pub fn set_response_timeout_ms(ms: u32) {
+    RESPONSE_TIMEOUT_MS.store(ms.max(1), Ordering::Relaxed);
+}
+
+/// The response timeout now.
+pub fn response_timeout_ms() -> u32 {
+    RESPONSE_TIMEOUT_MS.load(Ordering::Relaxed)
+}
+
+/// `setTimeout(f, ms)` on the window or the worker; the handle for [`clear_timer`].
+fn set_timer(f: &js_sys::Function, ms: i32) -> Option<i32> {
+    let global = js_sys::global();
+    if let Some(w) = global.dyn_ref::<web_sys::Window>() {
+        w.set_timeout_with_callback_and_timeout_and_arguments_0(f, ms)
+            .ok()
+    } else if let Some(w) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
+        w.set_timeout_with_callback_and_timeout_and_arguments_0(f, ms)
+            .ok()
+    } else {
+        None
+    }
+}
+
+fn clear_timer(handle: i32) {
+    let global = js_sys::global();
+    if let Some(w) = global.dyn_ref::<web_sys::Window>() {
+        w.clear_timeout_with_handle(handle);
+    } else if let Some(w) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
+        w.clear_timeout_with_handle(handle);
+    }
+}
+
 /// Waits `ms` milliseconds on the event loop.
 pub async fn sleep_ms(ms: i32) {
     let p = js_sys::Promise::new(&mut |resolve, _| {
-        let global = js_sys::global();
-        if let Some(w) = global.dyn_ref::<web_sys::Window>() {
-            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, ms);
-        } else if let Some(w) = global.dyn_ref::<web_sys::WorkerGlobalScope>() {
-            let _ = w.set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, ms);
-        }
+        set_timer(&resolve, ms);
     });
     let _ = JsFuture::from(p).await;
 }
@@ -121,6 +156,13 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         }
         init.set_headers(&headers);
     }
+    // No response within the timeout: abort, and try again. The timer is cleared once the
+    // response is in, so that it cannot abort the body.
+    let abort = match web_sys::AbortController::new() {
+        Ok(c) => c,
+        Err(e) => return Attempt::Fail(js_msg(&e)),
+    };
+    init.set_signal(Some(&abort.signal()));
     let req = match web_sys::Request::new_with_str_and_init(url, &init) {
         Ok(r) => r,
         Err(e) => return Attempt::Fail(js_msg(&e)),
@@ -129,7 +171,23 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         Ok(p) => p,
         Err(e) => return Attempt::Fail(js_msg(&e)),
     };
-    match JsFuture::from(promise).await {
+    let timeout_ms = response_timeout_ms();
+    let on_timeout = {
+        let abort = abort.clone();
+        Closure::once_into_js(move || abort.abort())
+    };
+    let timer = set_timer(
+        on_timeout.unchecked_ref(),
+        timeout_ms.min(i32::MAX as u32) as i32,
+    );
+    let outcome = JsFuture::from(promise).await;
+    if let Some(t) = timer {
+        clear_timer(t);
+    }
+    if outcome.is_err() && abort.signal().aborted() {
+        return Attempt::Retry(format!("no response within {timeout_ms} ms"));
+    }
+    match outcome {
         Ok(v) => match v.dyn_into::<web_sys::Response>() {
             Ok(r) if r.status() >= 500 || r.status() == 408 || r.status() == 429 => {
                 Attempt::Retry(format!("HTTP {}", r.status()))

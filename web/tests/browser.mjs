@@ -193,6 +193,27 @@ async function main() {
       console.log("skip SmolLM2 in the browser: models/smollm2-135m-nf4 is missing (scripts/get-smollm2.sh converts it)");
     }
 
+    // A server that never answers: each attempt is aborted after the response timeout and
+    // tried again, then the load fails with an error that says so (instead of hanging).
+    let stalled = 0;
+    await page.route("**/stall/**", () => { stalled += 1; });
+    const stall = await page.evaluate(async (u) => {
+      const nb = window.nibbleDemo.nb;
+      nb.setFetchTimeout(300);
+      const t0 = performance.now();
+      try {
+        await nb.load(u, { deviceBudget: "min", slots: 2, slotBytes: 65536 });
+        return { ok: true };
+      } catch (e) {
+        return { ok: false, msg: String(e?.message ?? e), ms: Math.round(performance.now() - t0) };
+      } finally {
+        nb.setFetchTimeout(30000);
+      }
+    }, `${base}/stall/model`);
+    check("a server that never answers: 4 attempts aborted after the timeout, then a clear error",
+      !stall.ok && /no response within 300 ms/.test(stall.msg) && /4 attempts/.test(stall.msg) && stalled === 4,
+      `${JSON.stringify(stall)}, ${stalled} requests`);
+
     // Requests: every read of a weight file was a Range request (seen by the browser and by the page).
     const stats = await page.evaluate(() => window.nibbleDemo.nb.stats());
     const unranged = weightRequests.filter((q) => !q.range);
