@@ -126,6 +126,13 @@ impl DitInputs {
                 cfg.in_channels, cfg.joint_dim, cfg.pooled_dim
             )));
         }
+        if cfg.out_channels != cfg.in_channels {
+            return Err(Error::Invalid(format!(
+                "the model predicts {} values per token for a latent of {} channels (patch_size or \
+                 out_channels in config.json): the Euler loop needs one velocity per latent value",
+                cfg.out_channels, cfg.in_channels
+            )));
+        }
         Ok(())
     }
 }

@@ -20,6 +20,50 @@ fn fixtures() -> PathBuf {
     p
 }
 
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// What a fixture's manifest says of its 4-bit weights: the quantized linears in order and the
+/// quant state of each (`quant_type`, `blocksize`, `dtype`, `shape`, `nested_*`).
+struct Quantized {
+    names: Vec<String>,
+    deq: serde_json::Value,
+}
+
+impl Quantized {
+    fn of(fixture: &str) -> Self {
+        let m = read_json(&fixtures().join(fixture).join("manifest.json"));
+        let names = m["quantized_linears"]
+            .as_array()
+            .expect("quantized_linears")
+            .iter()
+            .map(|v| v.as_str().expect("name").to_string())
+            .collect();
+        Quantized {
+            names,
+            deq: m["dequantized_weights"].clone(),
+        }
+    }
+
+    fn state(&self, name: &str) -> &serde_json::Value {
+        let s = &self.deq[name]["quant_state"];
+        assert!(s.is_object(), "manifest: no quant state for {name}");
+        s
+    }
+}
+
+/// Bytes of the `*.safetensors` files of a model folder.
+fn safetensors_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .expect("model folder")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().expect("metadata").len())
+        .sum()
+}
+
 /// Whether a CUDA device is usable here (the CLI's CUDA refusals are tested only where it is not).
 fn nibble_cuda_present() -> bool {
     nibble_cuda::CudaBackend::new().is_ok()
@@ -35,22 +79,35 @@ fn inspect_json_lists_tensors_quant_state_totals_and_config() {
     let o = nibble(&["inspect", model.to_str().expect("utf8"), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
-    assert_eq!(v["tensors"].as_array().expect("tensors").len(), 91);
+    let index = nibble_core::index::ModelIndex::open(&model).expect("fixture");
+    let want = Quantized::of("tiny-llama-nf4");
+    let config = read_json(&model.join("config.json"));
+    assert_eq!(v["tensors"].as_array().expect("tensors").len(), index.len());
     let q = v["quantized"].as_array().expect("quantized");
-    assert_eq!(q.len(), 14);
-    let down = q
-        .iter()
-        .find(|w| w["name"] == "model.layers.0.mlp.down_proj.weight")
-        .expect("down_proj");
-    assert_eq!(down["quant_type"], "nf4");
-    assert_eq!(down["blocksize"], 64);
-    assert_eq!(down["double_quant"], true);
-    assert_eq!(down["shape"], serde_json::json!([64, 128]));
-    assert_eq!(down["dtype"], "float32");
-    assert_eq!(v["totals"]["file_bytes"], 198167);
-    assert_eq!(v["totals"]["quantized_weights"], 14);
-    assert_eq!(v["config"]["hidden_size"], 64);
-    assert_eq!(v["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+    assert_eq!(q.len(), want.names.len());
+    for name in &want.names {
+        let w = q
+            .iter()
+            .find(|w| w["name"] == name.as_str())
+            .unwrap_or_else(|| panic!("{name} listed"));
+        let s = want.state(name);
+        assert_eq!(w["quant_type"], s["quant_type"], "{name}");
+        assert_eq!(w["blocksize"], s["blocksize"], "{name}");
+        assert_eq!(
+            w["double_quant"],
+            s["nested_blocksize"].is_number(),
+            "{name}"
+        );
+        assert_eq!(w["shape"], s["shape"], "{name}");
+        assert_eq!(w["dtype"], s["dtype"], "{name}");
+    }
+    assert_eq!(v["totals"]["file_bytes"], safetensors_bytes(&model));
+    assert_eq!(v["totals"]["quantized_weights"], want.names.len());
+    assert_eq!(v["config"]["hidden_size"], config["hidden_size"]);
+    assert_eq!(
+        v["quantization_config"]["bnb_4bit_quant_type"],
+        config["quantization_config"]["bnb_4bit_quant_type"]
+    );
 }
 
 #[test]
@@ -59,11 +116,26 @@ fn inspect_text_groups_4bit_weights() {
     let o = nibble(&["inspect", model.to_str().expect("utf8")]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("proj_out.weight"), "{out}");
-    assert!(
-        out.contains("nf4 blocksize 64 double-quant float32"),
-        "{out}"
-    );
+    let want = Quantized::of("tiny-dit-nf4");
+    for name in &want.names {
+        let s = want.state(name);
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name.as_str()))
+            .unwrap_or_else(|| panic!("{name} in\n{out}"));
+        let detail = format!(
+            "{} blocksize {}{} {}",
+            s["quant_type"].as_str().expect("quant_type"),
+            s["blocksize"],
+            if s["nested_blocksize"].is_number() {
+                " double-quant"
+            } else {
+                ""
+            },
+            s["dtype"].as_str().expect("dtype")
+        );
+        assert!(line.contains(&detail), "{name}: {detail:?} in {line:?}");
+    }
     assert!(out.contains("quantization_config: "), "{out}");
     assert!(out.contains("totals: "), "{out}");
 }
@@ -86,7 +158,7 @@ fn dequant_all_writes_f32_weights_equal_to_bitsandbytes() {
         &fixtures().join("tiny-llama-nf4/expected.safetensors"),
     )
     .expect("expected");
-    assert_eq!(got.len(), 14);
+    assert_eq!(got.len(), Quantized::of("tiny-llama-nf4").names.len());
     for t in got.tensors() {
         assert_eq!(t.dtype, nibble_core::index::Dtype::F32);
         let w = want
@@ -105,22 +177,26 @@ fn dequant_one_tensor_and_refuse_a_plain_one() {
     let out = dir.path().join("one.safetensors");
     let model = fixtures().join("tiny-llama-nf4/model");
     let m = model.to_str().expect("utf8");
+    let want = Quantized::of("tiny-llama-nf4");
+    let name = want.names.last().expect("a quantized linear");
     let o = nibble(&[
         "dequant",
         m,
         "--tensor",
-        "model.layers.1.mlp.up_proj.weight",
+        name,
         "-o",
         out.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let got = nibble_core::index::ModelIndex::open(&out).expect("valid");
-    assert_eq!(
-        got.require("model.layers.1.mlp.up_proj.weight")
-            .expect("t")
-            .shape,
-        vec![128, 64]
-    );
+    let shape: Vec<u64> = want.state(name)["shape"]
+        .as_array()
+        .expect("shape")
+        .iter()
+        .map(|d| d.as_u64().expect("dim"))
+        .collect();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got.require(name).expect("t").shape, shape);
 
     let o = nibble(&[
         "dequant",
@@ -361,9 +437,18 @@ fn inspect_url_fetches_only_headers() {
     let o = nibble(&["inspect", &format!("{}/m", srv.base), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    assert_eq!(v["tensors"].as_array().expect("t").len(), 91);
-    assert_eq!(v["quantized"].as_array().expect("q").len(), 14);
-    assert_eq!(v["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+    let index = nibble_core::index::ModelIndex::open(&dir).expect("fixture");
+    let want = Quantized::of("tiny-llama-nf4");
+    let config = read_json(&dir.join("config.json"));
+    assert_eq!(v["tensors"].as_array().expect("t").len(), index.len());
+    assert_eq!(
+        v["quantized"].as_array().expect("q").len(),
+        want.names.len()
+    );
+    assert_eq!(
+        v["quantization_config"]["bnb_4bit_quant_type"],
+        config["quantization_config"]["bnb_4bit_quant_type"]
+    );
     let st = srv.stats();
     assert_eq!(
         st.bytes_by_path["m/model.safetensors"],
@@ -382,7 +467,8 @@ fn inspect_url_fetches_only_headers() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     let q = &v["quantized"][0];
-    assert_eq!(q["blocksize"], 64);
+    let name = q["name"].as_str().expect("name");
+    assert_eq!(q["blocksize"], want.state(name)["blocksize"], "{name}");
     assert_eq!(q["quant_state_fetched"], true);
 }
 
@@ -433,7 +519,7 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
         "--prompt-ids",
         &prompt.join(","),
         "--max-tokens",
-        "16",
+        &want.len().to_string(),
         "--backend",
         "cpu",
         "--json",
@@ -458,8 +544,17 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
         assert!(v[k].is_number(), "{k}");
     }
     let l = nibble_core::index::ModelIndex::open(&logits).expect("logits file");
-    assert_eq!(l.require("logits").expect("logits").shape, vec![12, 256]);
-    assert_eq!(l.require("step_logits").expect("step").shape, vec![16, 256]);
+    let vocab = read_json(&model.join("config.json"))["vocab_size"]
+        .as_u64()
+        .expect("vocab_size");
+    assert_eq!(
+        l.require("logits").expect("logits").shape,
+        vec![prompt.len() as u64, vocab]
+    );
+    assert_eq!(
+        l.require("step_logits").expect("step").shape,
+        vec![want.len() as u64, vocab]
+    );
     let got = l.read_f32(l.require("logits").expect("l")).expect("read");
     let want = exp
         .read_f32(exp.require("logits_deq_all").expect("w"))
@@ -489,19 +584,19 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
             exp.read_bytes(e).expect("read"),
         )
     };
-    nibble_core::writer::write_safetensors(
-        &inputs,
-        &[
-            t("hidden_states", "euler_x0"),
-            t("encoder_hidden_states", "encoder_hidden_states"),
-            t("pooled_projections", "pooled_projections"),
-            t("guidance", "guidance"),
-            t("img_ids", "img_ids"),
-            t("txt_ids", "txt_ids"),
-        ],
-        &Default::default(),
-    )
-    .expect("inputs");
+    let mut named = vec![
+        t("hidden_states", "euler_x0"),
+        t("encoder_hidden_states", "encoder_hidden_states"),
+        t("pooled_projections", "pooled_projections"),
+        t("img_ids", "img_ids"),
+        t("txt_ids", "txt_ids"),
+    ];
+    // Only a model with a guidance embedding has (and reads) one.
+    if exp.get("guidance").is_some() {
+        named.push(t("guidance", "guidance"));
+    }
+    nibble_core::writer::write_safetensors(&inputs, &named, &Default::default()).expect("inputs");
+    let n_steps = f("euler_sigmas").len() - 1;
     let out = tmp.path().join("latent.safetensors");
     let png = tmp.path().join("preview.png");
     let o = nibble(&[
@@ -509,7 +604,7 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
         "--model",
         dir.join("model").to_str().expect("utf8"),
         "--steps",
-        "4",
+        &n_steps.to_string(),
         "--inputs",
         inputs.to_str().expect("utf8"),
         "--backend",
@@ -523,7 +618,7 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     let steps = v["steps"].as_array().expect("steps");
-    assert_eq!(steps.len(), 4);
+    assert_eq!(steps.len(), n_steps);
     for s in steps {
         for k in ["step", "wall_ms", "bytes_streamed", "stall_ms", "rss_bytes"] {
             assert!(s[k].is_number(), "{k} in {s}");

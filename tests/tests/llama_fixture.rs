@@ -1,8 +1,8 @@
 //! The tiny Llama that transformers saved in NF4 (../shared/fixtures/tiny-llama-nf4), run through
 //! the decoder graph and the executor: logits of every prompt position within 1e-5 x max|logit|
-//! (prefill) and the 16 greedy tokens exact (prefill, then one token at a time through the KV
-//! cache), on cpu_ref, the optimized CPU backend and wgpu, resident and streamed through 2 slots
-//! of 64 KiB.
+//! (prefill) and the fixture's greedy tokens (`greedy_tokens_deq`, however many) exact (prefill,
+//! then one token at a time through the KV cache), on cpu_ref, the optimized CPU backend and wgpu,
+//! resident and streamed through 2 slots of 64 KiB.
 
 use nibble_core::backend::{Backend, CpuRefBackend};
 use nibble_core::cpu::CpuBackend;
@@ -255,7 +255,7 @@ fn cpu_reads_streamed_weights_in_place() {
     let e = Expected::open(&fixture("tiny-llama-nf4/expected.safetensors"));
     let prompt = ids(&e, "prompt_ids");
     let want = ids(&e, "greedy_tokens_deq");
-    let packed: u64 = m
+    let packed_lens: Vec<u64> = m
         .tensors()
         .filter(|t| {
             ["nf4", "fp4"].iter().any(|q| {
@@ -264,12 +264,17 @@ fn cpu_reads_streamed_weights_in_place() {
             })
         })
         .map(|t| t.len)
-        .sum();
+        .collect();
+    let largest = packed_lens.iter().copied().max().unwrap_or(0);
+    let packed: u64 = packed_lens.iter().sum();
     assert!(packed > 0, "tiny-llama has 4-bit weights");
+    // Slots that hold the largest packed weight whole (at least 256 KiB, in whole 4 KiB pages),
+    // so that with slots to spare every packed weight can be read in place.
+    let slot_bytes = (256u64 << 10).max(largest.div_ceil(4096) * 4096);
     let run = |slots: u64| {
         let mut o = opts(true);
         o.budgets.ring_slots = slots;
-        o.budgets.slot_bytes = 256 << 10;
+        o.budgets.slot_bytes = slot_bytes;
         let mut d = decoder(
             &m,
             &mut CpuBackend::new,

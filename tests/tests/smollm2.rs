@@ -128,7 +128,15 @@ fn greedy_and_teacher_forced_match_transformers() {
             .iter()
             .map(|v| v.as_f64().expect("margin"))
             .collect();
-        let robust = nf4["robust_prefix_len"]["0.05"].as_u64().expect("prefix") as usize;
+        assert_eq!(
+            margins.len(),
+            greedy.len(),
+            "one top-2 margin per greedy step"
+        );
+        // `robust_prefix_len` is keyed by the threshold as Python prints it ("0.05").
+        let robust = nf4["robust_prefix_len"][format!("{MARGIN}").as_str()]
+            .as_u64()
+            .expect("prefix") as usize;
 
         // Greedy through the KV cache.
         let shape = LlamaShape::generate(prompt.len(), greedy.len());
@@ -195,7 +203,12 @@ fn greedy_and_teacher_forced_match_transformers() {
             }
             checked += 1;
         }
-        assert!(checked >= 40, "only {checked} steps checked");
+        // At least 5/6 of the reference steps (40 of 48) are clear enough to check.
+        assert!(
+            checked > 0 && checked * 6 >= margins.len() * 5,
+            "only {checked} of {} steps checked",
+            margins.len()
+        );
         let same = got.iter().zip(&greedy).take_while(|(a, b)| a == b).count();
         println!(
             "{:?}: greedy equal for {same}/{} tokens (robust prefix {robust}); teacher-forced \
@@ -222,7 +235,7 @@ fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
     );
     let table_elems = table.numel();
     let prompt = u32s(&reference()["prompts"][0]["prompt_ids"]);
-    let prompt = &prompt[..8];
+    let prompt = &prompt[..prompt.len().min(8)];
     let shape = LlamaShape {
         prompt: prompt.len(),
         capacity: prompt.len(),

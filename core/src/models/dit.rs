@@ -15,7 +15,8 @@ use crate::index::ModelIndex;
 pub struct DitConfig {
     /// Token width of the latent.
     pub in_channels: usize,
-    /// Output token width.
+    /// Output token width: `patch_size² x out_channels` (`out_channels` defaulting to
+    /// `in_channels`), the width of diffusers' `proj_out`.
     pub out_channels: usize,
     /// Double-stream blocks.
     pub double_blocks: usize,
@@ -66,7 +67,8 @@ impl DitConfig {
         }
         Ok(DitConfig {
             in_channels,
-            out_channels: u("out_channels").unwrap_or(in_channels),
+            out_channels: u("patch_size").unwrap_or(1).pow(2)
+                * u("out_channels").unwrap_or(in_channels),
             double_blocks: need("num_layers")?,
             single_blocks: need("num_single_layers")?,
             heads: need("num_attention_heads")?,
@@ -478,4 +480,55 @@ pub fn build(model: &ModelIndex, n: usize, t: usize) -> Result<DitGraph> {
         graph: b.g,
         config: cfg,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: serde_json::Value) -> serde_json::Value {
+        let mut c = serde_json::json!({
+            "in_channels": 16, "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6],
+            "num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
+            "joint_attention_dim": 32, "pooled_projection_dim": 32,
+        });
+        for (k, v) in extra.as_object().expect("object") {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// `proj_out` is `patch_size² x (out_channels or in_channels)` wide, as in diffusers.
+    #[test]
+    fn output_width_follows_patch_size_and_out_channels() {
+        let w = |extra| {
+            DitConfig::from_json(&config(extra))
+                .expect("config")
+                .out_channels
+        };
+        assert_eq!(w(serde_json::json!({})), 16);
+        assert_eq!(
+            w(serde_json::json!({"out_channels": null, "patch_size": 1})),
+            16
+        );
+        assert_eq!(w(serde_json::json!({"patch_size": 2})), 64);
+        assert_eq!(
+            w(serde_json::json!({"out_channels": 8, "patch_size": 2})),
+            32
+        );
+    }
+
+    #[test]
+    fn euler_inputs_refuse_a_model_whose_output_is_not_the_latent() {
+        let cfg =
+            DitConfig::from_json(&config(serde_json::json!({"patch_size": 2}))).expect("config");
+        let inputs = crate::pipeline::DitInputs::random(&cfg, 2, 2, 3, 3.5, 0);
+        let e = inputs
+            .check(&cfg)
+            .expect_err("64 values per token for 16 channels");
+        assert!(
+            e.to_string().contains("predicts 64 values per token"),
+            "{e}"
+        );
+    }
 }
