@@ -65,8 +65,11 @@ impl TextTokenizer {
         tokenizer_config: Option<&[u8]>,
         chat_template_file: Option<&[u8]>,
     ) -> Result<Self> {
-        let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+        let mut tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
             .map_err(|e| err("tokenizer.json", e))?;
+        // Ids are laid out by the caller: no padding (a BERT tokenizer.json often pads every
+        // text to a fixed length, which transformers and sentence-transformers override too).
+        tok.with_padding(None);
         let cfg: Option<serde_json::Value> = tokenizer_config
             .map(serde_json::from_slice)
             .transpose()
@@ -103,6 +106,19 @@ impl TextTokenizer {
         let cfg = model.side_file("tokenizer_config.json")?;
         let tpl = model.side_file("chat_template.jinja")?;
         Self::from_parts(&json, cfg.as_deref(), tpl.as_deref())
+    }
+
+    /// Cuts longer texts to `max_len` tokens (special tokens included), as sentence-transformers
+    /// does at its `max_seq_length`; `None`: no cut.
+    pub fn set_max_len(&mut self, max_len: Option<usize>) -> Result<()> {
+        let params = max_len.map(|max_length| tokenizers::TruncationParams {
+            max_length,
+            ..Default::default()
+        });
+        self.tok
+            .with_truncation(params)
+            .map_err(|e| err("tokenizer truncation", e))?;
+        Ok(())
     }
 
     /// Token ids of `text`; `add_special` lets the tokenizer's post-processor add BOS/EOS the way

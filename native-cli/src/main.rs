@@ -10,6 +10,7 @@ mod inspect;
 mod quant_cmds;
 mod run;
 mod run_dit;
+mod run_embed;
 mod serve;
 
 use std::path::PathBuf;
@@ -85,13 +86,14 @@ enum Command {
         #[arg(long, default_value = quant_cmds::DEFAULT_EXCLUDE)]
         exclude: String,
     },
-    /// Generate with a Llama-family model (token ids in and out) or denoise with a Flux-style DiT
-    /// (the kind is read from config.json), streamed through the ring.
+    /// Generate with a Llama-family model (token ids in and out), denoise with a Flux-style DiT
+    /// or embed the prompt with a BERT encoder (the kind is read from config.json), streamed
+    /// through the ring.
     Run {
         /// Model folder or URL.
         #[arg(long)]
         model: String,
-        /// LLM: prompt text (tokenized with the model's tokenizer.json).
+        /// LLM or encoder: prompt text (tokenized with the model's tokenizer.json).
         #[arg(long, conflicts_with = "prompt_ids")]
         prompt: Option<String>,
         /// LLM: send the prompt as a user message through the model's chat template.

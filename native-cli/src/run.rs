@@ -123,12 +123,12 @@ pub fn run(o: &RunOptions) -> Result<()> {
     let model = crate::open_model_with(&o.model, &o.file_mode)?;
     let Some(k) = kind(&model) else {
         bail!(
-            "{}: config.json is neither a Llama-family decoder nor a Flux-style DiT",
+            "{}: config.json is neither a Llama-family decoder, a Flux-style DiT nor a BERT encoder",
             o.model
         );
     };
-    if k == ModelKind::Llm && o.prompt_ids.is_empty() && o.prompt.is_none() {
-        bail!("a language model needs --prompt TEXT or --prompt-ids 1,2,3");
+    if k != ModelKind::Dit && o.prompt_ids.is_empty() && o.prompt.is_none() {
+        bail!("a language model or an encoder needs --prompt TEXT or --prompt-ids 1,2,3");
     }
     crate::backends::select(&o.backend)?.run(Dispatch { o, model: &model })
 }
@@ -142,12 +142,46 @@ struct Dispatch<'a> {
 impl crate::backends::WithBackend for Dispatch<'_> {
     type Output = ();
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
-        if kind(self.model) == Some(ModelKind::Llm) {
-            generate(self.o, self.model, backend, label)
-        } else {
-            crate::run_dit::run(self.o, &self.o.dit, self.model, backend, label)
+        match kind(self.model) {
+            Some(ModelKind::Llm) => generate(self.o, self.model, backend, label),
+            Some(ModelKind::Encoder) => crate::run_embed::run(self.o, self.model, backend, label),
+            _ => crate::run_dit::run(self.o, &self.o.dit, self.model, backend, label),
         }
     }
+}
+
+/// The executor options of `o`: the device budget given (`default_budget()` without one), the
+/// ring.
+pub(crate) fn exec_options(
+    o: &RunOptions,
+    default_budget: impl FnOnce() -> u64,
+) -> Result<ExecOptions> {
+    let device_bytes = match &o.device_budget {
+        Some(s) => parse_size(s)?,
+        None => default_budget(),
+    };
+    Ok(ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: o.slots,
+            slot_bytes: parse_size(&o.slot_size)?,
+            host_cache_bytes: 0,
+            device_other_bytes: 0,
+            host_other_bytes: 0,
+        },
+        readers: 2,
+        stream_all: o.stream_all,
+        naive: false,
+    })
+}
+
+/// Everything resident: every group of `graph` plus the arena, with room to spare for alignment.
+pub(crate) fn resident_budget<B: Backend>(
+    graph: &nibble_core::executor::Graph,
+    model: &ModelIndex,
+    backend: &B,
+) -> u64 {
+    graph.group_device_bytes().iter().sum::<u64>() * 2 + graph.min_device_bytes(model, backend)
 }
 
 /// End-of-sequence ids: config.json's and generation_config.json's.
@@ -208,36 +242,10 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         hidden_states: false,
     };
     let lg = llama::build(model, shape)?;
-    let slot_bytes = parse_size(&o.slot_size)?;
-    let device_bytes = match &o.device_budget {
-        Some(s) => parse_size(s)?,
-        // Everything resident: every group plus the arena, with room to spare for alignment.
-        None => {
-            lg.graph.group_device_bytes().iter().sum::<u64>() * 2
-                + lg.graph.min_device_bytes(model, &backend)
-        }
-    };
-    let budgets = Budgets {
-        device_bytes,
-        ring_slots: o.slots,
-        slot_bytes,
-        host_cache_bytes: 0,
-        device_other_bytes: 0,
-        host_other_bytes: 0,
-    };
+    let opts = exec_options(o, || resident_budget(&lg.graph, model, &backend))?;
     let t_setup = Instant::now();
-    let mut dec = Decoder::from_graph(
-        lg,
-        model,
-        backend,
-        ExecOptions {
-            budgets,
-            readers: 2,
-            stream_all: o.stream_all,
-            naive: false,
-        },
-    )
-    .with_context(|| format!("planning {} on {label}", o.model))?;
+    let mut dec = Decoder::from_graph(lg, model, backend, opts)
+        .with_context(|| format!("planning {} on {label}", o.model))?;
     if !o.json {
         eprintln!("backend {label}");
         eprint!("{}", dec.executor().plan().explain());

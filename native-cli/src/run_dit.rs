@@ -4,11 +4,10 @@
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::executor::ExecOptions;
 use nibble_core::index::ModelIndex;
 use nibble_core::models::dit::DitConfig;
 use nibble_core::pipeline::{schedule, Checkpoint, DenoiseStep, Denoiser, DitInputs};
-use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
+use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
 /// Options of a DiT run.
@@ -144,24 +143,7 @@ pub fn run<B: Backend>(
     if resumed.is_none() && d.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let device_bytes = match &o.device_budget {
-        Some(s) => parse_size(s)?,
-        None => model.file_bytes() * 3 + (256 << 20),
-    };
-    let budgets = Budgets {
-        device_bytes,
-        ring_slots: o.slots,
-        slot_bytes: parse_size(&o.slot_size)?,
-        host_cache_bytes: 0,
-        device_other_bytes: 0,
-        host_other_bytes: 0,
-    };
-    let opts = ExecOptions {
-        budgets,
-        readers: 2,
-        stream_all: o.stream_all,
-        naive: false,
-    };
+    let opts = crate::run::exec_options(o, || model.file_bytes() * 3 + (256 << 20))?;
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {
         den.restore(c)?;

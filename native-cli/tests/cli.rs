@@ -637,17 +637,81 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
     assert!(e <= 2e-5 * m, "final latent error {e} vs max {m}");
     let header = std::fs::read(&png).expect("png");
     assert_eq!(&header[..8], b"\x89PNG\r\n\x1a\n");
+}
 
+/// `nibble run` on a BERT encoder: the prompt's sentence embedding, pooled and normalized as the
+/// model's sentence-transformers files say, equal to the fixture's (atol 2e-5), with every
+/// layer streamed through a small budget.
+#[test]
+fn run_embeds_a_sentence_like_sentence_transformers() {
+    let dir = fixtures().join("minilm-nf4");
+    let manifest = read_json(&dir.join("manifest.json"));
+    let sentence = manifest["sentences"][0].as_str().expect("a sentence");
+    let exp =
+        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let e = exp.require("emb_nf4_deq_fp32").expect("embeddings");
+    let hidden = *e.shape.last().expect("shape") as usize;
+    let want = &exp.read_f32(e).expect("read")[..hidden];
+    let model = dir.join("model");
     let o = nibble(&[
         "run",
         "--model",
-        fixtures().join("minilm-nf4/model").to_str().expect("utf8"),
+        model.to_str().expect("utf8"),
+        "--prompt",
+        sentence,
+        "--backend",
+        "cpu",
+        "--stream-all",
+        "--device-budget",
+        "64MiB",
+        "--slots",
+        "2",
+        "--slot-size",
+        "256KiB",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let got: Vec<f32> = v["embedding"]
+        .as_array()
+        .expect("embedding")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect();
+    assert_eq!(got.len(), hidden);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+    assert!(err <= 2e-5, "sentence embedding error {err}");
+    assert_eq!(v["plan"]["resident_groups"], 0, "{}", v["plan"]);
+    assert!(v["bytes_streamed"].as_u64().expect("bytes") > 0);
+    assert_eq!(v["normalized"], true);
+
+    // A model of no kind nibble runs is refused in one line.
+    let tmp = tempfile::tempdir().expect("tmp");
+    std::fs::copy(
+        model.join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .expect("copy");
+    std::fs::write(
+        tmp.path().join("config.json"),
+        r#"{"model_type": "t5", "architectures": ["T5EncoderModel"]}"#,
+    )
+    .expect("config");
+    let o = nibble(&[
+        "run",
+        "--model",
+        tmp.path().to_str().expect("utf8"),
+        "--prompt",
+        "x",
         "--backend",
         "cpu",
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("neither a Llama-family decoder nor a Flux-style DiT"),
+        stderr(&o).contains("neither a Llama-family decoder, a Flux-style DiT nor a BERT encoder"),
         "{}",
         stderr(&o)
     );

@@ -114,6 +114,23 @@ pub fn sha256_canon_f32(v: &[f32]) -> String {
 
 pub use nibble_core::backend::run_op as run_on_backend;
 
+/// The wgpu backend when an adapter is present; `None` (printed as absent) otherwise. CI installs
+/// Mesa's lavapipe and sets `NIBBLE_REQUIRE_WGPU=1`: there an absent adapter is a failure, not a
+/// skip.
+pub fn wgpu_or_absent(what: &str) -> Option<nibble_wgpu::WgpuBackend> {
+    match nibble_wgpu::WgpuBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            assert!(
+                std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+                "wgpu required but absent: {e}"
+            );
+            println!("{what}: wgpu absent ({e}), not run");
+            None
+        }
+    }
+}
+
 /// The CUDA backend when a driver and device are present; `None` (printed as absent) otherwise.
 /// With `NIBBLE_REQUIRE_CUDA=1` (the GPU check) an absent CUDA is a failure, not a skip.
 pub fn cuda_or_absent(what: &str) -> Option<nibble_cuda::CudaBackend> {

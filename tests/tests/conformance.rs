@@ -453,22 +453,10 @@ fn op_label(op: &OpKind) -> String {
 
 #[test]
 fn every_op_on_every_backend_matches_cpu_ref() {
-    let mut wgpu = match nibble_wgpu::WgpuBackend::new() {
-        Ok(b) => {
-            println!("wgpu adapter: {}", b.describe());
-            Some(b)
-        }
-        Err(e) => {
-            // CI installs Mesa's lavapipe and sets NIBBLE_REQUIRE_WGPU=1: there an absent adapter
-            // is a failure, not a skip.
-            assert!(
-                std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-                "wgpu required but absent: {e}"
-            );
-            println!("wgpu backend absent: {e}");
-            None
-        }
-    };
+    let mut wgpu = wgpu_or_absent("conformance");
+    if let Some(b) = &wgpu {
+        println!("wgpu adapter: {}", b.describe());
+    }
     // Absent CUDA is a skip, except where the GPU check demands it (NIBBLE_REQUIRE_CUDA=1).
     let mut cuda = cuda_or_absent("conformance");
     if let Some(b) = &cuda {
@@ -668,12 +656,7 @@ fn cpu_ref_ops_match_the_bitsandbytes_fixture() {
 /// lavapipe, too large for a quick test).
 #[test]
 fn linear_q4_over_the_binding_limit_is_split() {
-    let Ok(b) = nibble_wgpu::WgpuBackend::new() else {
-        assert!(
-            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-            "wgpu required"
-        );
-        println!("wgpu absent: skipped");
+    let Some(b) = wgpu_or_absent("split 4-bit weight") else {
         return;
     };
     let mut b = b.with_max_binding(40_000);
@@ -700,11 +683,7 @@ fn linear_q4_over_the_binding_limit_is_split() {
 /// Dense weights over the binding limit (an lm_head, an embedding table) are bound as row pieces.
 #[test]
 fn dense_weights_over_the_binding_limit_are_split() {
-    let Ok(b) = nibble_wgpu::WgpuBackend::new() else {
-        assert!(
-            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-            "wgpu required"
-        );
+    let Some(b) = wgpu_or_absent("split dense weights") else {
         return;
     };
     let mut b = b.with_max_binding(40_000);

@@ -111,11 +111,7 @@ fn tiny_dit_forward_on_cuda() {
 
 #[test]
 fn tiny_dit_forward_on_wgpu() {
-    if nibble_wgpu::WgpuBackend::new().is_err() {
-        assert!(
-            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-            "wgpu required"
-        );
+    if wgpu_or_absent("tiny-dit").is_none() {
         return;
     }
     check(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");

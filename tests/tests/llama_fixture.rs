@@ -163,11 +163,7 @@ fn tiny_llama_on_cuda() {
 
 #[test]
 fn tiny_llama_on_wgpu() {
-    if nibble_wgpu::WgpuBackend::new().is_err() {
-        assert!(
-            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-            "wgpu required"
-        );
+    if wgpu_or_absent("tiny-llama").is_none() {
         return;
     }
     check_backend(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");

@@ -169,9 +169,16 @@ fn plan_json(plan: &MemoryPlan) -> Value {
 
 fn kind_of(config: Option<&Value>) -> Result<ModelKind, JsValue> {
     let c = config.ok_or_else(|| js_err("the model has no config.json"))?;
-    ModelKind::of_config(c).ok_or_else(|| {
-        js_err("config.json describes neither a Llama-family decoder nor a Flux-style DiT")
-    })
+    match ModelKind::of_config(c) {
+        Some(ModelKind::Encoder) => Err(js_err(
+            "BERT encoders run natively (nibble run), not yet in the browser: load a \
+             Llama-family decoder or a Flux-style DiT",
+        )),
+        Some(k) => Ok(k),
+        None => Err(js_err(
+            "config.json describes neither a Llama-family decoder nor a Flux-style DiT",
+        )),
+    }
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -200,6 +207,7 @@ impl State {
             return Err(js_err(match kind {
                 ModelKind::Llm => "the loaded model is not a language model",
                 ModelKind::Dit => "the loaded model is not a diffusion transformer",
+                ModelKind::Encoder => "the loaded model is not an encoder",
             }));
         }
         Ok((m.clone(), settings_from(opts, self.settings)?))
@@ -306,7 +314,7 @@ impl Nibble {
             let total: u64 = model.files.iter().map(|f| f.len).sum();
             let summary = json!({
                 "url": url,
-                "kind": match kind { ModelKind::Llm => "llm", ModelKind::Dit => "dit" },
+                "kind": match kind { ModelKind::Llm => "llm", ModelKind::Dit => "dit", ModelKind::Encoder => "encoder" },
                 "files": model.files.iter().map(|f| json!({"url": f.name, "bytes": f.len})).collect::<Vec<_>>(),
                 "bytes": total,
                 "tensors": model.index.len(),

@@ -10,10 +10,11 @@
 //! runtime position, appends its keys and values, and attends over the cache through a key
 //! mask. Each decoded token is one pass over the layers, streamed like a denoising step.
 
-use crate::bnb::{find_4bit_weights, QuantState};
+use super::{reshape, swap01, W};
+use crate::bnb::find_4bit_weights;
 use crate::error::{Error, Result};
-use crate::executor::{Graph, ValueId, WeightId};
-use crate::graph::{ElemType, OpKind, Q4Info, RopeMode, ValueInfo};
+use crate::executor::{Graph, ValueId};
+use crate::graph::{ElemType, OpKind, RopeMode, ValueInfo};
 use crate::index::ModelIndex;
 
 /// RoPE frequency scaling from `rope_scaling` / `rope_parameters`.
@@ -285,12 +286,6 @@ pub struct LlamaGraph {
 }
 
 #[derive(Debug, Clone, Copy)]
-enum W {
-    Q4(WeightId, Option<ValueId>),
-    Dense(ValueId, Option<ValueId>),
-}
-
-#[derive(Debug, Clone, Copy)]
 struct Layer {
     n1: ValueId,
     q: W,
@@ -331,23 +326,8 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
     }
     let embed_group = g.group("model.embed_tokens");
     let table = g.dense_weight(embed_group, "model.embed_tokens.weight", &[cfg.vocab, h]);
-    // A projection's weight: 4-bit when the checkpoint quantized it, dense otherwise; with a
-    // bias when the checkpoint has one.
-    let weight = |g: &mut Graph, grp: usize, name: &str, out: usize, inp: usize| -> Result<W> {
-        let bias_name = format!("{}.bias", name.trim_end_matches(".weight"));
-        let bias = model
-            .get(&bias_name)
-            .map(|_| g.dense_weight(grp, &bias_name, &[out]));
-        if let Some(k) = keys.iter().find(|k| k.base == name) {
-            let s = QuantState::load(model, k)?;
-            let info = Q4Info {
-                shape: vec![out, inp],
-                blocksize: s.json.blocksize as usize,
-            };
-            Ok(W::Q4(g.q4_weight(grp, name, info), bias))
-        } else {
-            Ok(W::Dense(g.dense_weight(grp, name, &[out, inp]), bias))
-        }
+    let weight = |g: &mut Graph, grp: usize, name: &str, out: usize, inp: usize| {
+        W::load(g, model, &keys, grp, name, out, inp)
     };
     let mut layers = Vec::with_capacity(cfg.layers);
     for l in 0..cfg.layers {
@@ -429,9 +409,9 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         let mut x = g.op(OpKind::Embedding, &[ids, table], None)?;
         for (l, lw) in layers.iter().enumerate() {
             let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n1], None)?;
-            let q = apply(&mut g, lw.q, hn)?;
-            let k = apply(&mut g, lw.k, hn)?;
-            let v = apply(&mut g, lw.v, hn)?;
+            let q = lw.q.apply(&mut g, hn)?;
+            let k = lw.k.apply(&mut g, hn)?;
+            let v = lw.v.apply(&mut g, hn)?;
             let q = reshape(&mut g, q, &[t, nh, hd])?;
             let k = reshape(&mut g, k, &[t, nkv, hd])?;
             let v = reshape(&mut g, v, &[t, nkv, hd])?;
@@ -475,14 +455,14 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
             };
             let a = swap01(&mut g, a)?;
             let a = reshape(&mut g, a, &[t, nh * hd])?;
-            let o = apply(&mut g, lw.o, a)?;
+            let o = lw.o.apply(&mut g, a)?;
             x = g.op(OpKind::Add, &[x, o], None)?;
             let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n2], None)?;
-            let gate = apply(&mut g, lw.gate, hn)?;
-            let up = apply(&mut g, lw.up, hn)?;
+            let gate = lw.gate.apply(&mut g, hn)?;
+            let up = lw.up.apply(&mut g, hn)?;
             let gate = g.op(OpKind::Silu, &[gate], None)?;
             let m = g.op(OpKind::Mul, &[gate, up], None)?;
-            let down = apply(&mut g, lw.down, m)?;
+            let down = lw.down.apply(&mut g, m)?;
             x = g.op(OpKind::Add, &[x, down], None)?;
         }
         if !decode && !shape.all_logits && !shape.hidden_states && t > 1 {
@@ -500,7 +480,7 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         if shape.hidden_states {
             g.output(xn);
         } else {
-            let logits = apply(&mut g, head, xn)?;
+            let logits = head.apply(&mut g, xn)?;
             g.output(logits);
         }
     }
@@ -511,35 +491,6 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         prefill: programs[0],
         decode: programs.get(1).copied(),
     })
-}
-
-fn apply(g: &mut Graph, w: W, x: ValueId) -> Result<ValueId> {
-    match w {
-        W::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w)),
-        W::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w)),
-        W::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None),
-        W::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None),
-    }
-}
-
-fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> Result<ValueId> {
-    g.op(
-        OpKind::Reshape {
-            shape: shape.to_vec(),
-        },
-        &[x],
-        None,
-    )
-}
-
-fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
-    g.op(
-        OpKind::Permute {
-            perm: vec![1, 0, 2],
-        },
-        &[x],
-        None,
-    )
 }
 
 /// A decoder bound to a backend: prefill once, then one token per step through the KV cache.

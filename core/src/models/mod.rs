@@ -1,5 +1,6 @@
 //! Model graph builders on the core graph.
 
+pub mod bert;
 pub mod dit;
 pub mod llama;
 
@@ -10,11 +11,14 @@ pub enum ModelKind {
     Llm,
     /// A Flux-style diffusion transformer ([`dit`]).
     Dit,
+    /// A BERT encoder ([`bert`]): token states and sentence embeddings.
+    Encoder,
 }
 
 impl ModelKind {
     /// An `*ForCausalLM` architecture or a Llama-family `model_type` is a language model;
-    /// diffusers' Flux config (`num_single_layers`, `joint_attention_dim`) a DiT.
+    /// diffusers' Flux config (`num_single_layers`, `joint_attention_dim`) a DiT; `BertModel`
+    /// or `model_type: bert` an encoder.
     pub fn of_config(c: &serde_json::Value) -> Option<Self> {
         let causal = c
             .get("architectures")
@@ -27,7 +31,13 @@ impl ModelKind {
             .get("model_type")
             .and_then(|m| m.as_str())
             .is_some_and(|m| ["llama", "mistral", "qwen2", "smollm"].contains(&m));
-        if causal || family {
+        let bert = c.get("model_type").and_then(|m| m.as_str()) == Some("bert")
+            || c.get("architectures")
+                .and_then(|a| a.as_array())
+                .is_some_and(|a| a.iter().any(|x| x.as_str() == Some("BertModel")));
+        if bert {
+            Some(ModelKind::Encoder)
+        } else if causal || family {
             Some(ModelKind::Llm)
         } else if c.get("num_single_layers").is_some() && c.get("joint_attention_dim").is_some() {
             Some(ModelKind::Dit)
@@ -35,4 +45,78 @@ impl ModelKind {
             None
         }
     }
+}
+
+use crate::bnb::{Bnb4bitKeys, QuantState};
+use crate::error::Result;
+use crate::executor::{Graph, ValueId, WeightId};
+use crate::graph::{OpKind, Q4Info};
+use crate::index::ModelIndex;
+
+/// A projection's weight in a graph: 4-bit where the checkpoint quantized it, dense otherwise;
+/// with its bias where the checkpoint has one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum W {
+    Q4(WeightId, Option<ValueId>),
+    Dense(ValueId, Option<ValueId>),
+}
+
+impl W {
+    /// The weight `name` (`[out, inp]`) of group `grp`, and `<name without .weight>.bias`.
+    pub(crate) fn load(
+        g: &mut Graph,
+        model: &ModelIndex,
+        keys: &[Bnb4bitKeys],
+        grp: usize,
+        name: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<W> {
+        let bias_name = format!("{}.bias", name.trim_end_matches(".weight"));
+        let bias = model
+            .get(&bias_name)
+            .map(|_| g.dense_weight(grp, &bias_name, &[out]));
+        if let Some(k) = keys.iter().find(|k| k.base == name) {
+            let s = QuantState::load(model, k)?;
+            let info = Q4Info {
+                shape: vec![out, inp],
+                blocksize: s.json.blocksize as usize,
+            };
+            Ok(W::Q4(g.q4_weight(grp, name, info), bias))
+        } else {
+            Ok(W::Dense(g.dense_weight(grp, name, &[out, inp]), bias))
+        }
+    }
+
+    /// `x · Wᵀ (+ b)`.
+    pub(crate) fn apply(self, g: &mut Graph, x: ValueId) -> Result<ValueId> {
+        match self {
+            W::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w)),
+            W::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w)),
+            W::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None),
+            W::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None),
+        }
+    }
+}
+
+/// The same data in another shape.
+pub(crate) fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> Result<ValueId> {
+    g.op(
+        OpKind::Reshape {
+            shape: shape.to_vec(),
+        },
+        &[x],
+        None,
+    )
+}
+
+/// `[a, b, c]` to `[b, a, c]` (tokens x heads to heads x tokens and back).
+pub(crate) fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
+    g.op(
+        OpKind::Permute {
+            perm: vec![1, 0, 2],
+        },
+        &[x],
+        None,
+    )
 }

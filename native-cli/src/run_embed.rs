@@ -1,0 +1,110 @@
+//! `nibble run` on a BERT encoder: the sentence embedding of the prompt, pooled and normalized
+//! as the model's sentence-transformers files say (mean pooling, no normalization without them).
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use nibble_core::backend::Backend;
+use nibble_core::index::ModelIndex;
+use nibble_core::models::bert::{self, Encoder, Pooling, PoolingMode};
+use nibble_core::plan::fmt_bytes;
+use nibble_core::text::TextTokenizer;
+use serde_json::json;
+
+use crate::run::RunOptions;
+
+/// The longest input: sentence-transformers' `max_seq_length` (sentence_bert_config.json)
+/// where the model has one, else the position table's length.
+fn max_len(model: &ModelIndex, cfg: &bert::BertConfig) -> usize {
+    model
+        .side_file("sentence_bert_config.json")
+        .ok()
+        .flatten()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get("max_seq_length")?.as_u64())
+        .map_or(cfg.max_positions, |m| (m as usize).min(cfg.max_positions))
+}
+
+/// Embeds `o.prompt` (or `o.prompt_ids`) and prints the vector.
+pub fn run<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
+    let cfg = bert::config(model)?;
+    let limit = max_len(model, &cfg);
+    let ids: Vec<u32> = match &o.prompt {
+        Some(text) => {
+            if o.chat {
+                bail!("--chat: an encoder has no chat template");
+            }
+            let mut tok = TextTokenizer::for_model(model)?;
+            tok.set_max_len(Some(limit))?;
+            tok.encode(text, true)?
+        }
+        None => o.prompt_ids.clone(),
+    };
+    if ids.is_empty() {
+        bail!("the prompt has no tokens");
+    }
+    if ids.len() > limit {
+        bail!(
+            "{} prompt ids: the model takes at most {limit} tokens",
+            ids.len()
+        );
+    }
+    let pooling = Pooling::for_model(model)?;
+    let bg = bert::build(model, ids.len())?;
+    let opts = crate::run::exec_options(o, || {
+        crate::run::resident_budget(&bg.graph, model, &backend)
+    })?;
+    let t_setup = Instant::now();
+    let mut enc = Encoder::from_graph(bg, model, backend, opts)
+        .with_context(|| format!("planning {} on {label}", o.model))?;
+    if !o.json {
+        eprintln!("backend {label}");
+        eprint!("{}", enc.executor().plan().explain());
+        eprintln!(
+            "{} tokens; setup {:.0} ms",
+            ids.len(),
+            t_setup.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let t = Instant::now();
+    let (embedding, stats) = enc.embed(&ids, &pooling)?;
+    let wall = t.elapsed().as_secs_f64();
+    let rss_max = nibble_core::sys::peak_rss_bytes().unwrap_or(0);
+    let mode = match pooling.mode {
+        PoolingMode::Mean => "mean",
+        PoolingMode::Cls => "cls",
+        PoolingMode::Max => "max",
+        PoolingMode::MeanSqrtLen => "mean_sqrt_len",
+    };
+    if o.json {
+        let v = json!({
+            "tokens": ids,
+            "embedding": embedding,
+            "pooling": mode,
+            "normalized": pooling.normalize,
+            "tok_s": ids.len() as f64 / wall,
+            "rss_max_bytes": rss_max,
+            "bytes_streamed": stats.stream.bytes,
+            "bytes_in_place": stats.in_place_bytes,
+            "plan": {
+                "resident_groups": enc.executor().plan().counts().0,
+                "streamed_groups": enc.executor().plan().counts().1,
+                "device_bytes": enc.executor().plan().peak_device_bytes,
+            },
+        });
+        crate::write_stdout(&format!("{v}\n"))?;
+    } else {
+        let values: Vec<String> = embedding.iter().map(|x| format!("{x}")).collect();
+        crate::write_stdout(&format!("[{}]\n", values.join(", ")))?;
+        eprintln!(
+            "embedding: {} values ({mode} pooling{}) of {} tokens in {:.1} ms; peak RSS {}; streamed {}",
+            embedding.len(),
+            if pooling.normalize { ", L2-normalized" } else { "" },
+            ids.len(),
+            wall * 1e3,
+            fmt_bytes(rss_max),
+            fmt_bytes(stats.stream.bytes)
+        );
+    }
+    Ok(())
+}
