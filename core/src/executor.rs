@@ -109,6 +109,20 @@ impl Graph {
         Self::default()
     }
 
+    /// The checkpoint tensors the graph reads: its dense weights and the base names of its
+    /// 4-bit weights (whose components are `<base>.absmax`, `<base>.quant_state...`, ...).
+    pub fn weight_names(&self) -> (Vec<&str>, Vec<&str>) {
+        let dense = self
+            .sources
+            .iter()
+            .filter_map(|s| match s {
+                Source::Dense { tensor, .. } => Some(tensor.as_str()),
+                _ => None,
+            })
+            .collect();
+        (dense, self.q4.iter().map(|d| d.tensor.as_str()).collect())
+    }
+
     /// Starts a new program (entry point); inputs, ops and outputs added from now on belong to
     /// it. Returns its index (the first program is 0). A graph whose first program has no nodes
     /// yet renames it instead.

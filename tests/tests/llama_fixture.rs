@@ -310,3 +310,75 @@ fn cpu_reads_streamed_weights_in_place() {
     assert_bits_eq(&logits4, &logits1, "decode logits, in place vs copied");
     assert_bits_eq(&logits2, &logits1, "decode logits, part in place vs copied");
 }
+
+/// What the decoder graph does not compute is refused before any weight is read, not run into
+/// a different result: a tensor the graph would ignore (Qwen3-style q/k norms), a model_type of
+/// another architecture, a sliding window shorter than the sequence.
+#[test]
+fn models_the_decoder_does_not_compute_are_refused() {
+    let src = fixture("tiny-llama-nf4/model");
+    let m = model();
+    let shape = LlamaShape::generate(4, 4);
+    llama::build(&m, shape).expect("the fixture itself builds");
+    let copy = |config: &serde_json::Value, extra: Option<&str>| {
+        let dir = tempfile::tempdir().expect("tmp");
+        let mut tensors: Vec<_> = m
+            .tensors()
+            .map(|t| {
+                let bytes = m.read_bytes(t).expect("read");
+                (t.name.clone(), t.dtype, t.shape.clone(), bytes)
+            })
+            .collect();
+        if let Some(name) = extra {
+            let hd = config["hidden_size"].as_u64().expect("hidden")
+                / config["num_attention_heads"].as_u64().expect("heads");
+            tensors.push((
+                name.to_string(),
+                nibble_core::index::Dtype::F32,
+                vec![hd],
+                vec![0u8; hd as usize * 4],
+            ));
+        }
+        nibble_core::writer::write_safetensors(
+            &dir.path().join("model.safetensors"),
+            &tensors,
+            &Default::default(),
+        )
+        .expect("write");
+        std::fs::write(
+            dir.path().join("config.json"),
+            serde_json::to_vec(config).expect("json"),
+        )
+        .expect("config");
+        dir
+    };
+    let config = read_json(&src.join("config.json"));
+    let err = |dir: &tempfile::TempDir, shape| {
+        let m = ModelIndex::open(dir.path()).expect("open");
+        llama::build(&m, shape).expect_err("refused").to_string()
+    };
+
+    let d = copy(&config, Some("model.layers.0.self_attn.q_norm.weight"));
+    let e = err(&d, shape);
+    assert!(
+        e.contains(
+            "not part of a Llama-family decoder (first: model.layers.0.self_attn.q_norm.weight)"
+        ),
+        "{e}"
+    );
+
+    let mut qwen3 = config.clone();
+    qwen3["model_type"] = "qwen3".into();
+    let e = err(&copy(&qwen3, None), shape);
+    assert!(e.contains("model_type 'qwen3'"), "{e}");
+
+    let mut mistral = config.clone();
+    mistral["model_type"] = "mistral".into();
+    mistral["sliding_window"] = 6.into();
+    let d = copy(&mistral, None);
+    let e = err(&d, LlamaShape::generate(4, 4));
+    assert!(e.contains("sliding window of 6 positions"), "{e}");
+    // Within the window the window changes nothing: it runs.
+    let m2 = ModelIndex::open(d.path()).expect("open");
+    llama::build(&m2, LlamaShape::generate(3, 3)).expect("prompt + new tokens fit the window");
+}

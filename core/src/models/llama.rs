@@ -71,7 +71,14 @@ pub struct LlamaConfig {
     pub eos: Vec<u32>,
     /// Longest context the model was trained for.
     pub max_positions: usize,
+    /// The attention window where the model uses sliding-window attention (Mistral's
+    /// `sliding_window`, Qwen2's with `use_sliding_window`); the graph attends to every earlier
+    /// position, so it runs such a model only for sequences that fit the window.
+    pub sliding_window: Option<usize>,
 }
+
+/// The `model_type`s whose decoders this graph computes.
+pub const MODEL_TYPES: [&str; 4] = ["llama", "mistral", "qwen2", "smollm"];
 
 fn get_usize(c: &serde_json::Value, k: &str) -> Option<usize> {
     c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize)
@@ -145,6 +152,22 @@ impl LlamaConfig {
                 _ => Vec::new(),
             }
         };
+        let model_type = c.get("model_type").and_then(|v| v.as_str());
+        if let Some(t) = model_type.filter(|t| !MODEL_TYPES.contains(t)) {
+            return Err(Error::Model {
+                file: "config.json".into(),
+                msg: format!(
+                    "model_type '{t}' is not a decoder nibble computes ({})",
+                    MODEL_TYPES.join(", ")
+                ),
+            });
+        }
+        let window = get_usize(c, "sliding_window");
+        let sliding_window = match model_type {
+            Some("qwen2") => window
+                .filter(|_| c.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true)),
+            _ => window,
+        };
         let hidden_act = c
             .get("hidden_act")
             .and_then(|v| v.as_str())
@@ -176,6 +199,7 @@ impl LlamaConfig {
             bos: ids("bos_token_id").first().copied(),
             eos: ids("eos_token_id"),
             max_positions: get_usize(c, "max_position_embeddings").unwrap_or(1 << 20),
+            sliding_window,
         })
     }
 
@@ -313,6 +337,13 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         return Err(Error::Invalid(format!(
             "llama graph: prompt {} and capacity {} (need 1 <= prompt <= capacity)",
             shape.prompt, shape.capacity
+        )));
+    }
+    if let Some(w) = cfg.sliding_window.filter(|&w| shape.capacity > w) {
+        return Err(Error::Invalid(format!(
+            "the model attends through a sliding window of {w} positions, which nibble does \
+             not compute: prompt + new tokens ({}) must fit in it",
+            shape.capacity
         )));
     }
     let keys = find_4bit_weights(model)?;
@@ -484,6 +515,7 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
             g.output(logits);
         }
     }
+    refuse_unread_tensors(model, &g, tied)?;
     Ok(LlamaGraph {
         graph: g,
         config: cfg,
@@ -491,6 +523,39 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         prefill: programs[0],
         decode: programs.get(1).copied(),
     })
+}
+
+/// A checkpoint tensor the decoder graph does not read means a model this graph does not
+/// compute (Qwen3's q/k norms, another architecture's extra weights): an error, not a silently
+/// different result. Not read by design: rotary `inv_freq` buffers and, with tied embeddings,
+/// `lm_head`.
+fn refuse_unread_tensors(model: &ModelIndex, g: &Graph, tied: bool) -> Result<()> {
+    let (dense, q4) = g.weight_names();
+    let dense: std::collections::HashSet<&str> = dense.into_iter().collect();
+    let read = |n: &str| {
+        dense.contains(n)
+            || q4
+                .iter()
+                .any(|b| n == *b || n.strip_prefix(b).is_some_and(|r| r.starts_with('.')))
+            || n.ends_with("rotary_emb.inv_freq")
+            || (tied && (n == "lm_head.weight" || n.starts_with("lm_head.weight.")))
+    };
+    let unread: Vec<&str> = model
+        .tensors()
+        .map(|t| t.name.as_str())
+        .filter(|n| !read(n))
+        .collect();
+    match unread.as_slice() {
+        [] => Ok(()),
+        [first, ..] => Err(Error::Model {
+            file: model.root.clone(),
+            msg: format!(
+                "{} tensor(s) are not part of a Llama-family decoder (first: {first}): this \
+                 model computes something nibble's decoder does not",
+                unread.len()
+            ),
+        }),
+    }
 }
 
 /// A decoder bound to a backend: prefill once, then one token per step through the KV cache.
