@@ -313,7 +313,8 @@ fn cpu_reads_streamed_weights_in_place() {
 
 /// What the decoder graph does not compute is refused before any weight is read, not run into
 /// a different result: a tensor the graph would ignore (Qwen3-style q/k norms), a model_type of
-/// another architecture, a sliding window shorter than the sequence.
+/// another architecture, a sliding window or a dynamic-RoPE trained length shorter than the
+/// sequence.
 #[test]
 fn models_the_decoder_does_not_compute_are_refused() {
     let src = fixture("tiny-llama-nf4/model");
@@ -381,4 +382,16 @@ fn models_the_decoder_does_not_compute_are_refused() {
     // Within the window the window changes nothing: it runs.
     let m2 = ModelIndex::open(d.path()).expect("open");
     llama::build(&m2, LlamaShape::generate(3, 3)).expect("prompt + new tokens fit the window");
+
+    // Dynamic NTK RoPE: the default frequencies up to the trained length, refused past it.
+    let mut dynamic = config.clone();
+    dynamic["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0});
+    dynamic["max_position_embeddings"] = 6.into();
+    let d = copy(&dynamic, None);
+    let e = err(&d, LlamaShape::generate(4, 4));
+    assert!(e.contains("past 6 positions"), "{e}");
+    let m3 = ModelIndex::open(d.path()).expect("open");
+    let a = llama::build(&m3, LlamaShape::generate(3, 3)).expect("fits the trained length");
+    let b = llama::build(&m, LlamaShape::generate(3, 3)).expect("default rope");
+    assert_eq!(a.config.inv_freq(), b.config.inv_freq());
 }

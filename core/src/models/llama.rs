@@ -75,6 +75,9 @@ pub struct LlamaConfig {
     /// `sliding_window`, Qwen2's with `use_sliding_window`); the graph attends to every earlier
     /// position, so it runs such a model only for sequences that fit the window.
     pub sliding_window: Option<usize>,
+    /// With `dynamic` RoPE scaling: the trained length, up to which its frequencies are the
+    /// default ones (the graph runs only sequences that fit).
+    pub dynamic_rope_limit: Option<usize>,
 }
 
 /// The `model_type`s whose decoders this graph computes.
@@ -116,7 +119,9 @@ impl LlamaConfig {
                     .unwrap_or("default");
                 let f = |k: &str, d: f64| r.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
                 match kind {
-                    "default" => RopeScaling::Default,
+                    // Dynamic NTK changes the frequencies only past the trained length; within
+                    // it transformers uses the default ones (the graph refuses longer runs).
+                    "default" | "dynamic" => RopeScaling::Default,
                     "linear" => RopeScaling::Linear {
                         factor: f("factor", 1.0),
                     },
@@ -133,7 +138,7 @@ impl LlamaConfig {
                         return Err(Error::Model {
                             file: "config.json".into(),
                             msg: format!(
-                                "rope scaling '{other}' is not supported (default, linear, llama3)"
+                                "rope scaling '{other}' is not supported (default, linear, llama3, dynamic)"
                             ),
                         })
                     }
@@ -162,6 +167,20 @@ impl LlamaConfig {
                 ),
             });
         }
+        let dynamic_rope_limit = scaling
+            .filter(|r| {
+                r.get("rope_type")
+                    .or_else(|| r.get("type"))
+                    .and_then(|v| v.as_str())
+                    == Some("dynamic")
+            })
+            .map(|r| {
+                r.get("original_max_position_embeddings")
+                    .and_then(|v| v.as_u64())
+                    .map(|v| v as usize)
+                    .or_else(|| get_usize(c, "max_position_embeddings"))
+                    .unwrap_or(2048)
+            });
         let window = get_usize(c, "sliding_window");
         let sliding_window = match model_type {
             Some("qwen2") => window
@@ -200,6 +219,7 @@ impl LlamaConfig {
             eos: ids("eos_token_id"),
             max_positions: get_usize(c, "max_position_embeddings").unwrap_or(1 << 20),
             sliding_window,
+            dynamic_rope_limit,
         })
     }
 
@@ -343,6 +363,13 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         return Err(Error::Invalid(format!(
             "the model attends through a sliding window of {w} positions, which nibble does \
              not compute: prompt + new tokens ({}) must fit in it",
+            shape.capacity
+        )));
+    }
+    if let Some(l) = cfg.dynamic_rope_limit.filter(|&l| shape.capacity > l) {
+        return Err(Error::Invalid(format!(
+            "dynamic RoPE scaling changes the frequencies past {l} positions, which nibble does \
+             not compute: prompt + new tokens ({}) must fit in {l}",
             shape.capacity
         )));
     }
