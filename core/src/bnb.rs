@@ -715,17 +715,19 @@ impl QuantState {
         Ok(state)
     }
 
-    /// Checks the packed tensor's dtype and byte count against the logical shape.
+    /// Checks the packed tensor's dtype and byte count against the logical shape. The bytes are
+    /// what count: bitsandbytes' `bnb_4bit_quant_storage` may store them as U8 (the default),
+    /// I8, F16, BF16 or F32 (FSDP's QLoRA), the same bytes under another element type.
     pub fn check_packed(&self, file: &str, tensor: &str, packed: &TensorEntry) -> Result<()> {
         let err = |problem| Error::Quant {
             file: file.into(),
             tensor: tensor.into(),
             problem,
         };
-        if packed.dtype != Dtype::U8 {
+        if ![Dtype::U8, Dtype::I8, Dtype::F16, Dtype::BF16, Dtype::F32].contains(&packed.dtype) {
             return Err(err(QuantProblem::WrongDtype {
                 component: "packed weight",
-                expected: "U8",
+                expected: "U8 (or I8, F16, BF16, F32 as quant storage)",
                 actual: dtype_name(packed.dtype),
             }));
         }

@@ -259,3 +259,57 @@ fn requantizing_dequantized_weights_is_a_fixed_point() {
         );
     }
 }
+
+/// bitsandbytes' `bnb_4bit_quant_storage` other than uint8 (FSDP QLoRA stores the packed bytes
+/// as bf16 or f32): the same bytes under another element type load and dequantize bit for bit
+/// like the U8 original; an element type that cannot hold them (bool) is refused.
+#[test]
+fn packed_weights_in_other_quant_storage_dtypes_load_the_same() {
+    use nibble_core::index::Dtype;
+    let dir = fixture("tiny-llama-nf4/model");
+    let m = ModelIndex::open(&dir).expect("fixture");
+    let keys = find_4bit_weights(&m).expect("find");
+    let k = &keys[0];
+    let want = {
+        let s = QuantState::load(&m, k).expect("state");
+        let packed = m.read_bytes(m.require(&k.base).expect("p")).expect("read");
+        let mut w = vec![0f32; s.numel()];
+        s.dequantize_ref(&packed, &mut w).expect("deq");
+        w
+    };
+    for (dtype, width) in [(Dtype::BF16, 2u64), (Dtype::F32, 4), (Dtype::BOOL, 1)] {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let tensors: Vec<_> = m
+            .tensors()
+            .map(|t| {
+                let bytes = m.read_bytes(t).expect("read");
+                if t.name == k.base {
+                    (t.name.clone(), dtype, vec![t.len / width, 1], bytes)
+                } else {
+                    (t.name.clone(), t.dtype, t.shape.clone(), bytes)
+                }
+            })
+            .collect();
+        nibble_core::writer::write_safetensors(
+            &tmp.path().join("model.safetensors"),
+            &tensors,
+            &Default::default(),
+        )
+        .expect("write");
+        std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).expect("config");
+        let m2 = ModelIndex::open(tmp.path()).expect("open");
+        let r = QuantState::load(&m2, k);
+        if dtype == Dtype::BOOL {
+            let e = r.expect_err("bool storage").to_string();
+            assert!(e.contains("packed weight"), "{e}");
+            continue;
+        }
+        let s = r.unwrap_or_else(|e| panic!("{dtype:?} storage: {e}"));
+        let packed = m2
+            .read_bytes(m2.require(&k.base).expect("p"))
+            .expect("read");
+        let mut w = vec![0f32; s.numel()];
+        s.dequantize_ref(&packed, &mut w).expect("deq");
+        assert_bits_eq(&w, &want, &format!("{dtype:?} quant storage"));
+    }
+}
