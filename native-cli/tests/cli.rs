@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use nibble_tests::read_json;
+
 fn nibble(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args(args)
@@ -18,11 +20,6 @@ fn fixtures() -> PathBuf {
         p.display()
     );
     p
-}
-
-fn read_json(p: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 /// What a fixture's manifest says of its 4-bit weights: the quantized linears in order and the
@@ -679,10 +676,7 @@ fn run_embeds_a_sentence_like_sentence_transformers() {
         .map(|x| x.as_f64().expect("number") as f32)
         .collect();
     assert_eq!(got.len(), hidden);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+    let err = nibble_tests::max_abs_err(&got, want);
     assert!(err <= 2e-5, "sentence embedding error {err}");
     assert_eq!(v["plan"]["resident_groups"], 0, "{}", v["plan"]);
     assert!(v["bytes_streamed"].as_u64().expect("bytes") > 0);

@@ -88,6 +88,14 @@ pub fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
+/// `max |got - want|`.
+pub fn max_abs_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    got.iter()
+        .zip(want)
+        .fold(0f64, |m, (g, w)| m.max((*g as f64 - *w as f64).abs()))
+}
+
 /// `max |got - want| / max |want|`.
 pub fn max_err_rel_to_max(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len(), "length");

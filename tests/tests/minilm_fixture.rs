@@ -158,10 +158,7 @@ fn check_within<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: Tol) 
             );
             let got = pooling.pool(&states, &mask, hidden);
             let want = &emb_want[r * hidden..(r + 1) * hidden];
-            let atol = got
-                .iter()
-                .zip(want)
-                .fold(0f32, |a, (g, w)| a.max((g - w).abs()));
+            let atol = max_abs_err(&got, want);
             let dot: f64 = got
                 .iter()
                 .zip(want)
@@ -170,7 +167,7 @@ fn check_within<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: Tol) 
             let norm = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
             let cos = dot / (norm(&got) * norm(want));
             assert!(
-                atol <= tol.atol && cos >= tol.cosine,
+                atol <= tol.atol as f64 && cos >= tol.cosine,
                 "{what}: sentence embedding max error {atol:e}, cosine {cos}"
             );
         }

@@ -216,52 +216,57 @@ pub fn dot_tile_rows(
         };
         unsafe {
             macro_rules! call {
-                ($m:literal, $n:literal) => {
-                    if bf16 {
-                        avx2::dot_tile::<$m, $n, true>(
-                            x.as_ptr(),
-                            xs,
-                            wp,
-                            ws,
-                            k,
-                            out.as_mut_ptr(),
-                            out_stride,
-                        )
-                    } else {
-                        avx2::dot_tile::<$m, $n, false>(
-                            x.as_ptr(),
-                            xs,
-                            wp,
-                            ws,
-                            k,
-                            out.as_mut_ptr(),
-                            out_stride,
-                        )
+                ($b:literal, $m:literal, $n:literal) => {
+                    avx2::dot_tile::<$m, $n, $b>(
+                        x.as_ptr(),
+                        xs,
+                        wp,
+                        ws,
+                        k,
+                        out.as_mut_ptr(),
+                        out_stride,
+                    )
+                };
+            }
+            macro_rules! by_shape {
+                ($b:literal) => {
+                    match (mr, nr) {
+                        (1, 1) => call!($b, 1, 1),
+                        (1, 2) => call!($b, 1, 2),
+                        (1, 3) => call!($b, 1, 3),
+                        (2, 1) => call!($b, 2, 1),
+                        (2, 2) => call!($b, 2, 2),
+                        (2, 3) => call!($b, 2, 3),
+                        (3, 1) => call!($b, 3, 1),
+                        (3, 2) => call!($b, 3, 2),
+                        (3, 3) => call!($b, 3, 3),
+                        (4, 1) => call!($b, 4, 1),
+                        (4, 2) => call!($b, 4, 2),
+                        _ => call!($b, 4, 3),
                     }
                 };
             }
-            match (mr, nr) {
-                (1, 1) => call!(1, 1),
-                (1, 2) => call!(1, 2),
-                (1, 3) => call!(1, 3),
-                (2, 1) => call!(2, 1),
-                (2, 2) => call!(2, 2),
-                (2, 3) => call!(2, 3),
-                (3, 1) => call!(3, 1),
-                (3, 2) => call!(3, 2),
-                (3, 3) => call!(3, 3),
-                (4, 1) => call!(4, 1),
-                (4, 2) => call!(4, 2),
-                _ => call!(4, 3),
+            if bf16 {
+                by_shape!(true)
+            } else {
+                by_shape!(false)
             }
         }
         return;
     }
-    let mut row = vec![0f32; k];
+    // f32 rows are used where they are; bf16 rows are widened into one row buffer.
+    let mut widened = Vec::new();
     for j in 0..nr {
-        w.widen_into(j * ws, &mut row);
+        let row: &[f32] = match w {
+            Rows::F32(w) => &w[j * ws..j * ws + k],
+            Rows::Bf16(_) => {
+                widened.resize(k, 0f32);
+                w.widen_into(j * ws, &mut widened);
+                &widened
+            }
+        };
         for i in 0..mr {
-            out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], &row);
+            out[i * out_stride + j] = dot(&x[i * xs..i * xs + k], row);
         }
     }
 }

@@ -109,15 +109,15 @@ impl Wait {
         Wait { start: None }
     }
 
-    /// One poll: spins (up to `spin` since the first poll) or yields (up to `spin + yield_for`);
-    /// false once both are over.
-    fn poll(&mut self, spin: Duration, yield_for: Duration) -> bool {
+    /// One poll: spins (up to [`SPIN`] since the first poll) or yields (up to `SPIN +
+    /// yield_for`); false once both are over.
+    fn poll(&mut self, yield_for: Duration) -> bool {
         let start = *self.start.get_or_insert_with(Instant::now);
         let elapsed = start.elapsed();
-        if elapsed < spin {
+        if elapsed < SPIN {
             std::hint::spin_loop();
             true
-        } else if elapsed.saturating_sub(spin) < yield_for {
+        } else if elapsed - SPIN < yield_for {
             std::thread::yield_now();
             true
         } else {
@@ -135,7 +135,7 @@ fn worker(inner: Arc<Inner>) {
         let mut wait = Wait::new();
         let mut g = inner.generation.load(Ordering::Acquire);
         while g == seen && !inner.shutdown.load(Ordering::Acquire) {
-            if !inner.parked.load(Ordering::Relaxed) && wait.poll(SPIN, YIELD) {
+            if !inner.parked.load(Ordering::Relaxed) && wait.poll(YIELD) {
                 // polled; look again
             } else {
                 let guard = inner.sleep.lock().unwrap_or_else(|e| e.into_inner());
@@ -260,9 +260,7 @@ impl ThreadPool {
         // them lost its core to another thread, yielding lets it, or that thread, run here).
         let mut wait = Wait::new();
         while inner.done.load(Ordering::Acquire) != tasks {
-            if !wait.poll(SPIN, Duration::MAX) {
-                std::thread::yield_now();
-            }
+            wait.poll(Duration::MAX);
         }
         inner.posted.lock().unwrap_or_else(|e| e.into_inner()).job = None;
         if inner.panicked.swap(false, Ordering::AcqRel) {

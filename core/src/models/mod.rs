@@ -4,6 +4,12 @@ pub mod bert;
 pub mod dit;
 pub mod llama;
 
+use crate::bnb::{Bnb4bitKeys, QuantState};
+use crate::error::Result;
+use crate::executor::{Graph, ValueId, WeightId};
+use crate::graph::{OpKind, Q4Info};
+use crate::index::ModelIndex;
+
 /// What a model folder holds, by its `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelKind {
@@ -30,7 +36,7 @@ impl ModelKind {
         let family = c
             .get("model_type")
             .and_then(|m| m.as_str())
-            .is_some_and(|m| ["llama", "mistral", "qwen2", "smollm"].contains(&m));
+            .is_some_and(|m| llama::MODEL_TYPES.contains(&m));
         let bert = c.get("model_type").and_then(|m| m.as_str()) == Some("bert")
             || c.get("architectures")
                 .and_then(|a| a.as_array())
@@ -46,12 +52,6 @@ impl ModelKind {
         }
     }
 }
-
-use crate::bnb::{Bnb4bitKeys, QuantState};
-use crate::error::Result;
-use crate::executor::{Graph, ValueId, WeightId};
-use crate::graph::{OpKind, Q4Info};
-use crate::index::ModelIndex;
 
 /// A projection's weight in a graph: 4-bit where the checkpoint quantized it, dense otherwise;
 /// with its bias where the checkpoint has one.
