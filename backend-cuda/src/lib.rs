@@ -12,11 +12,11 @@ use std::sync::Arc;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use nibble_core::backend::kernel_calls::{operands, Slot};
 use nibble_core::backend::{ArenaSlice, Backend, Operand, Q4View};
 use nibble_core::graph::OpKind;
-use nibble_core::kernels::{operands, Slot};
-use nibble_core::ring::{Fence, SlotAllocator};
-use nibble_core::source::{SlotBuffer, SlotMemory};
+use nibble_core::io::source::{SlotBuffer, SlotMemory};
+use nibble_core::stream::ring::{Fence, SlotAllocator};
 
 /// Every kernel: (file and entry-point name, CUDA C source).
 pub const KERNELS: [(&str, &str); 25] = [
@@ -381,7 +381,7 @@ impl CudaBackend {
         }
         // SAFETY: pointer arguments point into the arena / pool inside their allocations (the
         // executor placed every operand), and the argument lists follow the kernels' signatures
-        // (nibble_core::kernels).
+        // (nibble_core::backend::kernel_calls).
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(())
     }
@@ -618,12 +618,12 @@ impl Backend for CudaBackend {
         Some(Box::new(self.pinned_allocator()))
     }
 
-    fn arena_align_words(&self) -> usize {
-        64 // 256 bytes: keeps 16-byte vector loads aligned
-    }
-
-    fn pool_align_bytes(&self) -> u64 {
-        256
+    fn alignment(&self) -> nibble_core::backend::Alignment {
+        // 256 bytes: keeps 16-byte vector loads aligned.
+        nibble_core::backend::Alignment {
+            arena_words: 64,
+            pool_bytes: 256,
+        }
     }
 
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> nibble_core::Result<()> {
@@ -709,7 +709,7 @@ impl Backend for CudaBackend {
             }
         }
         let bn = inputs.get(1).map(|o| o.info.numel()).unwrap_or(1);
-        let (name, params, items) = nibble_core::kernels::call(
+        let (name, params, items) = nibble_core::backend::kernel_calls::call(
             op,
             &shapes,
             &out.info.shape,

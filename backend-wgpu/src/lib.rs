@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 pub use wgpu;
 
+use nibble_core::backend::cpu_ref::Q4Ref;
 use nibble_core::backend::{Backend, Operand, Q4View};
-use nibble_core::cpu_ref::Q4Ref;
 use nibble_core::graph::{HostTensor, OpKind};
 
 /// Every kernel: (op name, WGSL source).
@@ -240,7 +240,8 @@ impl WgpuBackend {
         q4_blocksize: u32,
         bn: usize,
     ) -> (&'static str, Vec<u32>, Dispatch) {
-        let (name, params, threads) = nibble_core::kernels::call(op, shapes, out, q4_blocksize, bn);
+        let (name, params, threads) =
+            nibble_core::backend::kernel_calls::call(op, shapes, out, q4_blocksize, bn);
         if let OpKind::LinearQ4 { .. } = op {
             let (rows, n) = (out[0] as u32, out[1] as u32);
             // A GEMV (one workgroup per output) for decode-sized batches, 16 x 16 tiles above.
@@ -266,9 +267,9 @@ impl WgpuBackend {
         q4: Option<[wgpu::BindingResource<'a>; 3]>,
         dummy: &'a wgpu::Buffer,
     ) -> Vec<wgpu::BindingResource<'a>> {
-        use nibble_core::kernels::Slot;
+        use nibble_core::backend::kernel_calls::Slot;
         let mut dummies = 0u64;
-        nibble_core::kernels::operands(op, ins.len())
+        nibble_core::backend::kernel_calls::operands(op, ins.len())
             .into_iter()
             .map(|s| match (s, &q4) {
                 (Slot::Input(i), _) => ins[i].clone(),
@@ -500,7 +501,7 @@ impl WgpuBackend {
     ) -> nibble_core::Result<()> {
         let w = &inputs[1];
         let (rows, k) = (w.info.shape[0] as u64, w.info.shape[1] as u64);
-        let align = Backend::pool_align_bytes(self);
+        let align = Backend::alignment(self).pool_bytes;
         let step = (1..=1u64 << 20)
             .find(|s| (s * k * 4) % align == 0)
             .ok_or_else(|| nibble_core::Error::Invalid("wgpu: no aligned split".into()))?;
@@ -585,7 +586,7 @@ impl WgpuBackend {
         uniform: &wgpu::Buffer,
     ) -> nibble_core::Result<()> {
         let (n, k, bs) = (v.shape[0] as u64, v.shape[1] as u64, v.blocksize as u64);
-        let align = Backend::pool_align_bytes(self);
+        let align = Backend::alignment(self).pool_bytes;
         let step = piece_step(k, bs, align).ok_or_else(|| {
             nibble_core::Error::Invalid(format!("wgpu: no aligned split of a [{n}, {k}] weight"))
         })?;
@@ -705,12 +706,12 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn arena_align_words(&self) -> usize {
-        (self.limits.min_storage_buffer_offset_alignment as usize / 4).max(1)
-    }
-
-    fn pool_align_bytes(&self) -> u64 {
-        self.limits.min_storage_buffer_offset_alignment.max(4) as u64
+    fn alignment(&self) -> nibble_core::backend::Alignment {
+        let a = self.limits.min_storage_buffer_offset_alignment.max(4);
+        nibble_core::backend::Alignment {
+            arena_words: (a / 4) as usize,
+            pool_bytes: a as u64,
+        }
     }
 
     fn write_arena(
@@ -766,7 +767,7 @@ impl Backend for WgpuBackend {
         &mut self,
         offset: u64,
         bytes: &[u8],
-    ) -> nibble_core::Result<Box<dyn nibble_core::ring::Fence>> {
+    ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
         let r = self.resident()?;
         if bytes.len() % 4 == 0 {
             self.queue.write_buffer(&r.pool, offset, bytes);

@@ -3,7 +3,7 @@
 //! Throughput is reported in bytes of f32 output.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use nibble_core::bnb::{FloatDtype, QuantState, QuantStateJson, QuantType};
+use nibble_core::format::bnb::{FloatDtype, QuantState, QuantStateJson, QuantType};
 
 fn weight() -> (QuantState, Vec<u8>) {
     let (rows, cols) = (4096u64, 4096u64);

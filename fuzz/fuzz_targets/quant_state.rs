@@ -3,4 +3,4 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| nibble_core::fuzzing::quant_state(data));
+fuzz_target!(|data: &[u8]| nibble_core::tooling::fuzzing::quant_state(data));

@@ -2,4 +2,4 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| nibble_core::fuzzing::safetensors_file(data));
+fuzz_target!(|data: &[u8]| nibble_core::tooling::fuzzing::safetensors_file(data));

@@ -3,8 +3,9 @@
 //! adapter that is a real GPU, then the optimized CPU backend, and says why it passed over each.
 
 use anyhow::{bail, Result};
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::cpu::CpuBackend;
+use nibble_core::backend::cpu::CpuBackend;
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::Backend;
 
 /// One of the backends.
 pub enum AnyBackend {

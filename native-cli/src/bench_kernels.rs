@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use nibble_core::backend::{layout_op, ArenaSlice, Backend, CpuRefBackend};
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::{layout_op, ArenaSlice, Backend};
 use nibble_core::graph::{OpKind, ValueInfo};
 use serde_json::json;
 
@@ -108,7 +109,7 @@ fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
             .flat_map(|i| (0.01 + (i % 97) as f32 * 1e-4).to_le_bytes())
             .collect();
         drop(backend.upload(v.absmax.offset, &absmax)?);
-        let code: Vec<u8> = nibble_core::bnb::QuantType::Nf4
+        let code: Vec<u8> = nibble_core::format::bnb::QuantType::Nf4
             .code_table()
             .iter()
             .flat_map(|c| c.to_le_bytes())
@@ -143,7 +144,7 @@ fn ring_upload_gb_s<B: Backend>(
     slot_bytes: usize,
     iters: usize,
 ) -> Result<f64> {
-    use nibble_core::ring::{HostAllocator, StagingRing};
+    use nibble_core::stream::ring::{HostAllocator, StagingRing};
     backend.allocate(1, 2 * slot_bytes as u64)?;
     let ring = match backend.slot_allocator() {
         Some(a) => StagingRing::new(slots, slot_bytes, a.as_ref())?,
@@ -175,13 +176,16 @@ fn ring_upload_gb_s<B: Backend>(
 pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
     match backend_name {
         "cpu" => {
-            let label = format!("cpu ({})", nibble_core::cpu::CpuBackend::new().describe());
+            let label = format!(
+                "cpu ({})",
+                nibble_core::backend::cpu::CpuBackend::new().describe()
+            );
             report(
                 label,
                 as_json,
                 quick,
                 false,
-                || Ok(nibble_core::cpu::CpuBackend::new()),
+                || Ok(nibble_core::backend::cpu::CpuBackend::new()),
                 None,
             )
         }

@@ -8,9 +8,9 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::executor::ExecOptions;
+use nibble_core::exec::ExecOptions;
 use nibble_core::models::dit::DitConfig;
-use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
+use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
 use serde_json::json;
 
@@ -69,9 +69,6 @@ impl crate::backends::WithBackend for OneMode<'_> {
                 device_bytes,
                 ring_slots: b.slots,
                 slot_bytes: parse_size(&b.slot_size)?,
-                host_cache_bytes: 0,
-                device_other_bytes: 0,
-                host_other_bytes: 0,
             },
             readers: 2,
             stream_all: false,
@@ -117,7 +114,7 @@ pub fn run(b: &OffloadBench) -> Result<()> {
     let model = crate::open_model(&b.model)?;
     let limit = match &b.resident_limit {
         Some(s) => parse_size(s)?,
-        None => nibble_core::sys::available_memory_bytes().unwrap_or(0) * 6 / 10,
+        None => nibble_core::plan::machine::available_memory_bytes().unwrap_or(0) * 6 / 10,
     };
     let need = model.file_bytes() * 2;
     let exe = std::env::current_exe().context("locating the nibble binary")?;

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use nibble_core::file_source::{FileReadMode, FileSource};
+use nibble_core::io::file::{FileReadMode, FileSource};
+use nibble_core::io::source::{RangeSource, ThreadedSource};
 use nibble_core::plan::fmt_bytes;
-use nibble_core::prefetch::{chunk_schedule, Prefetcher};
-use nibble_core::ring::{HostAllocator, StagingRing};
-use nibble_core::source::{RangeSource, ThreadedSource};
-use nibble_core::sys::rss_bytes;
+use nibble_core::plan::machine::rss_bytes;
+use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
+use nibble_core::stream::ring::{HostAllocator, StagingRing};
 use serde_json::json;
 
 /// Options of the benchmark.
@@ -42,7 +42,7 @@ pub struct StreamBench {
 
 /// A device the chunks are uploaded to.
 trait Sink {
-    fn put(&mut self, chunk: nibble_core::prefetch::Chunk) -> Result<()>;
+    fn put(&mut self, chunk: nibble_core::stream::prefetch::Chunk) -> Result<()>;
 }
 
 /// The uploads alternate between two slot-sized regions of the backend's pool; the ring slot is
@@ -54,7 +54,7 @@ struct DeviceSink<B: nibble_core::backend::Backend> {
 }
 
 impl<B: nibble_core::backend::Backend> Sink for DeviceSink<B> {
-    fn put(&mut self, chunk: nibble_core::prefetch::Chunk) -> Result<()> {
+    fn put(&mut self, chunk: nibble_core::stream::prefetch::Chunk) -> Result<()> {
         let at = (self.next % 2) * self.slot;
         self.next += 1;
         let fence = self.backend.upload(at, chunk.bytes())?;
@@ -70,7 +70,7 @@ struct MakeSink {
 impl crate::backends::WithBackend for MakeSink {
     type Output = (
         Box<dyn Sink>,
-        Option<Box<dyn nibble_core::ring::SlotAllocator>>,
+        Option<Box<dyn nibble_core::stream::ring::SlotAllocator>>,
         String,
     );
     fn call<B: nibble_core::backend::Backend + 'static>(
@@ -262,7 +262,7 @@ pub fn run(o: &StreamBench) -> Result<()> {
     for _ in 0..2 {
         if cold {
             for f in &files {
-                nibble_core::file_source::drop_file_cache(std::path::Path::new(f))?;
+                nibble_core::io::file::drop_file_cache(std::path::Path::new(f))?;
             }
         }
         base_runs.push(baseline(&o.model, &files, &mut buf)?);

@@ -14,13 +14,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::executor::{ExecOptions, Executor};
-use nibble_core::index::ModelIndex;
+use nibble_core::exec::{ExecOptions, Executor};
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit::DitConfig;
+use nibble_core::models::dit::{schedule, Checkpoint, Denoiser, DitInputs};
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
-use nibble_core::pipeline::{schedule, Checkpoint, Denoiser, DitInputs};
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
-use nibble_core::synth::{Arch, LlamaSynthShape, SynthModel};
+use nibble_core::tooling::synth::{Arch, LlamaSynthShape, SynthModel};
 use serde_json::json;
 
 /// Options of `nibble demo`.
@@ -140,12 +140,12 @@ fn bar(done: usize, total: usize) -> String {
 }
 
 fn phase_peak() -> u64 {
-    nibble_core::sys::peak_rss_bytes().unwrap_or(0)
+    nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0)
 }
 
 impl crate::backends::WithBackend for Demo<'_> {
     type Output = ();
-    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
+    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
         let Demo { o, dit, encoder } = self;
         let quiet = o.json;
         let dcfg = DitConfig::from_json(dit.config.as_ref().context("DiT config.json")?)?;
@@ -153,9 +153,6 @@ impl crate::backends::WithBackend for Demo<'_> {
             device_bytes: parse_size(&o.device_budget)?,
             ring_slots: o.slots,
             slot_bytes: parse_size(&o.slot_size)?,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         };
         let opts = ExecOptions {
             budgets,
@@ -172,11 +169,11 @@ impl crate::backends::WithBackend for Demo<'_> {
             hidden_states: true,
         };
         let lg = llama::build(encoder, lshape)?;
-        let enc_plan = Executor::plan_only(&lg.graph, encoder, &backend, opts)
+        let enc_plan = Executor::plan_only(&lg.graph, encoder, &mut backend, opts)
             .context("planning the text-encoder phase")?;
         let placeholder = DitInputs::random(&dcfg, o.height, o.width, t_len, 3.5, o.seed);
         let dit_graph = Denoiser::<B>::graph_for(dit, &placeholder)?;
-        let dit_plan = Executor::plan_only(&dit_graph, dit, &backend, opts)
+        let dit_plan = Executor::plan_only(&dit_graph, dit, &mut backend, opts)
             .context("planning the DiT phase")?;
         drop(dit_graph);
         if !quiet {
@@ -188,7 +185,7 @@ impl crate::backends::WithBackend for Demo<'_> {
         }
 
         // Phase 1: the prompt through the text encoder.
-        nibble_core::sys::reset_peak_rss();
+        nibble_core::plan::machine::reset_peak_rss();
         let t1 = Instant::now();
         let mut dec = Decoder::from_graph(lg, encoder, backend, opts)?;
         let ids = prompt_ids(&o.prompt, t_len);
@@ -219,8 +216,8 @@ impl crate::backends::WithBackend for Demo<'_> {
         inputs.pooled = pooled;
 
         // Phase 2: denoising, every step one pass over the streamed blocks.
-        let baseline = nibble_core::sys::rss_bytes().unwrap_or(0);
-        nibble_core::sys::reset_peak_rss();
+        let baseline = nibble_core::plan::machine::rss_bytes().unwrap_or(0);
+        nibble_core::plan::machine::reset_peak_rss();
         let resumed = match &o.resume {
             Some(d) => Some(
                 Checkpoint::load(d)?

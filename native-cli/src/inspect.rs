@@ -1,8 +1,10 @@
 //! `nibble inspect`: what a model holds, without reading its weights.
 
 use anyhow::Result;
-use nibble_core::bnb::{find_4bit_weights, QuantState};
-use nibble_core::index::{dtype_name, ModelIndex, TensorEntry};
+use nibble_core::format::bnb::QuantState;
+use nibble_core::format::dtype::dtype_name;
+use nibble_core::format::safetensors::TensorEntry;
+use nibble_core::io::model::ModelIndex;
 use serde_json::{json, Value};
 
 macro_rules! outln {
@@ -48,18 +50,18 @@ fn tensor_json(model: &ModelIndex, t: &TensorEntry) -> Value {
 pub fn run(path: &str, as_json: bool, quant_state: bool) -> Result<()> {
     let model = crate::open_model(path)?;
     let remote = path.starts_with("http://") || path.starts_with("https://");
-    let weights = find_4bit_weights(&model)?;
+    let weights = model.q4_weights().map(<[_]>::to_vec)?;
     let mut quantized = Vec::with_capacity(weights.len());
     for k in &weights {
         let state = if remote && !quant_state {
             None
         } else {
-            Some(QuantState::load(&model, k)?)
+            Some(model.quant_state(k)?)
         };
         quantized.push((k, state));
     }
     // Without the quant state the logical size is known from the packed bytes to within one.
-    let numel = |k: &nibble_core::bnb::Bnb4bitKeys, s: &Option<QuantState>| match s {
+    let numel = |k: &nibble_core::format::bnb::Bnb4bitKeys, s: &Option<QuantState>| match s {
         Some(s) => s.json.numel(),
         None => model.get(&k.base).map(|t| t.len * 2).unwrap_or(0),
     };

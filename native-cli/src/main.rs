@@ -404,7 +404,7 @@ enum BenchKind {
 }
 
 /// Opens a model by local path or http(s) URL.
-pub(crate) fn open_model(arg: &str) -> anyhow::Result<nibble_core::index::ModelIndex> {
+pub(crate) fn open_model(arg: &str) -> anyhow::Result<nibble_core::io::model::ModelIndex> {
     open_model_with(arg, "auto")
 }
 
@@ -412,19 +412,19 @@ pub(crate) fn open_model(arg: &str) -> anyhow::Result<nibble_core::index::ModelI
 pub(crate) fn open_model_with(
     arg: &str,
     file_mode: &str,
-) -> anyhow::Result<nibble_core::index::ModelIndex> {
-    let mode = nibble_core::file_source::FileReadMode::parse(file_mode).ok_or_else(|| {
+) -> anyhow::Result<nibble_core::io::model::ModelIndex> {
+    let mode = nibble_core::io::file::FileReadMode::parse(file_mode).ok_or_else(|| {
         anyhow::anyhow!(
             "--file-mode '{file_mode}': expected auto, pread, pread-dropcache, direct or mmap"
         )
     })?;
     if arg.starts_with("http://") || arg.starts_with("https://") {
-        Ok(nibble_core::index::ModelIndex::open_url(
+        Ok(nibble_core::io::model::ModelIndex::open_url(
             arg,
             Default::default(),
         )?)
     } else {
-        Ok(nibble_core::index::ModelIndex::open_with(
+        Ok(nibble_core::io::model::ModelIndex::open_with(
             std::path::Path::new(arg),
             mode,
         )?)
@@ -433,7 +433,7 @@ pub(crate) fn open_model_with(
 
 fn synth(arch: SynthArch, size: &str, out: &std::path::Path, seed: u64) -> anyhow::Result<()> {
     use nibble_core::plan::{fmt_bytes, parse_size};
-    use nibble_core::synth::{Arch, SynthModel};
+    use nibble_core::tooling::synth::{Arch, SynthModel};
     let size = parse_size(size)?;
     let arch = match arch {
         SynthArch::Llama => Arch::Llama,
@@ -689,7 +689,7 @@ fn main() -> ExitCode {
                     json,
                 },
         } => (|| {
-            let file_mode = nibble_core::file_source::FileReadMode::parse(&file_mode).ok_or_else(|| {
+            let file_mode = nibble_core::io::file::FileReadMode::parse(&file_mode).ok_or_else(|| {
                 anyhow::anyhow!("--file-mode '{file_mode}': expected auto, pread, pread-dropcache, direct or mmap")
             })?;
             let slot_bytes = usize::try_from(nibble_core::plan::parse_size(&slot_size)?)?;

@@ -4,13 +4,15 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use nibble_core::bnb::{
-    find_4bit_weights, is_quant_component, Bnb4bitKeys, FloatDtype, QuantState, QuantType,
+use nibble_core::format::bnb::{
+    is_quant_component, Bnb4bitKeys, FloatDtype, QuantState, QuantType,
 };
-use nibble_core::convert::f32_to_bytes;
-use nibble_core::index::Dtype;
-use nibble_core::quantize::{quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions};
-use nibble_core::writer::{SafetensorsWriter, TensorSpec};
+use nibble_core::format::dtype::f32_to_bytes;
+use nibble_core::format::dtype::Dtype;
+use nibble_core::format::quantize::{
+    quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions,
+};
+use nibble_core::format::writer::{SafetensorsWriter, TensorSpec};
 use regex::Regex;
 
 /// `--quant` values.
@@ -34,7 +36,7 @@ fn pt_metadata() -> BTreeMap<String, String> {
 /// Dequantizes the named (or all) 4-bit weights into an F32 safetensors file.
 pub fn dequant(path: &str, names: &[String], all: bool, out: &Path) -> Result<()> {
     let model = crate::open_model(path)?;
-    let weights = find_4bit_weights(&model)?;
+    let weights = model.q4_weights().map(<[_]>::to_vec)?;
     let chosen: Vec<&Bnb4bitKeys> = if all {
         weights.iter().collect()
     } else {
@@ -56,7 +58,7 @@ pub fn dequant(path: &str, names: &[String], all: bool, out: &Path) -> Result<()
     }
     let states: Vec<QuantState> = chosen
         .iter()
-        .map(|k| QuantState::load(&model, k))
+        .map(|k| model.quant_state(k))
         .collect::<nibble_core::Result<_>>()?;
     let specs = chosen
         .iter()
@@ -113,7 +115,9 @@ pub fn quantize(
         double_quant,
     };
     let model = crate::open_model(input)?;
-    let already: Vec<String> = find_4bit_weights(&model)?
+    let already: Vec<String> = model
+        .q4_weights()
+        .map(<[_]>::to_vec)?
         .into_iter()
         .map(|k| k.base)
         .collect();
@@ -187,7 +191,7 @@ pub fn convert(
     double_quant: bool,
     dtype: &str,
 ) -> Result<()> {
-    use nibble_core::gguf_convert::{convert, ConvertOptions};
+    use nibble_core::format::gguf_convert::{convert, ConvertOptions};
     let dtype = match dtype {
         "bf16" | "bfloat16" => FloatDtype::BF16,
         "f16" | "float16" => FloatDtype::F16,

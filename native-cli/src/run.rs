@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::executor::ExecOptions;
-use nibble_core::index::ModelIndex;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::models::text::{Message, TextStream, TextTokenizer};
 use nibble_core::models::ModelKind;
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
-use nibble_core::text::{Message, TextStream, TextTokenizer};
 use serde_json::json;
 
 /// Options of `nibble run`.
@@ -154,20 +154,17 @@ impl crate::backends::WithBackend for Dispatch<'_> {
 /// ring.
 pub(crate) fn exec_options(
     o: &RunOptions,
-    default_budget: impl FnOnce() -> u64,
+    default_budget: impl FnOnce() -> Result<u64>,
 ) -> Result<ExecOptions> {
     let device_bytes = match &o.device_budget {
         Some(s) => parse_size(s)?,
-        None => default_budget(),
+        None => default_budget()?,
     };
     Ok(ExecOptions {
         budgets: Budgets {
             device_bytes,
             ring_slots: o.slots,
             slot_bytes: parse_size(&o.slot_size)?,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         },
         readers: 2,
         stream_all: o.stream_all,
@@ -175,13 +172,15 @@ pub(crate) fn exec_options(
     })
 }
 
-/// Everything resident: every group of `graph` plus the arena, with room to spare for alignment.
+/// Everything resident: the device bytes the planner lays out with every group resident.
 pub(crate) fn resident_budget<B: Backend>(
-    graph: &nibble_core::executor::Graph,
+    graph: &nibble_core::graph::Graph,
     model: &ModelIndex,
-    backend: &B,
-) -> u64 {
-    graph.group_device_bytes().iter().sum::<u64>() * 2 + graph.min_device_bytes(model, backend)
+    backend: &mut B,
+) -> Result<u64> {
+    Ok(nibble_core::plan::resident_device_bytes(
+        graph, model, backend,
+    )?)
 }
 
 /// End-of-sequence ids: config.json's and generation_config.json's.
@@ -203,7 +202,12 @@ fn eos_ids(model: &ModelIndex, cfg: &llama::LlamaConfig) -> Vec<u32> {
     ids
 }
 
-fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
+fn generate<B: Backend>(
+    o: &RunOptions,
+    model: &ModelIndex,
+    mut backend: B,
+    label: &str,
+) -> Result<()> {
     let cfg = llama::config(model)?;
     let tokenizer = match (&o.prompt, TextTokenizer::for_model(model)) {
         (Some(_), Err(e)) => return Err(e.into()),
@@ -242,7 +246,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         hidden_states: false,
     };
     let lg = llama::build(model, shape)?;
-    let opts = exec_options(o, || resident_budget(&lg.graph, model, &backend))?;
+    let opts = exec_options(o, || resident_budget(&lg.graph, model, &mut backend))?;
     let t_setup = Instant::now();
     let mut dec = Decoder::from_graph(lg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;
@@ -290,7 +294,7 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
         }
         let next = sampler.pick(&last, o);
         generated.push(next);
-        rss_per_token.push(nibble_core::sys::rss_bytes().unwrap_or(0));
+        rss_per_token.push(nibble_core::plan::machine::rss_bytes().unwrap_or(0));
         if !o.json {
             let piece = match &tokenizer {
                 Some(tok) => stream.push(tok, next)?,
@@ -311,12 +315,12 @@ fn generate<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &
     let decode_s = t_dec.elapsed().as_secs_f64();
     let prefill_tok_s = prompt_ids.len() as f64 / prefill_s.max(1e-9);
     let decode_tok_s = decode_steps as f64 / decode_s.max(1e-9);
-    let rss_max = nibble_core::sys::peak_rss_bytes().unwrap_or(0);
+    let rss_max = nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0);
     if let Some(path) = &o.logits_out {
-        use nibble_core::convert::f32_to_bytes;
-        use nibble_core::index::Dtype;
+        use nibble_core::format::dtype::f32_to_bytes;
+        use nibble_core::format::dtype::Dtype;
         let n = generated.len() as u64;
-        nibble_core::writer::write_safetensors(
+        nibble_core::format::writer::write_safetensors(
             path,
             &[
                 (

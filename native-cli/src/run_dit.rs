@@ -4,9 +4,9 @@
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::index::ModelIndex;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit::DitConfig;
-use nibble_core::pipeline::{schedule, Checkpoint, DenoiseStep, Denoiser, DitInputs};
+use nibble_core::models::dit::{schedule, Checkpoint, DenoiseStep, Denoiser, DitInputs};
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
@@ -90,13 +90,13 @@ pub fn write_preview(
 
 /// Writes a latent `[1, n, c]` as `latent` (float32).
 pub fn write_latent(path: &std::path::Path, x: &[f32], n: usize, c: usize) -> Result<()> {
-    nibble_core::writer::write_safetensors(
+    nibble_core::format::writer::write_safetensors(
         path,
         &[(
             "latent".into(),
-            nibble_core::index::Dtype::F32,
+            nibble_core::format::dtype::Dtype::F32,
             vec![1, n as u64, c as u64],
-            nibble_core::convert::f32_to_bytes(x),
+            nibble_core::format::dtype::f32_to_bytes(x),
         )],
         &Default::default(),
     )?;
@@ -117,7 +117,7 @@ pub fn run<B: Backend>(
     o: &crate::run::RunOptions,
     d: &DitRun,
     model: &ModelIndex,
-    backend: B,
+    mut backend: B,
     label: &str,
 ) -> Result<()> {
     let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;
@@ -126,7 +126,7 @@ pub fn run<B: Backend>(
             format!(
                 "--resume {}: no {} there",
                 dir.display(),
-                nibble_core::pipeline::CHECKPOINT_FILE
+                nibble_core::models::dit::CHECKPOINT_FILE
             )
         })?),
         None => None,
@@ -143,7 +143,10 @@ pub fn run<B: Backend>(
     if resumed.is_none() && d.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let opts = crate::run::exec_options(o, || model.file_bytes() * 3 + (256 << 20))?;
+    let opts = crate::run::exec_options(o, || {
+        let graph = Denoiser::<B>::graph_for(model, &inputs)?;
+        crate::run::resident_budget(&graph, model, &mut backend)
+    })?;
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {
         den.restore(c)?;
@@ -187,7 +190,7 @@ pub fn run<B: Backend>(
     let ran = rows.len().max(1) as f64;
     if o.json {
         let v = json!({"steps": rows, "summary": {"total_ms": total * 1e3, "ms_per_step": total * 1e3 / ran,
-            "rss_max_bytes": nibble_core::sys::peak_rss_bytes(),
+            "rss_max_bytes": nibble_core::plan::machine::peak_rss_bytes(),
             "plan": {"peak_device_bytes": den.executor().plan().peak_device_bytes,
                      "peak_host_bytes": den.executor().plan().peak_host_bytes}}});
         crate::write_stdout(&format!("{v}\n"))?;

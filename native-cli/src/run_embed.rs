@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::index::ModelIndex;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::bert::{self, Encoder, Pooling, PoolingMode};
+use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::fmt_bytes;
-use nibble_core::text::TextTokenizer;
 use serde_json::json;
 
 use crate::run::RunOptions;
@@ -26,7 +26,12 @@ fn max_len(model: &ModelIndex, cfg: &bert::BertConfig) -> usize {
 }
 
 /// Embeds `o.prompt` (or `o.prompt_ids`) and prints the vector.
-pub fn run<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &str) -> Result<()> {
+pub fn run<B: Backend>(
+    o: &RunOptions,
+    model: &ModelIndex,
+    mut backend: B,
+    label: &str,
+) -> Result<()> {
     let cfg = bert::config(model)?;
     let limit = max_len(model, &cfg);
     let ids: Vec<u32> = match &o.prompt {
@@ -52,7 +57,7 @@ pub fn run<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &s
     let pooling = Pooling::for_model(model)?;
     let bg = bert::build(model, ids.len())?;
     let opts = crate::run::exec_options(o, || {
-        crate::run::resident_budget(&bg.graph, model, &backend)
+        crate::run::resident_budget(&bg.graph, model, &mut backend)
     })?;
     let t_setup = Instant::now();
     let mut enc = Encoder::from_graph(bg, model, backend, opts)
@@ -69,7 +74,7 @@ pub fn run<B: Backend>(o: &RunOptions, model: &ModelIndex, backend: B, label: &s
     let t = Instant::now();
     let (embedding, stats) = enc.embed(&ids, &pooling)?;
     let wall = t.elapsed().as_secs_f64();
-    let rss_max = nibble_core::sys::peak_rss_bytes().unwrap_or(0);
+    let rss_max = nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0);
     let mode = match pooling.mode {
         PoolingMode::Mean => "mean",
         PoolingMode::Cls => "cls",

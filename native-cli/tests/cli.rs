@@ -76,7 +76,7 @@ fn inspect_json_lists_tensors_quant_state_totals_and_config() {
     let o = nibble(&["inspect", model.to_str().expect("utf8"), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
-    let index = nibble_core::index::ModelIndex::open(&model).expect("fixture");
+    let index = nibble_core::io::model::ModelIndex::open(&model).expect("fixture");
     let want = Quantized::of("tiny-llama-nf4");
     let config = read_json(&model.join("config.json"));
     assert_eq!(v["tensors"].as_array().expect("tensors").len(), index.len());
@@ -150,14 +150,14 @@ fn dequant_all_writes_f32_weights_equal_to_bitsandbytes() {
         out.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let got = nibble_core::index::ModelIndex::open(&out).expect("output is valid safetensors");
-    let want = nibble_core::index::ModelIndex::open(
+    let got = nibble_core::io::model::ModelIndex::open(&out).expect("output is valid safetensors");
+    let want = nibble_core::io::model::ModelIndex::open(
         &fixtures().join("tiny-llama-nf4/expected.safetensors"),
     )
     .expect("expected");
     assert_eq!(got.len(), Quantized::of("tiny-llama-nf4").names.len());
     for t in got.tensors() {
-        assert_eq!(t.dtype, nibble_core::index::Dtype::F32);
+        assert_eq!(t.dtype, nibble_core::format::dtype::Dtype::F32);
         let w = want
             .require(&format!("deq.{}", t.name))
             .expect("expected deq");
@@ -185,7 +185,7 @@ fn dequant_one_tensor_and_refuse_a_plain_one() {
         out.to_str().expect("utf8"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let got = nibble_core::index::ModelIndex::open(&out).expect("valid");
+    let got = nibble_core::io::model::ModelIndex::open(&out).expect("valid");
     let shape: Vec<u64> = want.state(name)["shape"]
         .as_array()
         .expect("shape")
@@ -219,26 +219,26 @@ fn quantize_then_inspect_and_dequantize() {
         .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
         .collect();
     let bias: Vec<f32> = (0..96).map(|i| i as f32).collect();
-    nibble_core::writer::write_safetensors(
+    nibble_core::format::writer::write_safetensors(
         &src,
         &[
             (
                 "layer.weight".into(),
-                nibble_core::index::Dtype::F32,
+                nibble_core::format::dtype::Dtype::F32,
                 vec![96, 40],
-                nibble_core::convert::f32_to_bytes(&values),
+                nibble_core::format::dtype::f32_to_bytes(&values),
             ),
             (
                 "layer.bias".into(),
-                nibble_core::index::Dtype::F32,
+                nibble_core::format::dtype::Dtype::F32,
                 vec![96],
-                nibble_core::convert::f32_to_bytes(&bias),
+                nibble_core::format::dtype::f32_to_bytes(&bias),
             ),
             (
                 "embed_tokens.weight".into(),
-                nibble_core::index::Dtype::F32,
+                nibble_core::format::dtype::Dtype::F32,
                 vec![96, 40],
-                nibble_core::convert::f32_to_bytes(&values),
+                nibble_core::format::dtype::f32_to_bytes(&values),
             ),
         ],
         &Default::default(),
@@ -257,15 +257,15 @@ fn quantize_then_inspect_and_dequantize() {
         "--double-quant",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let m = nibble_core::index::ModelIndex::open(&q).expect("valid output");
-    let ws = nibble_core::bnb::find_4bit_weights(&m).expect("find");
+    let m = nibble_core::io::model::ModelIndex::open(&q).expect("valid output");
+    let ws = m.q4_weights().map(<[_]>::to_vec).expect("find");
     assert_eq!(
         ws.len(),
         1,
         "only layer.weight is quantized (embeddings excluded by default)"
     );
-    let s = nibble_core::bnb::QuantState::load(&m, &ws[0]).expect("state");
-    assert_eq!(s.json.quant_type, nibble_core::bnb::QuantType::Fp4);
+    let s = m.quant_state(&ws[0]).expect("state");
+    assert_eq!(s.json.quant_type, nibble_core::format::bnb::QuantType::Fp4);
     assert_eq!(s.json.blocksize, 128);
     assert!(s.json.nested.is_some());
     // Copied tensors are byte-identical.
@@ -275,7 +275,7 @@ fn quantize_then_inspect_and_dequantize() {
     assert_eq!(b, bias);
     assert_eq!(
         m.require("embed_tokens.weight").expect("embed").dtype,
-        nibble_core::index::Dtype::F32
+        nibble_core::format::dtype::Dtype::F32
     );
 }
 
@@ -363,8 +363,8 @@ fn synth_then_bench_stream_json() {
         std::fs::read(m.join(f)).expect("a"),
         std::fs::read(m2.join(f)).expect("b")
     );
-    let idx = nibble_core::index::ModelIndex::open(&m).expect("valid diffusers folder");
-    let ws = nibble_core::bnb::find_4bit_weights(&idx).expect("4-bit weights");
+    let idx = nibble_core::io::model::ModelIndex::open(&m).expect("valid diffusers folder");
+    let ws = idx.q4_weights().map(<[_]>::to_vec).expect("4-bit weights");
     assert!(ws
         .iter()
         .any(|k| k.base == "transformer_blocks.0.attn.to_q.weight"));
@@ -372,7 +372,7 @@ fn synth_then_bench_stream_json() {
         .iter()
         .any(|k| k.base == "single_transformer_blocks.0.proj_out.weight"));
     for k in ws.iter().take(5) {
-        let s = nibble_core::bnb::QuantState::load(&idx, k).expect("valid quant state");
+        let s = idx.quant_state(k).expect("valid quant state");
         assert!(s.absmax.iter().all(|a| *a > 0.0));
     }
 
@@ -434,7 +434,7 @@ fn inspect_url_fetches_only_headers() {
     let o = nibble(&["inspect", &format!("{}/m", srv.base), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    let index = nibble_core::index::ModelIndex::open(&dir).expect("fixture");
+    let index = nibble_core::io::model::ModelIndex::open(&dir).expect("fixture");
     let want = Quantized::of("tiny-llama-nf4");
     let config = read_json(&dir.join("config.json"));
     assert_eq!(v["tensors"].as_array().expect("t").len(), index.len());
@@ -494,8 +494,8 @@ fn bench_kernels_refuses_unknown_and_absent_backends_clearly() {
 #[test]
 fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
     let dir = fixtures().join("tiny-llama-nf4");
-    let exp =
-        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))
+        .expect("expected");
     let ints = |name: &str| -> Vec<i64> {
         let b = exp
             .read_bytes(exp.require(name).expect(name))
@@ -540,7 +540,7 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
     ] {
         assert!(v[k].is_number(), "{k}");
     }
-    let l = nibble_core::index::ModelIndex::open(&logits).expect("logits file");
+    let l = nibble_core::io::model::ModelIndex::open(&logits).expect("logits file");
     let vocab = read_json(&model.join("config.json"))["vocab_size"]
         .as_u64()
         .expect("vocab_size");
@@ -567,8 +567,8 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
 #[test]
 fn run_denoises_the_fixture_dit_like_diffusers_euler() {
     let dir = fixtures().join("tiny-dit-nf4");
-    let exp =
-        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))
+        .expect("expected");
     let f = |n: &str| exp.read_f32(exp.require(n).expect(n)).expect("read");
     let tmp = tempfile::tempdir().expect("tmp");
     let inputs = tmp.path().join("inputs.safetensors");
@@ -592,7 +592,8 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
     if exp.get("guidance").is_some() {
         named.push(t("guidance", "guidance"));
     }
-    nibble_core::writer::write_safetensors(&inputs, &named, &Default::default()).expect("inputs");
+    nibble_core::format::writer::write_safetensors(&inputs, &named, &Default::default())
+        .expect("inputs");
     let n_steps = f("euler_sigmas").len() - 1;
     let out = tmp.path().join("latent.safetensors");
     let png = tmp.path().join("preview.png");
@@ -621,7 +622,7 @@ fn run_denoises_the_fixture_dit_like_diffusers_euler() {
             assert!(s[k].is_number(), "{k} in {s}");
         }
     }
-    let l = nibble_core::index::ModelIndex::open(&out).expect("latent file");
+    let l = nibble_core::io::model::ModelIndex::open(&out).expect("latent file");
     let got = l
         .read_f32(l.require("latent").expect("latent"))
         .expect("read");
@@ -644,8 +645,8 @@ fn run_embeds_a_sentence_like_sentence_transformers() {
     let dir = fixtures().join("minilm-nf4");
     let manifest = read_json(&dir.join("manifest.json"));
     let sentence = manifest["sentences"][0].as_str().expect("a sentence");
-    let exp =
-        nibble_core::index::ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))
+        .expect("expected");
     let e = exp.require("emb_nf4_deq_fp32").expect("embeddings");
     let hidden = *e.shape.last().expect("shape") as usize;
     let want = &exp.read_f32(e).expect("read")[..hidden];

@@ -101,13 +101,12 @@ fn demo_memory_is_flat_and_within_the_plan() {
 }
 
 fn steps_done(dir: &Path) -> Option<usize> {
-    let h = nibble_core::index::SafetensorsHeader::read_file(&dir.join("checkpoint.safetensors"))
-        .ok()?;
+    let h = nibble_core::io::model::read_header(&dir.join("checkpoint.safetensors")).ok()?;
     h.metadata.get("steps_done")?.parse().ok()
 }
 
 fn latent(path: &Path) -> Vec<u8> {
-    let m = nibble_core::index::ModelIndex::open(path).expect("latent file");
+    let m = nibble_core::io::model::ModelIndex::open(path).expect("latent file");
     m.read_bytes(m.require("latent").expect("latent"))
         .expect("read")
 }

@@ -4,12 +4,12 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use nibble_core::file_source::{FileReadMode, FileSource};
-use nibble_core::index::ModelIndex;
-use nibble_core::prefetch::{chunk_schedule, Prefetcher};
-use nibble_core::ring::{HostAllocator, StagingRing};
-use nibble_core::source::{RangeSource, ThreadedSource};
-use nibble_core::sys::{peak_rss_bytes, rss_bytes};
+use nibble_core::io::file::{FileReadMode, FileSource};
+use nibble_core::io::model::ModelIndex;
+use nibble_core::io::source::{RangeSource, ThreadedSource};
+use nibble_core::plan::machine::{peak_rss_bytes, rss_bytes};
+use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
+use nibble_core::stream::ring::{HostAllocator, StagingRing};
 
 const MIB: u64 = 1 << 20;
 

@@ -6,7 +6,7 @@ pub mod http_server;
 
 use std::path::{Path, PathBuf};
 
-use nibble_core::index::ModelIndex;
+use nibble_core::io::model::ModelIndex;
 use sha2::{Digest, Sha256};
 
 /// `../shared/fixtures` relative to the repository root (or `$NIBBLE_FIXTURES`, for test binaries

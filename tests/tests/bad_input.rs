@@ -1,10 +1,10 @@
 //! Malformed files: each one must be refused with its own specific error naming the file (and
 //! tensor and offset where they apply), never a panic.
 
-use nibble_core::bnb::{find_4bit_weights, FloatDtype, QuantState, QuantType};
 use nibble_core::error::{Error, QuantProblem};
-use nibble_core::index::ModelIndex;
-use nibble_core::quantize::{quantize_4bit, QuantizeOptions};
+use nibble_core::format::bnb::{FloatDtype, QuantType};
+use nibble_core::format::quantize::{quantize_4bit, QuantizeOptions};
+use nibble_core::io::model::ModelIndex;
 use nibble_tests::build::*;
 
 fn tmp() -> tempfile::TempDir {
@@ -317,7 +317,7 @@ fn quant_entries(double_quant: bool) -> Vec<RawEntry> {
     let q = quantize_4bit(&w, &[37, 53], FloatDtype::F32, opts).expect("quantize");
     q.tensors("l.weight")
         .into_iter()
-        .map(|(n, d, s, b)| (n, nibble_core::index::dtype_name(d), s, b))
+        .map(|(n, d, s, b)| (n, nibble_core::format::dtype::dtype_name(d), s, b))
         .collect()
 }
 
@@ -326,9 +326,9 @@ fn quant_error(entries: &[RawEntry]) -> QuantProblem {
     let p = d.path().join("q.safetensors");
     build_file(&p, entries);
     let model = ModelIndex::open(&p).expect("the container itself is valid");
-    let result = find_4bit_weights(&model).and_then(|ws| {
+    let result = model.q4_weights().map(<[_]>::to_vec).and_then(|ws| {
         ws.iter()
-            .map(|k| QuantState::load(&model, k))
+            .map(|k| model.quant_state(k))
             .collect::<Result<Vec<_>, _>>()
     });
     match result {
@@ -368,8 +368,8 @@ fn valid_quant_states_load() {
         let p = d.path().join("ok.safetensors");
         build_file(&p, &quant_entries(dq));
         let model = ModelIndex::open(&p).expect("open");
-        let ws = find_4bit_weights(&model).expect("find");
-        let s = QuantState::load(&model, &ws[0]).expect("load");
+        let ws = model.q4_weights().map(<[_]>::to_vec).expect("find");
+        let s = model.quant_state(&ws[0]).expect("load");
         assert_eq!(s.json.shape, vec![37, 53]);
         assert_eq!(s.absmax.len(), 31);
     }

@@ -1,10 +1,10 @@
 //! The bitsandbytes format against files written by bitsandbytes, transformers and diffusers:
 //! dequantization bit-exact, the reference linear, and the quantizer bit for bit.
 
-use nibble_core::bnb::{find_4bit_weights, FloatDtype, QuantState};
-use nibble_core::cpu_ref;
-use nibble_core::index::ModelIndex;
-use nibble_core::quantize::{quantize_4bit, QuantizeOptions, QuantizedAbsmax};
+use nibble_core::backend::cpu_ref;
+use nibble_core::format::bnb::FloatDtype;
+use nibble_core::format::quantize::{quantize_4bit, QuantizeOptions, QuantizedAbsmax};
+use nibble_core::io::model::ModelIndex;
 use nibble_tests::*;
 
 fn layer_manifest() -> Vec<serde_json::Value> {
@@ -16,7 +16,7 @@ fn layer_manifest() -> Vec<serde_json::Value> {
 fn linear4bit_layers_dequantize_bit_exact() {
     let model = ModelIndex::open(&fixture("linear4bit/layers.safetensors")).expect("open");
     let expected = Expected::open(&fixture("linear4bit/expected.safetensors"));
-    let weights = find_4bit_weights(&model).expect("find");
+    let weights = model.q4_weights().map(<[_]>::to_vec).expect("find");
     let layers = layer_manifest();
     assert_eq!(
         weights.len(),
@@ -30,7 +30,7 @@ fn linear4bit_layers_dequantize_bit_exact() {
             .iter()
             .find(|k| k.base == base)
             .expect("weight found");
-        let state = QuantState::load(&model, keys).unwrap_or_else(|e| panic!("{e}"));
+        let state = model.quant_state(keys).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             state.json.blocksize,
             layer["blocksize"].as_u64().expect("bs")
@@ -74,14 +74,14 @@ fn linear4bit_layers_dequantize_bit_exact() {
 fn linear4bit_reference_linear_matches_y() {
     let model = ModelIndex::open(&fixture("linear4bit/layers.safetensors")).expect("open");
     let expected = Expected::open(&fixture("linear4bit/expected.safetensors"));
-    let weights = find_4bit_weights(&model).expect("find");
+    let weights = model.q4_weights().map(<[_]>::to_vec).expect("find");
     for layer in layer_manifest() {
         let name = layer["name"].as_str().expect("name");
         let keys = weights
             .iter()
             .find(|k| k.base == format!("{name}.weight"))
             .expect("w");
-        let state = QuantState::load(&model, keys).expect("state");
+        let state = model.quant_state(keys).expect("state");
         let packed = model
             .read_bytes(model.require(&keys.base).expect("p"))
             .expect("read");
@@ -112,7 +112,7 @@ fn quantizer_reproduces_bitsandbytes_bit_for_bit() {
         let base = format!("{name}.weight");
         let dtype = FloatDtype::parse(layer["dtype"].as_str().expect("dtype")).expect("dtype");
         let opts = QuantizeOptions {
-            quant_type: nibble_core::bnb::QuantType::parse(
+            quant_type: nibble_core::format::bnb::QuantType::parse(
                 layer["quant_type"].as_str().expect("qt"),
             )
             .expect("qt"),
@@ -170,7 +170,7 @@ fn check_model_folder(rel: &str) -> usize {
     let deq = manifest["dequantized_weights"]
         .as_object()
         .expect("dequantized_weights");
-    let weights = find_4bit_weights(&model).expect("find");
+    let weights = model.q4_weights().map(<[_]>::to_vec).expect("find");
     let listed: Vec<&str> = manifest["quantized_linears"]
         .as_array()
         .expect("quantized_linears")
@@ -186,7 +186,7 @@ fn check_model_folder(rel: &str) -> usize {
         "{rel}: the 4-bit weights found are the quantized linears"
     );
     for keys in &weights {
-        let state = QuantState::load(&model, keys).unwrap_or_else(|e| panic!("{e}"));
+        let state = model.quant_state(keys).unwrap_or_else(|e| panic!("{e}"));
         let packed = model
             .read_bytes(model.require(&keys.base).expect("p"))
             .expect("read");
@@ -239,8 +239,8 @@ fn tiny_dit_weights_dequantize_bit_exact() {
 fn requantizing_dequantized_weights_is_a_fixed_point() {
     let dir = fixture("tiny-llama-nf4/model");
     let model = ModelIndex::open(&dir).expect("open");
-    for keys in find_4bit_weights(&model).expect("find") {
-        let state = QuantState::load(&model, &keys).expect("state");
+    for keys in model.q4_weights().map(<[_]>::to_vec).expect("find") {
+        let state = model.quant_state(&keys).expect("state");
         let packed = model
             .read_bytes(model.require(&keys.base).expect("p"))
             .expect("read");
@@ -265,13 +265,13 @@ fn requantizing_dequantized_weights_is_a_fixed_point() {
 /// like the U8 original; an element type that cannot hold them (bool) is refused.
 #[test]
 fn packed_weights_in_other_quant_storage_dtypes_load_the_same() {
-    use nibble_core::index::Dtype;
+    use nibble_core::format::dtype::Dtype;
     let dir = fixture("tiny-llama-nf4/model");
     let m = ModelIndex::open(&dir).expect("fixture");
-    let keys = find_4bit_weights(&m).expect("find");
+    let keys = m.q4_weights().map(<[_]>::to_vec).expect("find");
     let k = &keys[0];
     let want = {
-        let s = QuantState::load(&m, k).expect("state");
+        let s = m.quant_state(k).expect("state");
         let packed = m.read_bytes(m.require(&k.base).expect("p")).expect("read");
         let mut w = vec![0f32; s.numel()];
         s.dequantize_ref(&packed, &mut w).expect("deq");
@@ -290,7 +290,7 @@ fn packed_weights_in_other_quant_storage_dtypes_load_the_same() {
                 }
             })
             .collect();
-        nibble_core::writer::write_safetensors(
+        nibble_core::format::writer::write_safetensors(
             &tmp.path().join("model.safetensors"),
             &tensors,
             &Default::default(),
@@ -298,7 +298,7 @@ fn packed_weights_in_other_quant_storage_dtypes_load_the_same() {
         .expect("write");
         std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).expect("config");
         let m2 = ModelIndex::open(tmp.path()).expect("open");
-        let r = QuantState::load(&m2, k);
+        let r = m2.quant_state(k);
         if dtype == Dtype::BOOL {
             let e = r.expect_err("bool storage").to_string();
             assert!(e.contains("packed weight"), "{e}");

@@ -5,11 +5,11 @@
 //!
 //! `cargo test -p nibble-tests --test conformance -- --nocapture` prints the table.
 
-use nibble_core::bnb::{find_4bit_weights, FloatDtype, QuantState, QuantType};
-use nibble_core::cpu_ref::{self, Q4Ref};
+use nibble_core::backend::cpu_ref::{self, Q4Ref};
+use nibble_core::format::bnb::{FloatDtype, QuantState, QuantType};
+use nibble_core::format::quantize::{quantize_4bit, QuantizeOptions, QuantizedAbsmax};
 use nibble_core::graph::{HostTensor, OpKind, RopeMode};
-use nibble_core::index::ModelIndex;
-use nibble_core::quantize::{quantize_4bit, QuantizeOptions, QuantizedAbsmax};
+use nibble_core::io::model::ModelIndex;
 use nibble_tests::build::random_values;
 use nibble_tests::*;
 
@@ -95,11 +95,15 @@ fn q4_weight(
             // Resolve through the on-disk form, as a loaded model would.
             let d = tempfile::tempdir().expect("tmp");
             let p = d.path().join("w.safetensors");
-            nibble_core::writer::write_safetensors(&p, &q.tensors("w"), &Default::default())
-                .expect("write");
+            nibble_core::format::writer::write_safetensors(
+                &p,
+                &q.tensors("w"),
+                &Default::default(),
+            )
+            .expect("write");
             let m = ModelIndex::open(&p).expect("open");
-            let k = &find_4bit_weights(&m).expect("find")[0];
-            return (QuantState::load(&m, k).expect("load"), q.packed.clone());
+            let k = &m.q4_weights().map(<[_]>::to_vec).expect("find")[0];
+            return (m.quant_state(k).expect("load"), q.packed.clone());
         }
     };
     (
@@ -462,7 +466,7 @@ fn every_op_on_every_backend_matches_cpu_ref() {
     if let Some(b) = &cuda {
         println!("cuda device: {}", b.describe());
     }
-    let mut fast = nibble_core::cpu::CpuBackend::new();
+    let mut fast = nibble_core::backend::cpu::CpuBackend::new();
     println!("cpu backend: {}", fast.describe());
     let mut rows = Vec::new();
     let mut failures = Vec::new();
@@ -619,9 +623,9 @@ fn every_op_on_every_backend_matches_cpu_ref() {
 fn cpu_ref_ops_match_the_bitsandbytes_fixture() {
     let model = ModelIndex::open(&fixture("linear4bit/layers.safetensors")).expect("open");
     let expected = Expected::open(&fixture("linear4bit/expected.safetensors"));
-    for keys in find_4bit_weights(&model).expect("find") {
+    for keys in model.q4_weights().map(<[_]>::to_vec).expect("find") {
         let name = keys.base.trim_end_matches(".weight").to_string();
-        let state = QuantState::load(&model, &keys).expect("state");
+        let state = model.quant_state(&keys).expect("state");
         let packed = model
             .read_bytes(model.require(&keys.base).expect("p"))
             .expect("read");

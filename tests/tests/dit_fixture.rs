@@ -1,15 +1,16 @@
 //! The tiny Flux-style DiT that diffusers saved in NF4 (../shared/fixtures/tiny-dit-nf4): one
 //! forward within 1e-5 x max|out| on cpu_ref, cpu, wgpu and CUDA (where present), resident and with every block streamed.
 
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::executor::{ExecOptions, Executor};
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::Backend;
+use nibble_core::exec::{ExecOptions, Executor};
 use nibble_core::graph::HostTensor;
-use nibble_core::index::ModelIndex;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit;
 use nibble_core::plan::Budgets;
 use nibble_tests::*;
 
-fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, usize)) {
+fn forward<B: Backend>(mut backend: B, streamed: bool) -> (Vec<f32>, (usize, usize)) {
     let m = ModelIndex::open(&fixture("tiny-dit-nf4/model")).expect("tiny-dit");
     let e = Expected::open(&fixture("tiny-dit-nf4/expected.safetensors"));
     let x = e.f32("hidden_states").expect("x");
@@ -27,12 +28,10 @@ fn forward<B: Backend>(backend: B, streamed: bool) -> (Vec<f32>, (usize, usize, 
         device_bytes: 1 << 30,
         ring_slots: 2,
         slot_bytes: 64 << 10,
-        host_cache_bytes: 0,
-        device_other_bytes: 0,
-        host_other_bytes: 0,
     };
     if streamed {
-        budgets.device_bytes = dg.graph.min_device_bytes(&m, &backend);
+        budgets.device_bytes =
+            nibble_core::plan::min_device_bytes(&dg.graph, &m, &mut backend).expect("min budget");
     }
     let mut ex = Executor::new(
         dg.graph,
@@ -95,7 +94,7 @@ fn tiny_dit_forward_on_cpu_ref() {
 
 #[test]
 fn tiny_dit_forward_on_cpu() {
-    check(nibble_core::cpu::CpuBackend::new, "cpu");
+    check(nibble_core::backend::cpu::CpuBackend::new, "cpu");
 }
 
 #[test]
@@ -129,7 +128,7 @@ fn tiny_dit_euler_loop_streamed() {
     let steps = sigmas.len() - 1;
     assert!(steps > 0, "euler_sigmas has at least two values");
     assert_eq!(
-        nibble_core::sampler::FlowMatchEuler::default().sigmas(steps),
+        nibble_core::models::dit::FlowMatchEuler::default().sigmas(steps),
         sigmas,
         "diffusers' schedule, bit for bit"
     );
@@ -144,12 +143,10 @@ fn tiny_dit_euler_loop_streamed() {
     let ids: Vec<f32> = txt_ids.iter().chain(&img_ids).copied().collect();
     let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
     let budgets = Budgets {
-        device_bytes: dg.graph.min_device_bytes(&m, &CpuRefBackend::new()),
+        device_bytes: nibble_core::plan::min_device_bytes(&dg.graph, &m, &mut CpuRefBackend::new())
+            .expect("min budget"),
         ring_slots: 2,
         slot_bytes: 64 << 10,
-        host_cache_bytes: 0,
-        device_other_bytes: 0,
-        host_other_bytes: 0,
     };
     let mut ex = Executor::new(
         dg.graph,

@@ -3,12 +3,13 @@
 //! applied by hand with `cpu_ref`. Layer count, hidden size and RMSNorm epsilon come from the
 //! fixture's config.json.
 
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::bnb::{find_4bit_weights, QuantState};
-use nibble_core::cpu_ref::{self, Q4Ref};
-use nibble_core::executor::{ExecOptions, Executor, Graph};
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::cpu_ref::{self, Q4Ref};
+use nibble_core::backend::Backend;
+use nibble_core::exec::{ExecOptions, Executor};
+use nibble_core::graph::Graph;
 use nibble_core::graph::{HostTensor, OpKind, Q4Info, ValueInfo};
-use nibble_core::index::ModelIndex;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::plan::Budgets;
 use nibble_tests::build::random_values;
 use nibble_tests::*;
@@ -47,12 +48,14 @@ fn dims(m: &ModelIndex) -> Dims {
 }
 
 fn q4_info(m: &ModelIndex, name: &str) -> Q4Info {
-    let k = find_4bit_weights(m)
+    let k = m
+        .q4_weights()
+        .map(<[_]>::to_vec)
         .expect("find")
         .into_iter()
         .find(|k| k.base == name)
         .expect("weight");
-    let s = QuantState::load(m, &k).expect("state");
+    let s = m.quant_state(&k).expect("state");
     Q4Info {
         shape: s.json.shape.iter().map(|&d| d as usize).collect(),
         blocksize: s.json.blocksize as usize,
@@ -98,7 +101,7 @@ fn mlp_graph(m: &ModelIndex) -> Graph {
 
 /// The same computation written out with cpu_ref ops on fully loaded weights.
 fn by_hand(m: &ModelIndex, x0: &HostTensor) -> Vec<f32> {
-    let keys = find_4bit_weights(m).expect("find");
+    let keys = m.q4_weights().map(<[_]>::to_vec).expect("find");
     let d = dims(m);
     let mut x = x0.clone();
     for l in 0..d.layers {
@@ -116,7 +119,7 @@ fn by_hand(m: &ModelIndex, x0: &HostTensor) -> Vec<f32> {
                 .iter()
                 .find(|k| k.base == format!("{p}.mlp.{name}.weight"))
                 .expect("k");
-            let s = QuantState::load(m, k).expect("s");
+            let s = m.quant_state(k).expect("s");
             let packed = m.read_bytes(m.require(&k.base).expect("p")).expect("r");
             cpu_ref::run(
                 &OpKind::LinearQ4 { bias: false },
@@ -144,9 +147,6 @@ fn opts(device_bytes: u64, slots: u64, slot_bytes: u64) -> ExecOptions {
             device_bytes,
             ring_slots: slots,
             slot_bytes,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         },
         readers: 2,
         stream_all: false,
@@ -154,24 +154,17 @@ fn opts(device_bytes: u64, slots: u64, slot_bytes: u64) -> ExecOptions {
     }
 }
 
-/// The smallest device budget (in steps of 512 bytes) that the executor accepts on a backend,
-/// searched up to the resident budget.
+/// The smallest device budget that the executor accepts on a backend (exact: the planner's).
 fn small_budget<B: Backend>(make: impl Fn() -> B) -> ExecOptions {
     let m = model();
-    (1_000u64..RESIDENT_BUDGET)
-        .step_by(512)
-        .map(|b| opts(b, 2, 4096))
-        .find(|o| Executor::new(mlp_graph(&m), &m, make(), *o).is_ok())
-        .expect("some budget fits")
+    let min = nibble_core::plan::min_device_bytes(&mlp_graph(&m), &m, &mut make()).expect("min");
+    opts(min, 2, 4096)
 }
 
 /// A device budget that holds every group of `mlp_graph`.
 const RESIDENT_BUDGET: u64 = 64 << 20;
 
-fn run_three_steps<B: Backend>(
-    backend: B,
-    o: ExecOptions,
-) -> (Vec<Vec<f32>>, (usize, usize, usize)) {
+fn run_three_steps<B: Backend>(backend: B, o: ExecOptions) -> (Vec<Vec<f32>>, (usize, usize)) {
     let m = model();
     let hidden = dims(&m).hidden;
     let mut ex = Executor::new(mlp_graph(&m), &m, backend, o).expect("executor");
@@ -205,7 +198,7 @@ fn cpu_ref_resident_and_streamed_equal_the_ops_by_hand() {
     let groups = GROUPS_PER_LAYER * dims(&model()).layers;
     let (resident, counts) =
         run_three_steps(CpuRefBackend::new(), opts(RESIDENT_BUDGET, 4, 1 << 20));
-    assert_eq!(counts, (groups, 0, 0), "every group resident");
+    assert_eq!(counts, (groups, 0), "every group resident");
     for (g, w) in resident.iter().zip(&want) {
         assert_bits_eq(g, w, "resident");
     }
@@ -245,4 +238,127 @@ fn impossible_device_budget_is_refused_with_the_numbers() {
     let e = Executor::new(mlp_graph(&m), &m, CpuRefBackend::new(), opts(1000, 2, 4096))
         .expect_err("too small");
     assert!(e.to_string().contains("--device-budget"), "{e}");
+}
+
+/// The optimized CPU backend whose n-th upload or op fails, recording how many ring-slot
+/// regions it had lent in place when it failed.
+struct Failing {
+    inner: nibble_core::backend::cpu::CpuBackend,
+    calls: usize,
+    fail_at: Option<usize>,
+    lent_at_failure: Option<usize>,
+}
+
+impl Failing {
+    fn call(&mut self) -> nibble_core::Result<()> {
+        self.calls += 1;
+        if Some(self.calls) == self.fail_at {
+            self.lent_at_failure = self.inner.host_memory().map(|h| h.lent());
+            return Err(nibble_core::Error::Invalid("injected failure".into()));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for Failing {
+    fn name(&self) -> String {
+        "failing".into()
+    }
+    fn supports(&self, op: &OpKind) -> bool {
+        self.inner.supports(op)
+    }
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
+        self.inner.allocate(arena_words, pool_bytes)
+    }
+    fn release(&mut self) {
+        self.inner.release()
+    }
+    fn write_arena(
+        &mut self,
+        dst: nibble_core::backend::ArenaSlice,
+        words: &[u32],
+    ) -> nibble_core::Result<()> {
+        self.inner.write_arena(dst, words)
+    }
+    fn read_arena(
+        &mut self,
+        src: nibble_core::backend::ArenaSlice,
+    ) -> nibble_core::Result<Vec<u32>> {
+        self.inner.read_arena(src)
+    }
+    fn upload(
+        &mut self,
+        offset: u64,
+        bytes: &[u8],
+    ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
+        self.call()?;
+        self.inner.upload(offset, bytes)
+    }
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[nibble_core::backend::Operand],
+        q4: Option<&nibble_core::backend::Q4View>,
+        out: &nibble_core::backend::Operand,
+    ) -> nibble_core::Result<()> {
+        self.call()?;
+        self.inner.run(op, inputs, q4, out)
+    }
+    fn alignment(&self) -> nibble_core::backend::Alignment {
+        self.inner.alignment()
+    }
+    fn host_memory(&mut self) -> Option<&mut dyn nibble_core::backend::HostMemory> {
+        self.inner.host_memory()
+    }
+}
+
+#[test]
+fn slots_lent_in_place_go_back_when_a_step_fails_midway() {
+    let m = model();
+    let hidden = dims(&m).hidden;
+    let make = || Failing {
+        inner: nibble_core::backend::cpu::CpuBackend::new(),
+        calls: 0,
+        fail_at: None,
+        lent_at_failure: None,
+    };
+    // Every group streamed through 4 slots of 1 MiB: packed weights arrive whole and are lent.
+    let mut o = small_budget(make);
+    o.budgets.ring_slots = 4;
+    o.budgets.slot_bytes = 1 << 20;
+    o.stream_all = true;
+    let x = HostTensor::f32(&[ROWS, hidden], random_values(ROWS * hidden, 1)).expect("x");
+    // The uploads and ops of one step, counted on a run without failures.
+    let per_step = {
+        let mut ex = Executor::new(mlp_graph(&m), &m, make(), o).expect("executor");
+        let before = ex.backend().calls;
+        ex.step(std::slice::from_ref(&x)).expect("step");
+        ex.backend().calls - before
+    };
+    let mut failed_while_lending = 0;
+    for k in 1..=per_step {
+        let mut ex = Executor::new(mlp_graph(&m), &m, make(), o).expect("executor");
+        let before = ex.backend().calls;
+        ex.backend_mut().fail_at = Some(before + k);
+        let e = ex
+            .step(std::slice::from_ref(&x))
+            .expect_err("the injected failure");
+        assert!(e.to_string().contains("injected failure"), "{e}");
+        let lent = ex.backend_mut().host_memory().map(|h| h.lent());
+        assert_eq!(lent, Some(0), "failure at call {k}: nothing stays lent");
+        if ex.backend().lent_at_failure.is_some_and(|n| n > 0) {
+            failed_while_lending += 1;
+        }
+        let slots = o.budgets.ring_slots as usize;
+        let (_, ring) = ex.into_parts();
+        assert_eq!(
+            ring.expect("ring").free_slots(),
+            slots,
+            "every slot back in the ring"
+        );
+    }
+    assert!(
+        failed_while_lending > 0,
+        "some failures hit a group whose packed weights were lent in place"
+    );
 }

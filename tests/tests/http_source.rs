@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use nibble_core::http_source::HttpOptions;
-use nibble_core::index::ModelIndex;
+use nibble_core::io::http::HttpOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_tests::build::*;
 use nibble_tests::http_server::{Fault, TestServer};
 

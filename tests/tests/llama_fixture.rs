@@ -4,10 +4,11 @@
 //! then one token at a time through the KV cache), on cpu_ref, the optimized CPU backend and wgpu,
 //! resident and streamed through 2 slots of 64 KiB.
 
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::cpu::CpuBackend;
-use nibble_core::executor::ExecOptions;
-use nibble_core::index::ModelIndex;
+use nibble_core::backend::cpu::CpuBackend;
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::Backend;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
 use nibble_core::plan::Budgets;
 use nibble_tests::*;
@@ -29,18 +30,12 @@ fn opts(streamed: bool) -> ExecOptions {
             device_bytes: 0,
             ring_slots: 2,
             slot_bytes: 64 << 10,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         }
     } else {
         Budgets {
             device_bytes: 1 << 30,
             ring_slots: 4,
             slot_bytes: 1 << 20,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         }
     };
     ExecOptions {
@@ -67,19 +62,20 @@ fn decoder<B: Backend>(
     let lg = llama::build(m, shape).expect("graph");
     let mut o = o;
     if o.budgets.device_bytes == 0 {
-        o.budgets.device_bytes = lg.graph.min_device_bytes(m, &make());
+        o.budgets.device_bytes =
+            nibble_core::plan::min_device_bytes(&lg.graph, m, &mut make()).expect("min budget");
     }
     Decoder::from_graph(lg, m, make(), o).expect("decoder")
 }
 
 /// Logits `[T, vocab]` of every position of a token sequence, and the plan's
-/// (resident, streamed, cached) group counts.
+/// (resident, streamed) group counts.
 fn forward<B: Backend>(
     m: &ModelIndex,
     make: &mut impl FnMut() -> B,
     tokens: &[u32],
     o: ExecOptions,
-) -> (Vec<f32>, (usize, usize, usize)) {
+) -> (Vec<f32>, (usize, usize)) {
     let shape = LlamaShape {
         prompt: tokens.len(),
         capacity: tokens.len(),
@@ -184,7 +180,7 @@ fn tied_embeddings_stream_like_resident() {
             src.read_bytes(t).expect("read"),
         ));
     }
-    nibble_core::writer::write_safetensors(
+    nibble_core::format::writer::write_safetensors(
         &dir.path().join("model.safetensors"),
         &tensors,
         &Default::default(),
@@ -203,7 +199,7 @@ fn tied_embeddings_stream_like_resident() {
     let mut make = CpuRefBackend::new;
     let (resident, c1) = forward(&m, &mut make, &prompt, opts(false));
     let (streamed, c2) = forward(&m, &mut make, &prompt, opts(true));
-    assert_eq!((c1.1, c1.2), (0, 0), "everything resident: {c1:?}");
+    assert_eq!(c1.1, 0, "everything resident: {c1:?}");
     assert_eq!(c2.0, 0, "everything streamed: {c2:?}");
     assert_bits_eq(&streamed, &resident, "tied logits");
     let untied = e.f32("logits_deq_all").expect("logits");
@@ -335,12 +331,12 @@ fn models_the_decoder_does_not_compute_are_refused() {
                 / config["num_attention_heads"].as_u64().expect("heads");
             tensors.push((
                 name.to_string(),
-                nibble_core::index::Dtype::F32,
+                nibble_core::format::dtype::Dtype::F32,
                 vec![hd],
                 vec![0u8; hd as usize * 4],
             ));
         }
-        nibble_core::writer::write_safetensors(
+        nibble_core::format::writer::write_safetensors(
             &dir.path().join("model.safetensors"),
             &tensors,
             &Default::default(),

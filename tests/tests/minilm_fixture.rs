@@ -4,12 +4,13 @@
 //! and normalization, its sentence embeddings (atol 2e-5, cosine >= 0.99999), on cpu_ref, the
 //! optimized CPU backend, wgpu and CUDA where present, resident and with every layer streamed.
 
-use nibble_core::backend::{Backend, CpuRefBackend};
-use nibble_core::executor::ExecOptions;
-use nibble_core::index::ModelIndex;
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::Backend;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::bert::{self, Encoder, Pooling};
+use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::Budgets;
-use nibble_core::text::TextTokenizer;
 use nibble_tests::*;
 
 fn model() -> ModelIndex {
@@ -72,18 +73,16 @@ fn tokenizer_gives_the_fixture_ids() {
     }
 }
 
-fn opts(m: &ModelIndex, seq_len: usize, streamed: bool, backend: &impl Backend) -> ExecOptions {
+fn opts(m: &ModelIndex, seq_len: usize, streamed: bool, backend: &mut impl Backend) -> ExecOptions {
     let mut budgets = Budgets {
         device_bytes: 1 << 30,
         ring_slots: 2,
         slot_bytes: 64 << 10,
-        host_cache_bytes: 0,
-        device_other_bytes: 0,
-        host_other_bytes: 0,
     };
     if streamed {
         let bg = bert::build(m, seq_len).expect("graph");
-        budgets.device_bytes = bg.graph.min_device_bytes(m, backend);
+        budgets.device_bytes =
+            nibble_core::plan::min_device_bytes(&bg.graph, m, backend).expect("min budget");
     }
     ExecOptions {
         budgets,
@@ -135,8 +134,8 @@ fn check_within<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: Tol) 
     let pooling = Pooling::for_model(&m).expect("pooling");
     assert!(pooling.normalize, "modules.json lists Normalize");
     for streamed in [false, true] {
-        let b = make();
-        let o = opts(&m, seq_len, streamed, &b);
+        let mut b = make();
+        let o = opts(&m, seq_len, streamed, &mut b);
         let mut enc = Encoder::new(&m, b, seq_len, o).expect("encoder");
         if streamed {
             assert_eq!(enc.executor().plan().counts().0, 0, "{label}: all streamed");
@@ -181,7 +180,7 @@ fn minilm_embeddings_on_cpu_ref() {
 
 #[test]
 fn minilm_embeddings_on_cpu() {
-    check(nibble_core::cpu::CpuBackend::new, "cpu");
+    check(nibble_core::backend::cpu::CpuBackend::new, "cpu");
 }
 
 #[test]

@@ -13,13 +13,13 @@
 
 use std::path::PathBuf;
 
-use nibble_core::backend::CpuRefBackend;
-use nibble_core::cpu::CpuBackend;
-use nibble_core::executor::ExecOptions;
-use nibble_core::index::ModelIndex;
+use nibble_core::backend::cpu::CpuBackend;
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::llama::{Decoder, LlamaShape};
+use nibble_core::models::text::{Message, TextTokenizer};
 use nibble_core::plan::Budgets;
-use nibble_core::text::{Message, TextTokenizer};
 use nibble_tests::*;
 use sha2::{Digest, Sha256};
 
@@ -53,9 +53,6 @@ fn opts() -> ExecOptions {
             device_bytes: 2 << 30,
             ring_slots: 4,
             slot_bytes: 16 << 20,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         },
         readers: 2,
         stream_all: false,
@@ -230,7 +227,7 @@ fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
     let table = m.require("model.embed_tokens.weight").expect("table");
     assert_eq!(
         table.dtype,
-        nibble_core::index::Dtype::BF16,
+        nibble_core::format::dtype::Dtype::BF16,
         "the converted table"
     );
     let table_elems = table.numel();
@@ -244,12 +241,7 @@ fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
     };
     let mut cpu = Decoder::new(&m, CpuBackend::new(), shape, opts()).expect("cpu");
     let mut rf = Decoder::new(&m, CpuRefBackend::new(), shape, opts()).expect("cpu_ref");
-    let dense = |p: &nibble_core::plan::MemoryPlan| {
-        p.allocation
-            .as_ref()
-            .expect("allocation")
-            .resident_dense_bytes
-    };
+    let dense = |p: &nibble_core::plan::MemoryPlan| p.resident_dense_bytes;
     let (d_cpu, d_ref) = (dense(cpu.executor().plan()), dense(rf.executor().plan()));
     assert_eq!(
         d_ref - d_cpu,

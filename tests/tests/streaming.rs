@@ -3,11 +3,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use nibble_core::file_source::{FileReadMode, FileSource};
-use nibble_core::index::ModelIndex;
-use nibble_core::prefetch::{chunk_schedule, Prefetcher};
-use nibble_core::ring::{HostAllocator, StagingRing};
-use nibble_core::source::{RangeSource, ThreadedSource};
+use nibble_core::io::file::{FileReadMode, FileSource};
+use nibble_core::io::model::ModelIndex;
+use nibble_core::io::source::{RangeSource, ThreadedSource};
+use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
+use nibble_core::stream::ring::{HostAllocator, StagingRing};
 use nibble_tests::build::*;
 use nibble_tests::http_server::{Fault, TestServer};
 
@@ -198,38 +198,98 @@ fn ring_and_chunk_size_errors() {
     assert!(e.to_string().contains("larger than a ring slot"), "{e}");
 }
 
+/// Counts the bytes read through it.
+struct Counting {
+    inner: Arc<dyn RangeSource>,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl RangeSource for Counting {
+    fn files(&self) -> &[nibble_core::io::source::SourceFile] {
+        self.inner.files()
+    }
+    fn read_exact_at(
+        &self,
+        file: usize,
+        offset: u64,
+        buf: &mut [u8],
+        what: &str,
+    ) -> nibble_core::Result<()> {
+        self.bytes
+            .fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.inner.read_exact_at(file, offset, buf, what)
+    }
+}
+
 #[test]
-fn impossible_budget_is_refused_before_any_io() {
-    use nibble_core::plan::{Budgets, MemoryPlan, WeightGroup};
-    let groups = vec![
-        WeightGroup {
-            name: "layers.0".into(),
-            bytes: 300 << 20,
-            device_bytes: 300 << 20,
-            slot_bytes: 300 << 20,
-            dense_bytes: 0,
-            shared: Vec::new(),
-        },
-        WeightGroup {
-            name: "layers.1".into(),
-            bytes: 200 << 20,
-            device_bytes: 200 << 20,
-            slot_bytes: 200 << 20,
-            dense_bytes: 0,
-            shared: Vec::new(),
-        },
-    ];
-    let b = Budgets {
-        device_bytes: 256 << 20,
-        ring_slots: 4,
-        slot_bytes: 16 << 20,
-        host_cache_bytes: 0,
-        device_other_bytes: 64 << 20,
-        host_other_bytes: 0,
+fn impossible_budget_is_refused_before_any_io_with_the_exact_smallest_budget() {
+    use nibble_core::backend::cpu_ref::CpuRefBackend;
+    use nibble_core::exec::{ExecOptions, Executor};
+    use nibble_core::graph::{Graph, OpKind, ValueInfo};
+    use nibble_core::io::model::{read_header, Shard};
+    use nibble_core::plan::Budgets;
+    let d = tempfile::tempdir().expect("tmp");
+    let p = model(d.path());
+    let counting = Arc::new(Counting {
+        inner: Arc::new(
+            FileSource::open(std::slice::from_ref(&p), FileReadMode::Pread).expect("src"),
+        ),
+        bytes: Default::default(),
+    });
+    let shard = Shard {
+        name: "m.safetensors".into(),
+        header: read_header(&p).expect("header"),
     };
-    let e = MemoryPlan::new(groups, b).expect_err("cannot fit");
+    let m = ModelIndex::from_parts(
+        p.display().to_string(),
+        vec![shard],
+        None,
+        counting.clone(),
+        None,
+    )
+    .expect("index");
+    let graph = || {
+        let mut g = Graph::new();
+        let x = g.input(ValueInfo::f32(&[2, 100]));
+        let grp = g.group("a");
+        let w = g.dense_weight(grp, "a.weight", &[64, 100]);
+        let b = g.dense_weight(grp, "a.bias", &[64]);
+        let y = g
+            .op(OpKind::Linear { bias: true }, &[x, w, b], None)
+            .expect("linear");
+        g.output(y);
+        g
+    };
+    let opts = |device_bytes| ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: 2,
+            slot_bytes: 4096,
+        },
+        readers: 1,
+        stream_all: false,
+        naive: false,
+    };
+    let e = Executor::new(graph(), &m, CpuRefBackend::new(), opts(1024)).expect_err("cannot fit");
     let msg = e.to_string();
-    assert!(msg.contains("--device-budget 564.00 MiB"), "{msg}");
+    assert_eq!(
+        counting.bytes.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "nothing was read before the refusal"
+    );
+    // The smallest budget the error names is exact: it runs, and one byte less does not.
+    let min =
+        nibble_core::plan::min_device_bytes(&graph(), &m, &mut CpuRefBackend::new()).expect("min");
+    assert!(
+        msg.contains(&format!(
+            "--device-budget {}",
+            nibble_core::plan::fmt_bytes(min)
+        )),
+        "{msg}"
+    );
+    Executor::new(graph(), &m, CpuRefBackend::new(), opts(min - 1)).expect_err("one byte short");
+    let ex = Executor::new(graph(), &m, CpuRefBackend::new(), opts(min)).expect("the named budget");
+    assert_eq!(ex.plan().peak_device_bytes, min);
 }
 
 #[test]

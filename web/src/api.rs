@@ -4,14 +4,14 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
-use nibble_core::executor::Graph;
-use nibble_core::executor::{ExecOptions, Executor};
+use nibble_core::exec::{ExecOptions, Executor};
+use nibble_core::graph::Graph;
 use nibble_core::models::dit::DitConfig;
+use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::models::text::{Message, TextStream, TextTokenizer};
 use nibble_core::models::ModelKind;
-use nibble_core::pipeline::{schedule, Denoiser, DitInputs};
-use nibble_core::plan::{Budgets, MemoryPlan, Placement};
-use nibble_core::text::{Message, TextStream, TextTokenizer};
+use nibble_core::plan::{Budgets, MemoryPlan};
 use nibble_wgpu::WgpuBackend;
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
@@ -114,47 +114,31 @@ fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
 fn exec_options(
     s: Settings,
     graph: &Graph,
-    model: &nibble_core::index::ModelIndex,
-    backend: &WgpuBackend,
-) -> ExecOptions {
-    let device_bytes = s
-        .device_bytes
-        .unwrap_or_else(|| graph.min_device_bytes(model, backend));
-    ExecOptions {
+    model: &nibble_core::io::model::ModelIndex,
+    backend: &mut WgpuBackend,
+) -> Result<ExecOptions, JsValue> {
+    let device_bytes = match s.device_bytes {
+        Some(b) => b,
+        None => nibble_core::plan::min_device_bytes(graph, model, backend).map_err(js_err)?,
+    };
+    Ok(ExecOptions {
         budgets: Budgets {
             device_bytes,
             ring_slots: s.slots,
             slot_bytes: s.slot_bytes,
-            host_cache_bytes: 0,
-            device_other_bytes: 0,
-            host_other_bytes: 0,
         },
         readers: 1,
         stream_all: s.device_bytes.is_none(),
         naive: false,
-    }
-}
-
-/// Bytes a run reads from the weight files after opening: resident groups once, streamed
-/// groups once per pass.
-fn predicted_weight_bytes(plan: &MemoryPlan, passes: u64) -> u64 {
-    let resident: u64 = plan
-        .groups
-        .iter()
-        .zip(&plan.placement)
-        .filter(|(_, p)| **p == Placement::Resident)
-        .map(|(g, _)| g.bytes)
-        .sum();
-    resident + plan.streamed_bytes_per_step * passes
+    })
 }
 
 fn plan_json(plan: &MemoryPlan) -> Value {
-    let (resident, streamed, cached) = plan.counts();
+    let (resident, streamed) = plan.counts();
     json!({
         "resident_groups": resident,
         "streamed_groups": streamed,
-        "cached_groups": cached,
-        "resident_bytes": plan.resident_bytes,
+        "resident_bytes": plan.resident_read_bytes(),
         "streamed_bytes_per_step": plan.streamed_bytes_per_step,
         "ring_bytes": plan.ring_bytes,
         "pool_bytes": plan.pool_bytes,
@@ -393,7 +377,7 @@ impl Nibble {
             }
             let lg = llama::build(&index, LlamaShape::generate(prompt.len(), max_tokens))
                 .map_err(js_err)?;
-            let backend = backend_of(&state).await?;
+            let mut backend = backend_of(&state).await?;
             let (mut eos, text) = {
                 let st = state.borrow();
                 (st.eos.clone(), st.text.clone())
@@ -406,7 +390,13 @@ impl Nibble {
                     None => JsValue::UNDEFINED,
                 }
             };
-            let o = exec_options(s, &lg.graph, &index, &backend);
+            let o = match exec_options(s, &lg.graph, &index, &mut backend) {
+                Ok(o) => o,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(e);
+                }
+            };
             let before = traffic_bytes(&traffic, "weights");
             let mut make = FetchSource::maker(&model, &traffic);
             let mut d = Decoder::from_graph_async(lg, &index, backend, o, &mut make)
@@ -461,7 +451,7 @@ impl Nibble {
                 "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
                 "passes": passes,
                 "weight_bytes": traffic_bytes(&traffic, "weights") - before,
-                "predicted_weight_bytes": predicted_weight_bytes(&plan, passes),
+                "predicted_weight_bytes": plan.read_bytes(passes),
             });
             to_js(&v)
         })
@@ -490,8 +480,14 @@ impl Nibble {
             let sigmas = schedule(steps, shift, false, inputs.image_tokens());
             let graph = Denoiser::<WgpuBackend>::graph_for(&index, &inputs).map_err(js_err)?;
             // The device leaves the state only now that nothing before the run can be refused.
-            let backend = backend_of(&state).await?;
-            let o = exec_options(s, &graph, &index, &backend);
+            let mut backend = backend_of(&state).await?;
+            let o = match exec_options(s, &graph, &index, &mut backend) {
+                Ok(o) => o,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(e);
+                }
+            };
             drop(graph);
             let before = traffic_bytes(&traffic, "weights");
             let mut make = FetchSource::maker(&model, &traffic);
@@ -524,7 +520,7 @@ impl Nibble {
                 "steps": rows,
                 "plan": plan_json(&plan),
                 "weight_bytes": traffic_bytes(&traffic, "weights") - before,
-                "predicted_weight_bytes": predicted_weight_bytes(&plan, steps as u64),
+                "predicted_weight_bytes": plan.read_bytes(steps as u64),
             });
             let out = to_js(&v)?;
             js_sys::Reflect::set(&out, &JsValue::from_str("latent"), &latent)?;
@@ -607,7 +603,7 @@ impl Nibble {
 /// The plan for a run of the loaded model with `opts` (shape and memory settings), on the
 /// state's device (opened if needed, put back after).
 async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsValue> {
-    let backend = backend_of(state).await?;
+    let mut backend = backend_of(state).await?;
     let r = (|| -> Result<Value, JsValue> {
         let st = state.borrow();
         let model = st
@@ -631,8 +627,8 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
                 Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
             }
         };
-        let o = exec_options(s, &graph, &model.index, &backend);
-        let plan = Executor::plan_only(&graph, &model.index, &backend, o).map_err(js_err)?;
+        let o = exec_options(s, &graph, &model.index, &mut backend)?;
+        let plan = Executor::plan_only(&graph, &model.index, &mut backend, o).map_err(js_err)?;
         Ok(plan_json(&plan))
     })();
     state.borrow_mut().backend = Some(backend);
@@ -681,7 +677,7 @@ async fn language_side_files(
 
 /// The DiT's inputs: from JavaScript (`inputs`), else random from the seed at the size asked.
 fn dit_inputs(
-    index: &nibble_core::index::ModelIndex,
+    index: &nibble_core::io::model::ModelIndex,
     opts: &Value,
     js: Option<&JsValue>,
 ) -> Result<DitInputs, JsValue> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
 
-use nibble_core::source::{
+use nibble_core::io::source::{
     check_range, parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
 };
 use nibble_core::{Error, Result};

@@ -6,12 +6,12 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use nibble_core::bnb::find_4bit_weights;
-use nibble_core::index::{
-    shard_files_of_index, side_json as json, ModelIndex, SafetensorsHeader, Shard,
-    SHARD_INDEX_NAMES, SINGLE_FILE_NAMES,
+use nibble_core::format::safetensors::SafetensorsHeader;
+use nibble_core::io::model::{
+    shard_files_of_index, side_json as json, ModelIndex, Shard, SHARD_INDEX_NAMES,
+    SINGLE_FILE_NAMES,
 };
-use nibble_core::source::{RangeSource, SourceFile};
+use nibble_core::io::source::{RangeSource, SourceFile};
 use nibble_core::{Error, Result};
 
 use crate::fetch::{fetch_range, fetch_small, SharedTraffic};
@@ -152,7 +152,7 @@ pub async fn open(traffic: &SharedTraffic, url: &str) -> Result<RemoteModel> {
     )?;
     // Every quant-state tensor, read in runs of adjacent tensors (one request per run).
     let mut wanted = Vec::new();
-    for k in find_4bit_weights(&index)? {
+    for k in index.q4_weights().map(<[_]>::to_vec)? {
         let names = [
             Some(&k.quant_state),
             Some(&k.absmax),

@@ -3,12 +3,13 @@
 pub mod bert;
 pub mod dit;
 pub mod llama;
+#[cfg(feature = "text")]
+pub mod text;
 
-use crate::bnb::{Bnb4bitKeys, QuantState};
 use crate::error::Result;
-use crate::executor::{Graph, ValueId, WeightId};
+use crate::graph::{Graph, ValueId, WeightId};
 use crate::graph::{OpKind, Q4Info};
-use crate::index::ModelIndex;
+use crate::io::model::ModelIndex;
 
 /// What a model folder holds, by its `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +67,6 @@ impl W {
     pub(crate) fn load(
         g: &mut Graph,
         model: &ModelIndex,
-        keys: &[Bnb4bitKeys],
         grp: usize,
         name: &str,
         out: usize,
@@ -76,11 +76,11 @@ impl W {
         let bias = model
             .get(&bias_name)
             .map(|_| g.dense_weight(grp, &bias_name, &[out]));
-        if let Some(k) = keys.iter().find(|k| k.base == name) {
-            let s = QuantState::load(model, k)?;
+        if let Some(k) = model.q4_key(name)? {
+            let s = model.quant_state_json(k)?;
             let info = Q4Info {
                 shape: vec![out, inp],
-                blocksize: s.json.blocksize as usize,
+                blocksize: s.blocksize as usize,
             };
             Ok(W::Q4(g.q4_weight(grp, name, info), bias))
         } else {

@@ -1,0 +1,647 @@
+//! The optimized CPU backend's ops: one dispatch over [`OpKind`], and the heavier kernels it
+//! calls (GELU's erf, permutes, the dense linear, attention, the 4-bit linear).
+
+use super::*;
+
+impl CpuBackend {
+    /// Runs one op (see [`Backend::run`]).
+    pub(super) fn run_op(
+        &mut self,
+        op: &OpKind,
+        inputs: &[Operand],
+        q4: Option<&Q4View>,
+        out: &Operand,
+    ) -> Result<()> {
+        for o in inputs.iter().chain(std::iter::once(out)) {
+            self.check(o.slice)?;
+        }
+        let in_place = op.in_place_input();
+        for (i, o) in inputs.iter().enumerate() {
+            let (a, b) = (o.slice, out.slice);
+            let disjoint = a.offset + a.len <= b.offset || b.offset + b.len <= a.offset;
+            if !disjoint && in_place != Some(i) && a.len > 0 && b.len > 0 {
+                return Err(Error::Invalid(format!(
+                    "cpu {}: input {i} overlaps the output",
+                    op.name()
+                )));
+            }
+        }
+        let base = self.arena.as_mut_ptr();
+        // SAFETY: every slice is in bounds (checked above); the output overlaps no input it
+        // reads (an in-place op's shared input is never read through `ins`).
+        let io = unsafe {
+            Io {
+                ins: inputs
+                    .iter()
+                    .map(|o| {
+                        if in_place.is_some() {
+                            &[][..]
+                        } else {
+                            std::slice::from_raw_parts(
+                                base.add(o.slice.offset) as *const f32,
+                                o.slice.len,
+                            )
+                        }
+                    })
+                    .collect(),
+                out: std::slice::from_raw_parts_mut(base.add(out.slice.offset), out.slice.len),
+            }
+        };
+        let mut io = io;
+        if in_place.is_some() {
+            // Only the inputs after the shared one are read.
+            for (i, o) in inputs.iter().enumerate().skip(1) {
+                // SAFETY: in bounds and disjoint from the output (checked above).
+                io.ins[i] = unsafe {
+                    std::slice::from_raw_parts(base.add(o.slice.offset) as *const f32, o.slice.len)
+                };
+            }
+        }
+        let shape = |i: usize| inputs[i].info.shape.as_slice();
+        let last = |i: usize| *shape(i).last().unwrap_or(&1);
+        let pool = self.threads;
+        match op {
+            OpKind::Dequant4 => {
+                let v = q4.ok_or_else(|| Error::Invalid("dequant4 needs a weight".into()))?;
+                let st = self.q4_state(v)?;
+                let packed = self.region(v.packed)?;
+                st.dequantize(packed, io.out)?;
+            }
+            OpKind::LinearQ4 { bias } => {
+                let v = q4.ok_or_else(|| Error::Invalid("linear_q4 needs a weight".into()))?;
+                let b = bias.then(|| io.ins[1]);
+                let mut xp = std::mem::take(&mut self.scratch);
+                let r = self.linear_q4(io.ins[0], shape(0)[0], v, b, io.out, &mut xp);
+                self.scratch = xp;
+                r?;
+            }
+            OpKind::Linear { bias } => {
+                let (m, k) = (shape(0)[0], shape(0)[1]);
+                let n = shape(1)[0];
+                let b = bias.then(|| io.ins[2]);
+                dense_linear(
+                    pool,
+                    io.ins[0],
+                    m,
+                    rows(&inputs[1], io.ins[1]),
+                    n,
+                    k,
+                    b,
+                    io.out,
+                );
+            }
+            OpKind::MatMul { transpose_b } => {
+                let (bsz, m, k) = (shape(0)[0], shape(0)[1], shape(0)[2]);
+                let n = out.info.shape[2];
+                let (a, bm) = (io.ins[0], io.ins[1]);
+                let mut bt = std::mem::take(&mut self.scratch);
+                for bi in 0..bsz {
+                    let a = &a[bi * m * k..(bi + 1) * m * k];
+                    let w: &[f32] = if *transpose_b {
+                        &bm[bi * n * k..(bi + 1) * n * k]
+                    } else {
+                        bt.resize(n * k, 0.0);
+                        let src = &bm[bi * k * n..(bi + 1) * k * n];
+                        for kk in 0..k {
+                            for j in 0..n {
+                                bt[j * k + kk] = src[kk * n + j];
+                            }
+                        }
+                        &bt
+                    };
+                    dense_linear(
+                        pool,
+                        a,
+                        m,
+                        Rows::F32(w),
+                        n,
+                        k,
+                        None,
+                        &mut io.out[bi * m * n..(bi + 1) * m * n],
+                    );
+                }
+            }
+            OpKind::Add | OpKind::Mul => {
+                let (a, b) = (io.ins[0], io.ins[1]);
+                let d = b.len().max(1);
+                let add = matches!(op, OpKind::Add);
+                for (oc, ac) in io.out.chunks_mut(d).zip(a.chunks(d)) {
+                    for ((o, &x), &y) in oc.iter_mut().zip(ac).zip(b) {
+                        *o = if add { x + y } else { x * y };
+                    }
+                }
+            }
+            OpKind::Scale { factor } => {
+                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
+                    *o = x * factor;
+                }
+            }
+            OpKind::RmsNorm { eps } => {
+                let (w, d) = (io.ins[1], last(0));
+                for (row, orow) in io.ins[0].chunks(d).zip(io.out.chunks_mut(d)) {
+                    let ms = (dot(row, row) as f64 / d as f64) as f32;
+                    let r = 1.0 / (ms + eps).sqrt();
+                    for i in 0..d {
+                        orow[i] = row[i] * r * w[i];
+                    }
+                }
+            }
+            OpKind::LayerNorm { eps, affine } => {
+                let d = last(0);
+                for (row, orow) in io.ins[0].chunks(d).zip(io.out.chunks_mut(d)) {
+                    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+                    let var =
+                        row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+                    let r = (1.0 / (var + *eps as f64).sqrt()) as f32;
+                    let mean = mean as f32;
+                    for i in 0..d {
+                        let n = (row[i] - mean) * r;
+                        orow[i] = if *affine {
+                            n * io.ins[1][i] + io.ins[2][i]
+                        } else {
+                            n
+                        };
+                    }
+                }
+            }
+            OpKind::Silu => {
+                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
+                    *o = x / (1.0 + (-x).exp());
+                }
+            }
+            OpKind::Gelu => {
+                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
+                    let v = x as f64;
+                    *o = (0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))) as f32;
+                }
+            }
+            OpKind::GeluTanh => {
+                let c = (2.0f32 / std::f32::consts::PI).sqrt();
+                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
+                    *o = 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh());
+                }
+            }
+            OpKind::Softmax => {
+                let d = last(0);
+                for (row, orow) in io.ins[0].chunks(d).zip(io.out.chunks_mut(d)) {
+                    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    let mut sum = 0f64;
+                    for (o, &x) in orow.iter_mut().zip(row) {
+                        *o = (x - m).exp();
+                        sum += *o as f64;
+                    }
+                    let inv = (1.0 / sum) as f32;
+                    orow.iter_mut().for_each(|o| *o *= inv);
+                }
+            }
+            OpKind::Rope { mode } => {
+                let (x, cos, sin) = (io.ins[0], io.ins[1], io.ins[2]);
+                let (t, h, d) = (shape(0)[0], shape(0)[1], shape(0)[2]);
+                let half = d / 2;
+                for ti in 0..t {
+                    let (c, s) = (&cos[ti * half..][..half], &sin[ti * half..][..half]);
+                    for hi in 0..h {
+                        let base = (ti * h + hi) * d;
+                        for i in 0..half {
+                            let (a, b) = match mode {
+                                RopeMode::RotateHalf => (base + i, base + i + half),
+                                RopeMode::Interleaved => (base + 2 * i, base + 2 * i + 1),
+                            };
+                            let (x1, x2) = (x[a], x[b]);
+                            io.out[a] = x1 * c[i] - x2 * s[i];
+                            io.out[b] = x2 * c[i] + x1 * s[i];
+                        }
+                    }
+                }
+            }
+            OpKind::Attention {
+                causal,
+                scale,
+                key_mask,
+            } => {
+                let mask = key_mask.then(|| io.ins[3]);
+                attention(
+                    pool,
+                    io.ins[0],
+                    io.ins[1],
+                    io.ins[2],
+                    mask,
+                    shape(0),
+                    shape(1),
+                    *causal,
+                    *scale,
+                    io.out,
+                );
+            }
+            OpKind::Embedding => {
+                let (vocab, d) = (shape(1)[0], shape(1)[1]);
+                let table = rows(&inputs[1], io.ins[1]);
+                for (i, &idw) in io.ins[0].iter().enumerate() {
+                    let id = idw.to_bits() as usize;
+                    if id >= vocab {
+                        return Err(Error::Invalid(format!(
+                            "embedding: token id {id} is outside the vocabulary of {vocab}"
+                        )));
+                    }
+                    table.widen_into(id * d, &mut io.out[i * d..(i + 1) * d]);
+                }
+            }
+            OpKind::Concat { axis } => {
+                let outer: usize = shape(0)[..*axis].iter().product();
+                let ia: usize = shape(0)[*axis..].iter().product();
+                let ib: usize = shape(1)[*axis..].iter().product();
+                for r in 0..outer {
+                    let o = &mut io.out[r * (ia + ib)..(r + 1) * (ia + ib)];
+                    o[..ia].copy_from_slice(&io.ins[0][r * ia..(r + 1) * ia]);
+                    o[ia..].copy_from_slice(&io.ins[1][r * ib..(r + 1) * ib]);
+                }
+            }
+            OpKind::Slice { axis, start, len } => {
+                let outer: usize = shape(0)[..*axis].iter().product();
+                let inner: usize = shape(0)[*axis + 1..].iter().product();
+                let n = shape(0)[*axis];
+                for r in 0..outer {
+                    io.out[r * len * inner..(r + 1) * len * inner]
+                        .copy_from_slice(&io.ins[0][(r * n + start) * inner..][..len * inner]);
+                }
+            }
+            OpKind::Permute { perm } => permute(io.ins[0], shape(0), perm, io.out),
+            OpKind::Reshape { .. } => io.out.copy_from_slice(io.ins[0]),
+            OpKind::AdaLnModulate => {
+                let (shift, sc, d) = (io.ins[1], io.ins[2], last(0));
+                for (oc, xc) in io.out.chunks_mut(d).zip(io.ins[0].chunks(d)) {
+                    for i in 0..d {
+                        oc[i] = xc[i] * (1.0 + sc[i]) + shift[i];
+                    }
+                }
+            }
+            OpKind::CacheWrite => {
+                let (c, d) = (shape(0)[1], shape(0)[2]);
+                let (h, t) = (shape(1)[0], shape(1)[1]);
+                if inputs[2].info.elem != ElemType::U32 {
+                    return Err(Error::Invalid("cache_write: position is not u32".into()));
+                }
+                let pos = io.ins[2][0].to_bits() as usize;
+                if pos + t > c {
+                    return Err(Error::Invalid(format!(
+                        "cache_write: rows {pos}..{} do not fit a cache of {c}",
+                        pos + t
+                    )));
+                }
+                for hi in 0..h {
+                    io.out[(hi * c + pos) * d..(hi * c + pos + t) * d]
+                        .copy_from_slice(&io.ins[1][hi * t * d..(hi + 1) * t * d]);
+                }
+            }
+            OpKind::TimestepEmbedding {
+                dim,
+                flip_sin_to_cos,
+                downscale_freq_shift,
+                scale,
+                max_period,
+            } => {
+                let half = dim / 2;
+                for (bi, &t) in io.ins[0].iter().enumerate() {
+                    let o = &mut io.out[bi * dim..(bi + 1) * dim];
+                    for i in 0..half {
+                        let e = -(*max_period as f64).ln() * i as f64
+                            / (half as f64 - *downscale_freq_shift as f64);
+                        let a = *scale as f64 * t as f64 * e.exp();
+                        let (s, c) = (a.sin() as f32, a.cos() as f32);
+                        if *flip_sin_to_cos {
+                            o[i] = c;
+                            o[half + i] = s;
+                        } else {
+                            o[i] = s;
+                            o[half + i] = c;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// erf for GELU: the Taylor series below 0.5 (error < 1e-16), Abramowitz-Stegun 7.1.26 above
+/// (absolute error < 1.5e-7, far below what an f32 GELU output resolves at those arguments).
+fn erf(x: f64) -> f64 {
+    if x.abs() < 0.5 {
+        let x2 = x * x;
+        let mut term = x;
+        let mut sum = x;
+        for n in 1..14 {
+            term *= -x2 / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        return sum * 2.0 / std::f64::consts::PI.sqrt();
+    }
+    let t = 1.0 / (1.0 + 0.3275911 * x.abs());
+    let poly = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t
+        + 0.254829592)
+        * t;
+    (1.0 - poly * (-x * x).exp()).copysign(x)
+}
+
+fn permute(x: &[f32], ins: &[usize], perm: &[usize], out: &mut [f32]) {
+    let rank = ins.len();
+    let mut strides = vec![1usize; rank];
+    for i in (0..rank.saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * ins[i + 1];
+    }
+    let outs: Vec<usize> = perm.iter().map(|&p| ins[p]).collect();
+    let src_stride: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
+    // The innermost output axis as a run of strided reads.
+    let inner = *outs.last().unwrap_or(&1);
+    let inner_stride = *src_stride.last().unwrap_or(&1);
+    let mut idx = vec![0usize; rank];
+    for (row, o) in out.chunks_mut(inner.max(1)).enumerate() {
+        let mut rem = row;
+        let mut src = 0;
+        for ax in (0..rank.saturating_sub(1)).rev() {
+            idx[ax] = rem % outs[ax];
+            rem /= outs[ax];
+            src += idx[ax] * src_stride[ax];
+        }
+        if inner_stride == 1 {
+            o.copy_from_slice(&x[src..src + inner]);
+        } else {
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = x[src + i * inner_stride];
+            }
+        }
+    }
+}
+
+/// `out[M,N] = x[M,K] · w[N,K]^T (+ b)`, f32 tiles, columns split across threads.
+#[allow(clippy::too_many_arguments)]
+fn dense_linear(
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    w: Rows<'_>,
+    n: usize,
+    k: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let o = Out(out.as_mut_ptr());
+    let tasks = if (m * n * k) < 1 << 16 {
+        1
+    } else {
+        pool.threads() * 2
+    };
+    pool.run(tasks, &|t| {
+        let (n0, n1) = split(n, tasks, t, 3);
+        let mut tile = [0f32; 12];
+        let mut j = n0;
+        while j < n1 {
+            let nr = (n1 - j).min(3);
+            let mut i = 0;
+            while i < m {
+                let mr = (m - i).min(4);
+                dot_tile_rows(&x[i * k..], k, mr, w.from(j * k), k, nr, k, &mut tile, 3);
+                for a in 0..mr {
+                    for bcol in 0..nr {
+                        let mut v = tile[a * 3 + bcol];
+                        if let Some(b) = bias {
+                            v += b[j + bcol];
+                        }
+                        // SAFETY: column j + bcol belongs to this task only.
+                        unsafe { o.range((i + a) * n + j + bcol, 1)[0] = v };
+                    }
+                }
+                i += mr;
+            }
+            j += nr;
+        }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<&[f32]>,
+    qs: &[usize],
+    ks: &[usize],
+    causal: bool,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (hq, tq, d) = (qs[0], qs[1], qs[2]);
+    let (hkv, tk) = (ks[0], ks[1]);
+    let group = hq / hkv.max(1);
+    let rows = hq * tq;
+    let o = Out(out.as_mut_ptr());
+    let tasks = rows.min(pool.threads() * 4).max(1);
+    pool.run(tasks, &|t| {
+        let (r0, r1) = split(rows, tasks, t, 1);
+        let mut scores = vec![0f32; tk];
+        let mut acc = vec![0f32; d];
+        for row in r0..r1 {
+            let (h, i) = (row / tq, row % tq);
+            let kh = h / group;
+            let qrow = &q[row * d..(row + 1) * d];
+            let limit = if causal {
+                (i + tk - tq + 1).min(tk)
+            } else {
+                tk
+            };
+            let mut m = f32::NEG_INFINITY;
+            for j in 0..limit {
+                if mask.is_some_and(|mk| mk[j] == 0.0) {
+                    scores[j] = f32::NEG_INFINITY;
+                    continue;
+                }
+                let s = dot(qrow, &k[(kh * tk + j) * d..(kh * tk + j + 1) * d]) * scale;
+                scores[j] = s;
+                m = m.max(s);
+            }
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            // SAFETY: row `row` of the output belongs to this task only.
+            let orow = unsafe { o.range(row * d, d) };
+            if m == f32::NEG_INFINITY {
+                orow.iter_mut().for_each(|x| *x = 0.0);
+                continue;
+            }
+            let mut sum = 0f32;
+            for j in 0..limit {
+                if scores[j] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let w = (scores[j] - m).exp();
+                sum += w;
+                let vrow = &v[(kh * tk + j) * d..(kh * tk + j + 1) * d];
+                for (a, &x) in acc.iter_mut().zip(vrow) {
+                    *a += w * x;
+                }
+            }
+            let inv = 1.0 / sum;
+            for (ov, a) in orow.iter_mut().zip(&acc) {
+                *ov = a * inv;
+            }
+        }
+    });
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl CpuBackend {
+    fn q4_state(&self, v: &Q4View) -> Result<crate::format::bnb::QuantState> {
+        Ok(crate::format::bnb::QuantState {
+            json: crate::format::bnb::QuantStateJson {
+                quant_type: crate::format::bnb::QuantType::Nf4,
+                blocksize: v.blocksize as u64,
+                dtype: crate::format::bnb::FloatDtype::F32,
+                shape: v.shape.iter().map(|&d| d as u64).collect(),
+                nested: None,
+            },
+            code: self.code(v)?,
+            absmax: self.region_f32(v.absmax)?.to_vec(),
+        })
+    }
+
+    fn code(&self, v: &Q4View) -> Result<[f32; 16]> {
+        self.region_f32(v.code)?
+            .get(..16)
+            .and_then(|c| c.try_into().ok())
+            .ok_or_else(|| Error::Invalid("cpu: the code table is not 16 f32".into()))
+    }
+
+    fn linear_q4(
+        &self,
+        x: &[f32],
+        m: usize,
+        v: &Q4View,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        xp: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (n, k, bs) = (v.shape[0], v.shape[1], v.blocksize);
+        let packed = self.region(v.packed)?;
+        let absmax = self.region_f32(v.absmax)?;
+        let code = self.code(v)?;
+        let pool = self.threads;
+        let o = Out(out.as_mut_ptr());
+        if k % bs != 0 || bs % 16 != 0 {
+            // Blocks cross rows (or a row starts mid-byte): dequantize rows one at a time by
+            // the element formula.
+            let tasks = pool.threads();
+            pool.run(tasks, &|t| {
+                let (n0, n1) = split(n, tasks, t, 1);
+                let mut row = vec![0f32; k];
+                for j in n0..n1 {
+                    for (kk, r) in row.iter_mut().enumerate() {
+                        let e = j * k + kk;
+                        let byte = packed[e / 2];
+                        let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
+                        *r = code[q as usize] * absmax[e / bs];
+                    }
+                    for i in 0..m {
+                        let mut s = dot(&x[i * k..(i + 1) * k], &row);
+                        if let Some(b) = bias {
+                            s += b[j];
+                        }
+                        // SAFETY: column j belongs to this task only.
+                        unsafe { o.range(i * n + j, 1)[0] = s };
+                    }
+                }
+            });
+            return Ok(());
+        }
+        // Activations in the order the kernel decodes weights into, once per call: lane order
+        // for the GEMV (blocks of at least 32), paired order for the tiles.
+        let gemv = m <= GEMV_MAX_ROWS && bs % 32 == 0;
+        if xp.len() < m * k {
+            xp.resize(m * k, 0.0);
+        }
+        for i in 0..m {
+            let (src, dst) = (&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
+            if gemv {
+                lane_order(src, dst);
+            } else {
+                pair_order(src, dst);
+            }
+        }
+        let xp: &[f32] = &xp[..m * k];
+        let blocks_per_row = k / bs;
+        let tasks = if n * k < 1 << 15 {
+            1
+        } else {
+            pool.threads() * 2
+        };
+        if gemv {
+            pool.run(tasks, &|t| {
+                let (n0, n1) = split(n, tasks, t, 1);
+                let rows: Vec<&[f32]> = (0..m).map(|i| &xp[i * k..(i + 1) * k]).collect();
+                let mut dots = [0f32; GEMV_MAX_ROWS];
+                for j in n0..n1 {
+                    q4_row_dots(
+                        &packed[j * k / 2..(j + 1) * k / 2],
+                        &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
+                        bs,
+                        &code,
+                        &rows,
+                        &mut dots[..m],
+                    );
+                    for (i, &d) in dots[..m].iter().enumerate() {
+                        let s = d + bias.map_or(0.0, |b| b[j]);
+                        // SAFETY: column j belongs to this task only.
+                        unsafe { o.range(i * n + j, 1)[0] = s };
+                    }
+                }
+            });
+            return Ok(());
+        }
+        pool.run(tasks, &|t| {
+            let (n0, n1) = split(n, tasks, t, TILE_ROWS);
+            SCRATCH.with(|s| {
+                let mut w = s.borrow_mut();
+                if w.len() < TILE_ROWS * k {
+                    w.resize(TILE_ROWS * k, 0.0);
+                }
+                let mut tile = [0f32; 12];
+                let mut j0 = n0;
+                while j0 < n1 {
+                    let rows = (n1 - j0).min(TILE_ROWS);
+                    for r in 0..rows {
+                        let j = j0 + r;
+                        dequant_row_paired(
+                            &packed[j * k / 2..(j + 1) * k / 2],
+                            &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
+                            bs,
+                            &code,
+                            &mut w[r * k..(r + 1) * k],
+                        );
+                    }
+                    let mut i = 0;
+                    while i < m {
+                        let mr = (m - i).min(4);
+                        let mut r = 0;
+                        while r < rows {
+                            let nr = (rows - r).min(3);
+                            dot_tile(&xp[i * k..], k, mr, &w[r * k..], k, nr, k, &mut tile, 3);
+                            for a in 0..mr {
+                                for c in 0..nr {
+                                    let j = j0 + r + c;
+                                    let s = tile[a * 3 + c] + bias.map_or(0.0, |b| b[j]);
+                                    // SAFETY: column j belongs to this task only.
+                                    unsafe { o.range((i + a) * n + j, 1)[0] = s };
+                                }
+                            }
+                            r += nr;
+                        }
+                        i += mr;
+                    }
+                    j0 += rows;
+                }
+            });
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,303 @@
+//! Local files as a [`RangeSource`], with the read strategies measured against each other in
+//! `nibble bench stream --file-mode` (README, "Streaming"):
+//!
+//! - `pread`: positional reads into the ring slot (page cache kept by the kernel).
+//! - `pread-dropcache`: `pread`, then `posix_fadvise(DONTNEED)` on the range, so that streaming a
+//!   model larger than free RAM does not fill the page cache without bound.
+//! - `direct`: `O_DIRECT` reads (aligned, through a per-thread bounce buffer), no page cache.
+//! - `mmap`: one read-only map per file, ranges copied out and `madvise(DONTNEED)` once consumed
+//!   (touched pages of a map count in RSS, which is how one Python offloader reached an 11 GB
+//!   working set).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::io::source::{RangeSource, SlotMemory, SourceFile};
+
+/// How a [`FileSource`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FileReadMode {
+    /// `pread` when the model's files fit in half of the available RAM (later steps then run at
+    /// memory speed from the page cache), `pread-dropcache` otherwise (the page cache stays
+    /// bounded at about the same disk throughput). Chosen from the measurements in the README.
+    #[default]
+    Auto,
+    /// Positional reads.
+    Pread,
+    /// Positional reads, then drop the range from the page cache.
+    PreadDropCache,
+    /// `O_DIRECT` reads.
+    Direct,
+    /// Memory map, copy, `madvise(DONTNEED)`.
+    Mmap,
+}
+
+impl FileReadMode {
+    /// Parses the CLI spelling.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(FileReadMode::Auto),
+            "pread" => Some(FileReadMode::Pread),
+            "pread-dropcache" => Some(FileReadMode::PreadDropCache),
+            "direct" => Some(FileReadMode::Direct),
+            "mmap" => Some(FileReadMode::Mmap),
+            _ => None,
+        }
+    }
+
+    /// The CLI spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            FileReadMode::Auto => "auto",
+            FileReadMode::Pread => "pread",
+            FileReadMode::PreadDropCache => "pread-dropcache",
+            FileReadMode::Direct => "direct",
+            FileReadMode::Mmap => "mmap",
+        }
+    }
+}
+
+/// A model's local files.
+#[derive(Debug)]
+pub struct FileSource {
+    files: Vec<SourceFile>,
+    paths: Vec<PathBuf>,
+    handles: Vec<File>,
+    direct: Vec<Option<File>>,
+    maps: Vec<Option<memmap2::Mmap>>,
+    mode: FileReadMode,
+}
+
+const DIRECT_ALIGN: u64 = 4096;
+
+thread_local! {
+    static BOUNCE: std::cell::RefCell<crate::io::source::HostSlot> =
+        std::cell::RefCell::new(crate::io::source::HostSlot::new(0));
+}
+
+impl FileSource {
+    /// Opens the files for reading with `mode` (`Auto` is resolved here).
+    pub fn open(paths: &[PathBuf], mode: FileReadMode) -> Result<Self> {
+        let mode = match mode {
+            FileReadMode::Auto => {
+                let total: u64 = paths
+                    .iter()
+                    .filter_map(|p| std::fs::metadata(p).ok())
+                    .map(|m| m.len())
+                    .sum();
+                match crate::plan::machine::available_memory_bytes() {
+                    Some(avail) if total > avail / 2 => FileReadMode::PreadDropCache,
+                    _ => FileReadMode::Pread,
+                }
+            }
+            m => m,
+        };
+        let mut files = Vec::new();
+        let mut handles = Vec::new();
+        let mut direct = Vec::new();
+        let mut maps = Vec::new();
+        for p in paths {
+            let name = p.display().to_string();
+            let f = File::open(p).map_err(|e| Error::io(&name, e))?;
+            let len = f.metadata().map_err(|e| Error::io(&name, e))?.len();
+            direct.push(if mode == FileReadMode::Direct {
+                Some(open_direct(p)?)
+            } else {
+                None
+            });
+            maps.push(if mode == FileReadMode::Mmap && len > 0 {
+                // SAFETY: the map is read-only; a file truncated underneath is detected by the
+                // length check before each copy (reads past the end are refused, not faulted:
+                // see `read_exact_at`).
+                Some(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&name, e))?)
+            } else {
+                None
+            });
+            files.push(SourceFile { name, len });
+            handles.push(f);
+        }
+        Ok(FileSource {
+            files,
+            paths: paths.to_vec(),
+            handles,
+            direct,
+            maps,
+            mode,
+        })
+    }
+
+    /// The read strategy.
+    pub fn mode(&self) -> FileReadMode {
+        self.mode
+    }
+
+    /// The files' paths.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn open_direct(p: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(p)
+        .map_err(|e| Error::io(p.display().to_string(), e))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(p: &Path) -> Result<File> {
+    Err(Error::Invalid(format!(
+        "{}: O_DIRECT reads are only supported on Linux",
+        p.display()
+    )))
+}
+
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+fn pread_full(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+#[cfg(target_os = "linux")]
+fn drop_cache(f: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on an open descriptor; failure only means the cache stays.
+    unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            offset as i64,
+            len as i64,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn drop_cache(_f: &File, _offset: u64, _len: u64) {}
+
+/// Drops a whole file from the page cache (so that a benchmark baseline reads from disk).
+pub fn drop_file_cache(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| Error::io(path.display().to_string(), e))?;
+    let len = f
+        .metadata()
+        .map_err(|e| Error::io(path.display().to_string(), e))?
+        .len();
+    drop_cache(&f, 0, len);
+    Ok(())
+}
+
+impl RangeSource for FileSource {
+    fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
+    fn read_exact_at(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()> {
+        let info = self
+            .files
+            .get(file)
+            .ok_or_else(|| Error::Invalid(format!("no file #{file}")))?;
+        let name = &info.name;
+        let len = buf.len() as u64;
+        let short = |got: usize| Error::ShortRead {
+            file: name.clone(),
+            tensor: what.to_string(),
+            offset,
+            wanted: len,
+            got: got as u64,
+        };
+        match self.mode {
+            FileReadMode::Auto | FileReadMode::Pread | FileReadMode::PreadDropCache => {
+                let f = &self.handles[file];
+                let got = pread_full(f, offset, buf).map_err(|e| Error::io(name, e))?;
+                if self.mode == FileReadMode::PreadDropCache {
+                    drop_cache(f, offset, len);
+                }
+                if got != buf.len() {
+                    return Err(short(got));
+                }
+            }
+            FileReadMode::Direct => {
+                let f = self.direct[file]
+                    .as_ref()
+                    .ok_or_else(|| Error::Invalid("no O_DIRECT handle".into()))?;
+                let start = offset / DIRECT_ALIGN * DIRECT_ALIGN;
+                let end = (offset + len).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+                let span = (end - start) as usize;
+                let got = BOUNCE.with(|b| -> Result<usize> {
+                    let mut b = b.borrow_mut();
+                    if b.bytes().len() < span {
+                        // Grows once per reader thread up to the largest read (one ring slot).
+                        *b = crate::io::source::HostSlot::new(span);
+                    }
+                    let bounce = &mut b.bytes_mut()[..span];
+                    let n = pread_full(f, start, bounce).map_err(|e| Error::io(name, e))?;
+                    let skip = (offset - start) as usize;
+                    let avail = n.saturating_sub(skip).min(buf.len());
+                    buf[..avail].copy_from_slice(&bounce[skip..skip + avail]);
+                    Ok(avail)
+                })?;
+                if got != buf.len() {
+                    return Err(short(got));
+                }
+            }
+            FileReadMode::Mmap => {
+                // The file may have shrunk since it was mapped: touching pages past its end
+                // would fault, so compare with the current length first.
+                let now = self.handles[file]
+                    .metadata()
+                    .map_err(|e| Error::io(name, e))?
+                    .len();
+                let map = self.maps[file].as_ref();
+                let avail = now.min(map.map(|m| m.len() as u64).unwrap_or(0));
+                if offset + len > avail {
+                    return Err(short(avail.saturating_sub(offset) as usize));
+                }
+                let m = map.ok_or_else(|| short(0))?;
+                buf.copy_from_slice(&m[offset as usize..(offset + len) as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    fn consumed(&self, file: usize, offset: u64, len: u64) {
+        if self.mode == FileReadMode::Mmap {
+            if let Some(m) = self.maps.get(file).and_then(|m| m.as_ref()) {
+                let page = 4096u64;
+                let start = offset.div_ceil(page) * page;
+                let end = ((offset + len) / page * page).min(m.len() as u64);
+                if end > start {
+                    // SAFETY: DONTNEED on a read-only shared file map only drops resident pages;
+                    // later reads fault them back in from the file.
+                    unsafe {
+                        libc::madvise(
+                            m.as_ptr().add(start as usize) as *mut libc::c_void,
+                            (end - start) as usize,
+                            libc::MADV_DONTNEED,
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} ({})",
+            self.files.first().map(|f| f.name.as_str()).unwrap_or("?"),
+            self.mode.name()
+        )
+    }
+}

@@ -1,0 +1,502 @@
+//! Denoising with a Flux-style DiT as a resumable loop: the inputs, the flow-matching Euler
+//! schedule and the latent, one streaming pass over the blocks per step, and checkpoints that a
+//! run can resume from bit for bit. `nibble run`, `nibble demo` and the browser build on it.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::graph::HostTensor;
+use crate::io::model::ModelIndex;
+use crate::models::dit::{self, DitConfig};
+use crate::models::dit::{flux_mu, FlowMatchEuler, Shift};
+
+/// The conditioning and the starting latent of a denoising run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DitInputs {
+    /// Noise latent `[n, in_channels]`.
+    pub x0: Vec<f32>,
+    /// Text hidden states `[t, joint_dim]`.
+    pub context: Vec<f32>,
+    /// Pooled text embedding `[pooled_dim]`.
+    pub pooled: Vec<f32>,
+    /// Guidance scale (ignored by models without a guidance embedding).
+    pub guidance: f32,
+    /// Image position ids `[n, 3]` = (0, row, col).
+    pub img_ids: Vec<f32>,
+    /// Text position ids `[t, 3]`.
+    pub txt_ids: Vec<f32>,
+}
+
+/// Deterministic roughly-normal values (sum of four uniforms, mean 0, sd 1) from a seed.
+pub fn gaussian_like(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            let mut acc = 0.0;
+            for _ in 0..4 {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                acc += (s >> 40) as f32 / (1u64 << 24) as f32;
+            }
+            (acc - 2.0) * 1.732
+        })
+        .collect()
+}
+
+impl DitInputs {
+    /// Random inputs from `seed` for a `height x width` latent grid and `text_len` text tokens.
+    pub fn random(
+        cfg: &DitConfig,
+        height: usize,
+        width: usize,
+        text_len: usize,
+        guidance: f32,
+        seed: u64,
+    ) -> Self {
+        let n = height * width;
+        DitInputs {
+            x0: gaussian_like(n * cfg.in_channels, seed),
+            context: gaussian_like(text_len * cfg.joint_dim, seed + 1),
+            pooled: gaussian_like(cfg.pooled_dim, seed + 2),
+            guidance,
+            img_ids: (0..n)
+                .flat_map(|i| [0.0, (i / width) as f32, (i % width) as f32])
+                .collect(),
+            txt_ids: vec![0.0; text_len * 3],
+        }
+    }
+
+    /// Inputs from tensors named like diffusers' pipeline arguments and the fixtures':
+    /// `hidden_states`, `encoder_hidden_states`, `pooled_projections`, `guidance` (read only when
+    /// the model has a guidance embedding), `img_ids`, `txt_ids`.
+    pub fn from_named<E>(
+        cfg: &DitConfig,
+        mut get: impl FnMut(&str) -> std::result::Result<Vec<f32>, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(DitInputs {
+            x0: get("hidden_states")?,
+            context: get("encoder_hidden_states")?,
+            pooled: get("pooled_projections")?,
+            guidance: if cfg.guidance {
+                get("guidance")?.first().copied().unwrap_or(0.0)
+            } else {
+                0.0
+            },
+            img_ids: get("img_ids")?,
+            txt_ids: get("txt_ids")?,
+        })
+    }
+
+    /// Image tokens.
+    pub fn image_tokens(&self) -> usize {
+        self.img_ids.len() / 3
+    }
+
+    /// Text tokens.
+    pub fn text_tokens(&self) -> usize {
+        self.txt_ids.len() / 3
+    }
+
+    /// Latent grid (height, width) from the image ids.
+    pub fn grid(&self) -> (usize, usize) {
+        let n = self.image_tokens();
+        let h = self
+            .img_ids
+            .chunks(3)
+            .map(|r| r[1] as usize)
+            .max()
+            .unwrap_or(0)
+            + 1;
+        (h, n / h.max(1))
+    }
+
+    /// Checks the inputs against the model's sizes.
+    pub fn check(&self, cfg: &DitConfig) -> Result<()> {
+        let (n, t) = (self.image_tokens(), self.text_tokens());
+        if n == 0
+            || self.img_ids.len() % 3 != 0
+            || self.txt_ids.len() % 3 != 0
+            || self.x0.len() != n * cfg.in_channels
+            || self.context.len() != t * cfg.joint_dim
+            || self.pooled.len() != cfg.pooled_dim
+        {
+            return Err(Error::Invalid(format!(
+                "DiT inputs do not fit the model: {n} image tokens x {} channels, {t} text tokens x {}, pooled {}",
+                cfg.in_channels, cfg.joint_dim, cfg.pooled_dim
+            )));
+        }
+        if cfg.out_channels != cfg.in_channels {
+            return Err(Error::Invalid(format!(
+                "the model predicts {} values per token for a latent of {} channels (patch_size or \
+                 out_channels in config.json): the Euler loop needs one velocity per latent value",
+                cfg.out_channels, cfg.in_channels
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What one denoising step cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DenoiseStep {
+    /// Step number, from 1.
+    pub step: usize,
+    /// Wall time of the step.
+    pub wall: std::time::Duration,
+    /// Streaming figures of the step.
+    pub stats: ExecStats,
+    /// Process RSS after the step (0 where unknown).
+    pub rss_bytes: u64,
+}
+
+/// A DiT denoising run bound to a backend.
+pub struct Denoiser<B: Backend> {
+    ex: Executor<B>,
+    /// The model's configuration.
+    pub config: DitConfig,
+    inputs: DitInputs,
+    sigmas: Vec<f32>,
+    x: Vec<f32>,
+    next: usize,
+    fixed: Vec<HostTensor>,
+    cos: HostTensor,
+    sin: HostTensor,
+}
+
+impl<B: Backend> std::fmt::Debug for Denoiser<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Denoiser")
+            .field("step", &self.next)
+            .field("steps", &(self.sigmas.len() - 1))
+            .finish()
+    }
+}
+
+/// The schedule of `steps` steps: static shift, or Flux's resolution-dependent one.
+pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) -> Vec<f32> {
+    FlowMatchEuler {
+        num_train_timesteps: 1000,
+        shift: if dynamic {
+            Shift::Dynamic(flux_mu(image_tokens))
+        } else {
+            Shift::Static(shift)
+        },
+    }
+    .sigmas(steps)
+}
+
+impl<B: Backend> Denoiser<B> {
+    /// Plans and allocates the run: `sigmas` has one more entry than there are steps.
+    pub fn new(
+        model: &ModelIndex,
+        backend: B,
+        inputs: DitInputs,
+        sigmas: Vec<f32>,
+        opts: ExecOptions,
+    ) -> Result<Self> {
+        Self::with_ring(model, backend, inputs, sigmas, opts, None)
+    }
+
+    /// [`Denoiser::new`] streaming through a ring handed over from an earlier phase.
+    pub fn with_ring(
+        model: &ModelIndex,
+        backend: B,
+        inputs: DitInputs,
+        sigmas: Vec<f32>,
+        opts: ExecOptions,
+        ring: Option<crate::stream::ring::StagingRing>,
+    ) -> Result<Self> {
+        let cfg = Self::checked_config(model, &inputs, &sigmas)?;
+        let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
+        let dg = dit::build(model, n, t)?;
+        let ex = Executor::with_ring(dg.graph, model, backend, opts, ring)?;
+        Self::over(ex, cfg, inputs, sigmas)
+    }
+
+    /// [`Denoiser::new`] for an event loop (the browser): weights come from the sources
+    /// `make_source` makes, and resident groups are awaited.
+    pub async fn with_source_async(
+        model: &ModelIndex,
+        backend: B,
+        inputs: DitInputs,
+        sigmas: Vec<f32>,
+        opts: ExecOptions,
+        make_source: &mut dyn FnMut() -> Box<dyn crate::io::source::ByteSource>,
+    ) -> Result<Self> {
+        let cfg = Self::checked_config(model, &inputs, &sigmas)?;
+        let dg = dit::build(model, inputs.image_tokens(), inputs.text_tokens())?;
+        let ex = Executor::with_source_async(dg.graph, model, backend, opts, make_source).await?;
+        Self::over(ex, cfg, inputs, sigmas)
+    }
+
+    fn checked_config(model: &ModelIndex, inputs: &DitInputs, sigmas: &[f32]) -> Result<DitConfig> {
+        let cfg = DitConfig::from_json(model.config.as_ref().ok_or_else(|| Error::Model {
+            file: model.root.clone(),
+            msg: "no config.json".into(),
+        })?)?;
+        inputs.check(&cfg)?;
+        if sigmas.len() < 2 {
+            return Err(Error::Invalid("a schedule needs at least one step".into()));
+        }
+        Ok(cfg)
+    }
+
+    fn over(ex: Executor<B>, cfg: DitConfig, inputs: DitInputs, sigmas: Vec<f32>) -> Result<Self> {
+        let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
+        let ids: Vec<f32> = inputs
+            .txt_ids
+            .iter()
+            .chain(&inputs.img_ids)
+            .copied()
+            .collect();
+        let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
+        let half = cfg.head_dim / 2;
+        let fixed = vec![
+            HostTensor::f32(&[t, cfg.joint_dim], inputs.context.clone())?,
+            HostTensor::f32(&[1, cfg.pooled_dim], inputs.pooled.clone())?,
+        ];
+        Ok(Denoiser {
+            ex,
+            x: inputs.x0.clone(),
+            cos: HostTensor::f32(&[t + n, half], cos)?,
+            sin: HostTensor::f32(&[t + n, half], sin)?,
+            config: cfg,
+            inputs,
+            sigmas,
+            next: 0,
+            fixed,
+        })
+    }
+
+    /// The executor (plan, backend).
+    pub fn executor(&self) -> &Executor<B> {
+        &self.ex
+    }
+
+    /// The executor, mutable.
+    pub fn executor_mut(&mut self) -> &mut Executor<B> {
+        &mut self.ex
+    }
+
+    /// The graph this run would build for `inputs` (to plan it before allocating).
+    pub fn graph_for(model: &ModelIndex, inputs: &DitInputs) -> Result<crate::graph::Graph> {
+        Ok(dit::build(model, inputs.image_tokens(), inputs.text_tokens())?.graph)
+    }
+
+    /// Ends the run: releases its device memory, gives back the backend and the ring.
+    pub fn into_parts(self) -> (B, Option<crate::stream::ring::StagingRing>) {
+        self.ex.into_parts()
+    }
+
+    /// Steps in the schedule.
+    pub fn steps(&self) -> usize {
+        self.sigmas.len() - 1
+    }
+
+    /// Steps done.
+    pub fn done(&self) -> usize {
+        self.next
+    }
+
+    /// The latent now.
+    pub fn latent(&self) -> &[f32] {
+        &self.x
+    }
+
+    /// The inputs.
+    pub fn inputs(&self) -> &DitInputs {
+        &self.inputs
+    }
+
+    /// The schedule.
+    pub fn sigmas(&self) -> &[f32] {
+        &self.sigmas
+    }
+
+    /// One Euler step: one streaming pass over the blocks. `None` once every step is done.
+    pub fn step(&mut self) -> Result<Option<DenoiseStep>> {
+        let t0 = web_time::Instant::now();
+        let Some(inputs) = self.step_inputs()? else {
+            return Ok(None);
+        };
+        let (out, stats) = self.ex.step(&inputs)?;
+        self.stepped(t0, out, stats).map(Some)
+    }
+
+    /// [`Denoiser::step`] on an event loop (the browser).
+    pub async fn step_async(&mut self) -> Result<Option<DenoiseStep>> {
+        let t0 = web_time::Instant::now();
+        let Some(inputs) = self.step_inputs()? else {
+            return Ok(None);
+        };
+        let (out, stats) = self.ex.step_program_async(0, &inputs).await?;
+        self.stepped(t0, out, stats).map(Some)
+    }
+
+    /// The model's inputs for the next step; `None` once every step is done.
+    fn step_inputs(&self) -> Result<Option<Vec<HostTensor>>> {
+        let i = self.next;
+        if i + 1 >= self.sigmas.len() {
+            return Ok(None);
+        }
+        let cfg = &self.config;
+        let n = self.inputs.image_tokens();
+        let mut inputs = Vec::with_capacity(7);
+        inputs.push(HostTensor::f32(&[n, cfg.in_channels], self.x.clone())?);
+        inputs.extend(self.fixed.iter().cloned());
+        inputs.push(HostTensor::f32(&[1], vec![self.sigmas[i] * 1000.0])?);
+        if cfg.guidance {
+            inputs.push(HostTensor::f32(&[1], vec![self.inputs.guidance * 1000.0])?);
+        }
+        inputs.push(self.cos.clone());
+        inputs.push(self.sin.clone());
+        Ok(Some(inputs))
+    }
+
+    /// The Euler update from the model's output.
+    fn stepped(
+        &mut self,
+        t0: web_time::Instant,
+        out: Vec<HostTensor>,
+        stats: ExecStats,
+    ) -> Result<DenoiseStep> {
+        let i = self.next;
+        let v = out
+            .first()
+            .ok_or_else(|| Error::Invalid("the DiT graph has no output".into()))?;
+        FlowMatchEuler::step(&mut self.x, v.as_f32(), self.sigmas[i], self.sigmas[i + 1]);
+        self.next += 1;
+        Ok(DenoiseStep {
+            step: self.next,
+            wall: t0.elapsed(),
+            stats,
+            rss_bytes: crate::plan::machine::rss_bytes().unwrap_or(0),
+        })
+    }
+
+    /// Continues a run from a checkpoint: the latent, the step count and the inputs it holds
+    /// must fit this run (same schedule, same inputs), else an error says what differs.
+    pub fn restore(&mut self, c: &Checkpoint) -> Result<()> {
+        if c.sigmas != self.sigmas {
+            return Err(Error::Invalid(format!(
+                "the checkpoint's schedule ({} steps) is not this run's ({} steps)",
+                c.sigmas.len().saturating_sub(1),
+                self.steps()
+            )));
+        }
+        if c.inputs != self.inputs {
+            return Err(Error::Invalid(
+                "the checkpoint was made with other inputs (seed, size or text)".into(),
+            ));
+        }
+        if c.latent.len() != self.x.len() || c.done > self.steps() {
+            return Err(Error::Invalid(
+                "the checkpoint's latent does not fit this run".into(),
+            ));
+        }
+        self.x = c.latent.clone();
+        self.next = c.done;
+        Ok(())
+    }
+
+    /// This run's state as a checkpoint.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            done: self.next,
+            latent: self.x.clone(),
+            sigmas: self.sigmas.clone(),
+            inputs: self.inputs.clone(),
+        }
+    }
+}
+
+/// A resumable denoising state: steps done, the latent after them, the schedule and the inputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// Steps done.
+    pub done: usize,
+    /// The latent after them.
+    pub latent: Vec<f32>,
+    /// The schedule.
+    pub sigmas: Vec<f32>,
+    /// The inputs.
+    pub inputs: DitInputs,
+}
+
+/// File name of the checkpoint inside a checkpoint folder.
+#[cfg(feature = "native")]
+pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
+
+#[cfg(feature = "native")]
+impl Checkpoint {
+    /// Writes `dir/checkpoint.safetensors` atomically: a temporary file, fsync, rename, fsync of
+    /// the folder; a crash leaves the previous complete checkpoint.
+    pub fn save(&self, dir: &std::path::Path) -> Result<()> {
+        use crate::format::dtype::f32_to_bytes;
+        use crate::format::dtype::Dtype;
+        let disp = dir.display().to_string();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(disp.clone(), e))?;
+        let t = |name: &str, v: &[f32]| {
+            (
+                name.to_string(),
+                Dtype::F32,
+                vec![v.len() as u64],
+                f32_to_bytes(v),
+            )
+        };
+        let i = &self.inputs;
+        let tensors = vec![
+            t("latent", &self.latent),
+            t("sigmas", &self.sigmas),
+            t("x0", &i.x0),
+            t("context", &i.context),
+            t("pooled", &i.pooled),
+            t("guidance", &[i.guidance]),
+            t("img_ids", &i.img_ids),
+            t("txt_ids", &i.txt_ids),
+        ];
+        let mut meta = std::collections::BTreeMap::new();
+        meta.insert("steps_done".to_string(), self.done.to_string());
+        meta.insert("format".to_string(), "nibble-dit-checkpoint-1".to_string());
+        let path = dir.join(CHECKPOINT_FILE);
+        // write_safetensors writes a temporary file in the same folder and renames it.
+        crate::format::writer::write_safetensors(&path, &tensors, &meta)?;
+        if let Ok(f) = std::fs::File::open(dir) {
+            let _ = f.sync_all();
+        }
+        Ok(())
+    }
+
+    /// Reads `dir/checkpoint.safetensors`; `Ok(None)` when there is none yet.
+    pub fn load(dir: &std::path::Path) -> Result<Option<Self>> {
+        let path = dir.join(CHECKPOINT_FILE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let m = ModelIndex::open(&path)?;
+        let get = |n: &str| -> Result<Vec<f32>> { m.read_f32(m.require(n)?) };
+        let header = crate::io::model::read_header(&path)?;
+        let done = header
+            .metadata
+            .get("steps_done")
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Error::Model {
+                file: path.display().to_string(),
+                msg: "not a nibble checkpoint (no steps_done)".into(),
+            })?;
+        Ok(Some(Checkpoint {
+            done,
+            latent: get("latent")?,
+            sigmas: get("sigmas")?,
+            inputs: DitInputs {
+                x0: get("x0")?,
+                context: get("context")?,
+                pooled: get("pooled")?,
+                guidance: get("guidance")?.first().copied().unwrap_or(0.0),
+                img_ids: get("img_ids")?,
+                txt_ids: get("txt_ids")?,
+            },
+        }))
+    }
+}

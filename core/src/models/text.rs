@@ -1,0 +1,210 @@
+//! Text in and out of a language model: `tokenizer.json` through the `tokenizers` crate and the
+//! chat template of `tokenizer_config.json` (or `chat_template.jinja`) rendered with minijinja the
+//! way transformers' `apply_chat_template` renders it (trim_blocks, lstrip_blocks, Python string
+//! methods, `raise_exception`).
+
+use crate::error::{Error, Result};
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message from `role`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A model's tokenizer and chat template.
+pub struct TextTokenizer {
+    tok: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab", &self.tok.get_vocab_size(true))
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+fn err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Model {
+        file: what.into(),
+        msg: e.to_string(),
+    }
+}
+
+/// A special token as tokenizer_config.json writes it: a string, or `{"content": ...}`.
+fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// From the bytes of `tokenizer.json`, and optionally `tokenizer_config.json` and a
+    /// `chat_template.jinja` (used when the config has no template).
+    pub fn from_parts(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<&[u8]>,
+        chat_template_file: Option<&[u8]>,
+    ) -> Result<Self> {
+        let mut tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| err("tokenizer.json", e))?;
+        // Ids are laid out by the caller: no padding (a BERT tokenizer.json often pads every
+        // text to a fixed length, which transformers and sentence-transformers override too).
+        tok.with_padding(None);
+        let cfg: Option<serde_json::Value> = tokenizer_config
+            .map(serde_json::from_slice)
+            .transpose()
+            .map_err(|e| err("tokenizer_config.json", e))?;
+        let template = cfg.as_ref().and_then(|c| match c.get("chat_template")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            // A list of named templates: the "default" one, else the first.
+            serde_json::Value::Array(a) => a
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .or_else(|| a.first())
+                .and_then(|t| t.get("template")?.as_str().map(String::from)),
+            _ => None,
+        });
+        let template = template
+            .or_else(|| chat_template_file.map(|b| String::from_utf8_lossy(b).into_owned()));
+        Ok(TextTokenizer {
+            tok,
+            chat_template: template,
+            bos_token: cfg.as_ref().and_then(|c| token_text(c.get("bos_token"))),
+            eos_token: cfg.as_ref().and_then(|c| token_text(c.get("eos_token"))),
+        })
+    }
+
+    /// Loads the tokenizer files of a model folder or URL.
+    #[cfg(feature = "native")]
+    pub fn for_model(model: &crate::io::model::ModelIndex) -> Result<Self> {
+        let json = model
+            .side_file("tokenizer.json")?
+            .ok_or_else(|| Error::Model {
+                file: format!("{}/tokenizer.json", model.root.trim_end_matches('/')),
+                msg: "not found: this model has no tokenizer (use --prompt-ids)".into(),
+            })?;
+        let cfg = model.side_file("tokenizer_config.json")?;
+        let tpl = model.side_file("chat_template.jinja")?;
+        Self::from_parts(&json, cfg.as_deref(), tpl.as_deref())
+    }
+
+    /// Cuts longer texts to `max_len` tokens (special tokens included), as sentence-transformers
+    /// does at its `max_seq_length`; `None`: no cut.
+    pub fn set_max_len(&mut self, max_len: Option<usize>) -> Result<()> {
+        let params = max_len.map(|max_length| tokenizers::TruncationParams {
+            max_length,
+            ..Default::default()
+        });
+        self.tok
+            .with_truncation(params)
+            .map_err(|e| err("tokenizer truncation", e))?;
+        Ok(())
+    }
+
+    /// Token ids of `text`; `add_special` lets the tokenizer's post-processor add BOS/EOS the way
+    /// `tokenizer(text)` does.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let e = self
+            .tok
+            .encode(text, add_special)
+            .map_err(|e| err("tokenizer", e))?;
+        Ok(e.get_ids().to_vec())
+    }
+
+    /// The text of `ids` (special tokens dropped when `skip_special`).
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.tok
+            .decode(ids, skip_special)
+            .map_err(|e| err("tokenizer", e))
+    }
+
+    /// The id of a token's text, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tok.token_to_id(token)
+    }
+
+    /// Whether the tokenizer came with a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// The conversation rendered by the chat template (as `apply_chat_template(...,
+    /// tokenize=False)`), ending with the assistant's turn when `add_generation_prompt`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let tpl = self.chat_template.as_deref().ok_or_else(|| Error::Model {
+            file: "tokenizer_config.json".into(),
+            msg: "no chat_template: this model has no chat format (drop --chat)".into(),
+        })?;
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", tpl)
+            .map_err(|e| err("chat template", e))?;
+        let t = env
+            .get_template("chat")
+            .map_err(|e| err("chat template", e))?;
+        t.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        })
+        .map_err(|e| err("chat template", e))
+    }
+}
+
+/// Prints text as tokens arrive: decodes everything generated so far and returns what is new,
+/// holding back an incomplete UTF-8 sequence (a byte-level token can end mid-character).
+#[derive(Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl TextStream {
+    /// Adds a token; returns the newly complete text.
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        if text.ends_with('\u{fffd}') || text.len() < self.printed {
+            return Ok(String::new());
+        }
+        let new = text.get(self.printed..).unwrap_or("").to_string();
+        self.printed = text.len();
+        Ok(new)
+    }
+}

@@ -1,0 +1,474 @@
+//! The plan layer: before any weight byte is read, decide which weight groups stay resident on
+//! the device and which stream every step, lay out the activation arena and the weight pool, and
+//! predict every byte of host and device memory the run will use. One function does both: the
+//! residency is chosen by laying out each candidate ([`layout::Layout::new`]), so the plan's
+//! figures are the layout's, and the executor allocates exactly what the plan printed. An
+//! impossible budget is refused with the smallest budget that would work.
+//!
+//! Owns: budgets, [`MemoryPlan`], the [`layout::Layout`] of arena and pool, and what the machine
+//! has ([`machine`]).
+//! May import: `backend` (its address types and capabilities), `graph`, `io`, `format`, `error`.
+
+pub mod layout;
+pub mod machine;
+mod size;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::format::bnb::{Bnb4bitKeys, QuantStateJson};
+use crate::format::dtype::{dtype_name, Dtype};
+use crate::format::safetensors::TensorEntry;
+use crate::graph::{ElemType, Graph, Source};
+use crate::io::model::ModelIndex;
+use layout::{Layout, LayoutInput, Q4Scratch};
+pub use size::{fmt_bytes, parse_size};
+
+/// Smallest ring slot nibble accepts: one page, the `O_DIRECT` alignment.
+pub const MIN_SLOT_BYTES: u64 = 4096;
+
+/// What the user allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    /// Device memory for the weight pool and the activation arena (resident weights, the two
+    /// stream slots, activations, KV cache).
+    pub device_bytes: u64,
+    /// Staging ring slots.
+    pub ring_slots: u64,
+    /// Bytes per ring slot (a larger tensor streams through in chunks).
+    pub slot_bytes: u64,
+}
+
+/// Where a group lives during the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Uploaded once, kept on the device.
+    Resident,
+    /// Read through the ring every step.
+    Streamed,
+}
+
+/// One weight group (usually one layer's weights) in the plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupPlan {
+    /// Name for messages, e.g. `model.layers.3`.
+    pub name: String,
+    /// Bytes read from the source when it loads (every component of its 4-bit weights, its
+    /// dense tensors; a tensor a resident group already holds is not read again).
+    pub bytes: u64,
+    /// Where it lives.
+    pub placement: Placement,
+}
+
+/// What a backend's layout must respect, and what it can do with host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rules {
+    /// Every arena slice starts at a multiple of this many 4-byte words.
+    pub arena_align_words: usize,
+    /// Every pool region starts at a multiple of this many bytes.
+    pub pool_align_bytes: u64,
+    /// The backend reads bf16 dense weights as stored and reads streamed weights in place from
+    /// ring slots (the host-memory capability, [`crate::backend::HostMemory`]).
+    pub host_memory: bool,
+}
+
+impl Rules {
+    /// The rules of `backend`.
+    pub fn of<B: Backend + ?Sized>(backend: &mut B) -> Self {
+        let a = backend.alignment();
+        Rules {
+            arena_align_words: a.arena_words.max(1),
+            pool_align_bytes: a.pool_bytes.max(4),
+            host_memory: backend.host_memory().is_some(),
+        }
+    }
+}
+
+/// The plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryPlan {
+    /// The groups, in declaration (schedule) order.
+    pub groups: Vec<GroupPlan>,
+    /// The budgets it was made for.
+    pub budgets: Budgets,
+    /// Device bytes of the weight pool: resident 4-bit weights and the two stream slots.
+    pub pool_bytes: u64,
+    /// Device bytes of the activation arena, resident dense weights and state included.
+    pub arena_bytes: u64,
+    /// Of the arena: persistent state (KV cache).
+    pub state_bytes: u64,
+    /// Of the arena: resident dense weights (f32, or bf16 where the backend reads bf16).
+    pub resident_dense_bytes: u64,
+    /// Ring bytes (slots x slot size).
+    pub ring_bytes: u64,
+    /// Host buffers of the loader besides the ring: the loading group's small quant-state
+    /// tensors and one decoded absmax.
+    pub loader_bytes: u64,
+    /// Reads kept in flight ahead of the consumer (one per ring slot).
+    pub prefetch_depth: u64,
+    /// Bytes read from the source per step (after the first).
+    pub streamed_bytes_per_step: u64,
+    /// Of those, the most that kernels read in place from the ring slots instead of copying
+    /// them (packed weights no larger than a slot, on a backend that reads host memory: the
+    /// optimized CPU backend); a slot is lent only while another stays free, so a run may read
+    /// fewer.
+    pub in_place_bytes_per_step: u64,
+    /// Peak device bytes: pool + arena, allocated once.
+    pub peak_device_bytes: u64,
+    /// Peak host bytes the plan adds: ring + loader buffers.
+    pub peak_host_bytes: u64,
+}
+
+impl MemoryPlan {
+    /// Number of groups (resident, streamed).
+    pub fn counts(&self) -> (usize, usize) {
+        let c = |p| self.groups.iter().filter(|g| g.placement == p).count();
+        (c(Placement::Resident), c(Placement::Streamed))
+    }
+
+    /// Bytes read once, before the first step: the resident groups.
+    pub fn resident_read_bytes(&self) -> u64 {
+        self.groups
+            .iter()
+            .filter(|g| g.placement == Placement::Resident)
+            .map(|g| g.bytes)
+            .sum()
+    }
+
+    /// Bytes a run of `passes` steps (or decoded tokens) reads from the source: the resident
+    /// groups once, the streamed ones every pass.
+    pub fn read_bytes(&self, passes: u64) -> u64 {
+        self.resident_read_bytes() + self.streamed_bytes_per_step * passes
+    }
+
+    /// The text printed before a run.
+    pub fn explain(&self) -> String {
+        let (r, s) = self.counts();
+        let total: u64 = self.groups.iter().map(|g| g.bytes).sum();
+        let b = &self.budgets;
+        let mut t = format!(
+            "memory plan: {} weight groups, {} of weights\n",
+            self.groups.len(),
+            fmt_bytes(total)
+        );
+        t.push_str(&format!(
+            "  device  budget {:>10}  allocated {:>10} = weight pool {} ({r} groups resident, {s} \
+             streamed through 2 slots) + arena {} (activations {}, resident dense weights {}, KV \
+             cache {})\n",
+            fmt_bytes(b.device_bytes),
+            fmt_bytes(self.peak_device_bytes),
+            fmt_bytes(self.pool_bytes),
+            fmt_bytes(self.arena_bytes),
+            fmt_bytes(self.arena_bytes - self.state_bytes - self.resident_dense_bytes),
+            fmt_bytes(self.resident_dense_bytes),
+            fmt_bytes(self.state_bytes)
+        ));
+        t.push_str(&format!(
+            "  host    ring {} x {} = {}, loader buffers {}: peak {}\n",
+            b.ring_slots,
+            fmt_bytes(b.slot_bytes),
+            fmt_bytes(self.ring_bytes),
+            fmt_bytes(self.loader_bytes),
+            fmt_bytes(self.peak_host_bytes)
+        ));
+        let copied = if self.in_place_bytes_per_step > 0 {
+            format!(
+                "up to {} of it read in place from the ring and the rest copied into the weight pool",
+                fmt_bytes(self.in_place_bytes_per_step)
+            )
+        } else {
+            format!(
+                "{} uploaded per step",
+                fmt_bytes(self.streamed_bytes_per_step)
+            )
+        };
+        t.push_str(&format!(
+            "  stream  {s} groups, {} read per step, {copied}, prefetch depth {}\n",
+            fmt_bytes(self.streamed_bytes_per_step),
+            self.prefetch_depth
+        ));
+        t
+    }
+}
+
+/// A graph bound to a model's stored tensors and a backend's rules: everything the planner needs,
+/// gathered (and checked against the model) once; [`Planner::plan`] then costs nothing but
+/// arithmetic on it.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    graph: Graph,
+    rules: Rules,
+    keys: Vec<Bnb4bitKeys>,
+    states: Vec<QuantStateJson>,
+    dense_dtypes: Vec<Option<Dtype>>,
+    group_tensors: Vec<Vec<TensorEntry>>,
+    lifetimes: Vec<Vec<(usize, usize)>>,
+    scratch: Vec<Q4Scratch>,
+    loader_bytes: u64,
+}
+
+impl Planner {
+    /// Binds `graph` to `model` for a backend with `rules`: on a backend that reads bf16 dense
+    /// weights as stored, the model's bf16 weights stay bf16 ([`Graph::with_bf16_weights`]).
+    /// Every tensor the graph reads is checked against the model's index here (names, shapes,
+    /// dtypes, quant states), before any weight byte is read.
+    pub fn new(graph: Graph, model: &ModelIndex, rules: Rules) -> Result<Self> {
+        let graph = if rules.host_memory {
+            graph
+                .with_bf16_weights(|t| model.get(t).is_some_and(|e| e.dtype == Dtype::BF16))
+                .unwrap_or(graph)
+        } else {
+            graph
+        };
+        let mut keys = Vec::with_capacity(graph.q4.len());
+        let mut states = Vec::with_capacity(graph.q4.len());
+        let mut group_tensors: Vec<Vec<TensorEntry>> = vec![Vec::new(); graph.groups.len()];
+        for d in &graph.q4 {
+            let k = model.q4_keys(&d.tensor)?;
+            let state = model.quant_state_json(k)?;
+            let shape: Vec<usize> = state.shape.iter().map(|&x| x as usize).collect();
+            if shape != d.info.shape || state.blocksize as usize != d.info.blocksize {
+                return Err(Error::Invalid(format!(
+                    "{}: the graph expects {:?} blocksize {}, the model has {:?} blocksize {}",
+                    d.tensor, d.info.shape, d.info.blocksize, shape, state.blocksize
+                )));
+            }
+            for name in k.all_keys() {
+                group_tensors[d.group].push(model.require(name)?.clone());
+            }
+            keys.push(k.clone());
+            states.push(state);
+        }
+        let mut dense_dtypes = vec![None; graph.values.len()];
+        for (vi, s) in graph.sources.iter().enumerate() {
+            let Source::Dense { tensor, group } = s else {
+                continue;
+            };
+            let e = model.require(tensor)?;
+            let info = &graph.values[vi];
+            if e.numel() != info.numel() as u64 {
+                return Err(Error::Invalid(format!(
+                    "{tensor}: {:?} in the model, {:?} in the graph",
+                    e.shape, info.shape
+                )));
+            }
+            if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64) {
+                return Err(Error::WrongDtype {
+                    file: model.shard_name(e.shard).into(),
+                    tensor: tensor.clone(),
+                    expected: "F32, F16 or BF16".into(),
+                    actual: dtype_name(e.dtype),
+                });
+            }
+            if info.elem == ElemType::BF16 && (e.dtype != Dtype::BF16 || !rules.host_memory) {
+                return Err(Error::Invalid(format!(
+                    "{tensor}: a bf16 value of the graph, but the model stores {} and the \
+                     backend reads bf16 weights: {}",
+                    dtype_name(e.dtype),
+                    rules.host_memory
+                )));
+            }
+            dense_dtypes[vi] = Some(e.dtype);
+            group_tensors[*group].push(e.clone());
+        }
+        for ts in &mut group_tensors {
+            ts.sort_by_key(|t| (t.shard, t.offset));
+            ts.dedup_by(|a, b| a.name == b.name);
+        }
+        let lifetimes = layout::lifetimes(&graph);
+        let (scratch, group_buf, absmax_buf) = layout::scratch(&graph, &states);
+        Ok(Planner {
+            graph,
+            rules,
+            keys,
+            states,
+            dense_dtypes,
+            group_tensors,
+            lifetimes,
+            scratch,
+            loader_bytes: (group_buf + absmax_buf) as u64,
+        })
+    }
+
+    /// The graph as the backend runs it.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The backend's rules the plans follow.
+    pub fn rules(&self) -> Rules {
+        self.rules
+    }
+
+    /// Per 4-bit weight of the graph: its state-dict keys.
+    pub fn keys(&self) -> &[Bnb4bitKeys] {
+        &self.keys
+    }
+
+    /// Per 4-bit weight of the graph: its quant state.
+    pub fn states(&self) -> &[QuantStateJson] {
+        &self.states
+    }
+
+    /// Per graph value: the stored dtype of a dense weight (`None` for other values).
+    pub fn dense_dtypes(&self) -> &[Option<Dtype>] {
+        &self.dense_dtypes
+    }
+
+    /// Per 4-bit weight: where its small components land in the loader's group buffer.
+    pub fn scratch(&self) -> &[Q4Scratch] {
+        &self.scratch
+    }
+
+    /// The loader's group buffer: large enough for any group's small quant-state tensors.
+    pub fn group_buffer_bytes(&self) -> usize {
+        self.scratch
+            .iter()
+            .flat_map(|s| [s.absmax.end, s.nested_absmax.end, s.nested_map.end])
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The layout for one residency (`resident[g]` per group).
+    pub fn layout(&self, resident: &[bool]) -> Result<Layout> {
+        Layout::new(
+            &LayoutInput {
+                graph: &self.graph,
+                states: &self.states,
+                group_tensors: &self.group_tensors,
+                lifetimes: &self.lifetimes,
+                arena_align_words: self.rules.arena_align_words,
+                pool_align_bytes: self.rules.pool_align_bytes,
+            },
+            resident,
+        )
+    }
+
+    /// The smallest device budget that runs the graph: every group streamed.
+    pub fn min_device_bytes(&self) -> Result<u64> {
+        Ok(self
+            .layout(&vec![false; self.graph.groups.len()])?
+            .device_bytes())
+    }
+
+    /// The device budget that keeps every group resident.
+    pub fn resident_device_bytes(&self) -> Result<u64> {
+        Ok(self
+            .layout(&vec![true; self.graph.groups.len()])?
+            .device_bytes())
+    }
+
+    /// Decides residency for `budgets` and returns the plan with its layout. Groups are kept
+    /// resident in declaration order while the layout with them still fits the device budget
+    /// (every group streams with `stream_all`); the layout returned is the one whose figures
+    /// the plan reports.
+    pub fn plan(&self, budgets: Budgets, stream_all: bool) -> Result<(MemoryPlan, Layout)> {
+        if budgets.ring_slots == 0 || budgets.slot_bytes < MIN_SLOT_BYTES {
+            return Err(Error::Invalid(format!(
+                "the staging ring needs at least 1 slot of at least {} ({} slots x {} given): \
+                 use --slots 1 or more and --slot-size {} or more",
+                fmt_bytes(MIN_SLOT_BYTES),
+                budgets.ring_slots,
+                fmt_bytes(budgets.slot_bytes),
+                MIN_SLOT_BYTES
+            )));
+        }
+        let n = self.graph.groups.len();
+        let mut resident = vec![false; n];
+        let mut lay = self.layout(&resident)?;
+        let min = lay.device_bytes();
+        if min > budgets.device_bytes {
+            let largest = (0..n)
+                .filter(|&g| !lay.reads[g].is_empty())
+                .max_by_key(|&g| lay.reads[g].iter().map(|t| t.len).sum::<u64>());
+            return Err(Error::Invalid(format!(
+                "device budget {} cannot hold the run: with every weight group streamed it needs \
+                 a weight pool of {} (two groups at a time{}) and an arena of {} (activations, \
+                 KV cache, streamed dense weights): use --device-budget {} or more",
+                fmt_bytes(budgets.device_bytes),
+                fmt_bytes(lay.pool_bytes),
+                largest
+                    .map(|g| format!(", the largest '{}'", self.graph.groups[g]))
+                    .unwrap_or_default(),
+                fmt_bytes(lay.arena_words.max(1) as u64 * 4),
+                fmt_bytes(min)
+            )));
+        }
+        if !stream_all {
+            for g in 0..n {
+                resident[g] = true;
+                let candidate = self.layout(&resident)?;
+                if candidate.device_bytes() <= budgets.device_bytes {
+                    lay = candidate;
+                } else {
+                    resident[g] = false;
+                }
+            }
+        }
+        Ok((self.describe(&lay, budgets), lay))
+    }
+
+    /// The plan's figures for a layout.
+    fn describe(&self, lay: &Layout, budgets: Budgets) -> MemoryPlan {
+        let groups: Vec<GroupPlan> = (0..self.graph.groups.len())
+            .map(|g| GroupPlan {
+                name: self.graph.groups[g].clone(),
+                bytes: lay.reads[g].iter().map(|t| t.len).sum(),
+                placement: if lay.resident[g] {
+                    Placement::Resident
+                } else {
+                    Placement::Streamed
+                },
+            })
+            .collect();
+        let streamed_bytes_per_step = lay.streamed.iter().map(|&g| groups[g].bytes).sum();
+        let in_place_bytes_per_step = if self.rules.host_memory && budgets.ring_slots >= 2 {
+            // What the loader may lend: a streamed packed weight that arrives whole in one slot.
+            lay.streamed
+                .iter()
+                .flat_map(|&g| lay.reads[g].iter())
+                .filter(|t| {
+                    t.len <= budgets.slot_bytes && self.keys.iter().any(|k| k.base == t.name)
+                })
+                .map(|t| t.len)
+                .sum()
+        } else {
+            0
+        };
+        let (state_bytes, resident_dense_bytes) = lay.arena_parts(&self.graph);
+        let ring_bytes = budgets.ring_slots.saturating_mul(budgets.slot_bytes);
+        MemoryPlan {
+            groups,
+            budgets,
+            pool_bytes: lay.pool_bytes,
+            arena_bytes: lay.arena_words.max(1) as u64 * 4,
+            state_bytes,
+            resident_dense_bytes,
+            ring_bytes,
+            loader_bytes: self.loader_bytes,
+            prefetch_depth: budgets.ring_slots,
+            streamed_bytes_per_step,
+            in_place_bytes_per_step,
+            peak_device_bytes: lay.device_bytes(),
+            peak_host_bytes: ring_bytes.saturating_add(self.loader_bytes),
+        }
+    }
+}
+
+/// The smallest device budget with which `backend` runs `graph` on `model` (every group
+/// streamed): what a planner made for them reports.
+pub fn min_device_bytes<B: Backend + ?Sized>(
+    graph: &Graph,
+    model: &ModelIndex,
+    backend: &mut B,
+) -> Result<u64> {
+    Planner::new(graph.clone(), model, Rules::of(backend))?.min_device_bytes()
+}
+
+/// The device budget with which `backend` keeps every group of `graph` resident.
+pub fn resident_device_bytes<B: Backend + ?Sized>(
+    graph: &Graph,
+    model: &ModelIndex,
+    backend: &mut B,
+) -> Result<u64> {
+    Planner::new(graph.clone(), model, Rules::of(backend))?.resident_device_bytes()
+}
