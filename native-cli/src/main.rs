@@ -418,17 +418,9 @@ pub(crate) fn open_model_with(
             "--file-mode '{file_mode}': expected auto, pread, pread-dropcache, direct or mmap"
         )
     })?;
-    if arg.starts_with("http://") || arg.starts_with("https://") {
-        Ok(nibble_core::io::model::ModelIndex::open_url(
-            arg,
-            Default::default(),
-        )?)
-    } else {
-        Ok(nibble_core::io::model::ModelIndex::open_with(
-            std::path::Path::new(arg),
-            mode,
-        )?)
-    }
+    Ok(nibble_core::io::model::ModelIndex::open_path_or_url(
+        arg, mode,
+    )?)
 }
 
 fn synth(arch: SynthArch, size: &str, out: &std::path::Path, seed: u64) -> anyhow::Result<()> {

@@ -288,3 +288,46 @@ fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
     assert_eq!(t_str, t_res, "greedy tokens, streamed vs resident");
     assert_bits_eq(&l_str, &l_res, "decode logits, streamed vs resident");
 }
+
+/// Opening SmolLM2 over HTTP and planning a run reads config.json, probes the two shard-index
+/// names, opens model.safetensors (bytes 0-7, then the header) and reads the quant-state JSONs,
+/// one request per run of adjacent ones: nothing else, and nothing twice.
+#[test]
+fn opening_and_planning_over_http_reads_each_quant_state_once() {
+    use nibble_core::exec::Executor;
+    use nibble_core::models::llama;
+    use nibble_tests::http_server::{Fault, TestServer};
+    let dir = model_dir();
+    let mut files = std::collections::HashMap::new();
+    for e in std::fs::read_dir(&dir).expect("dir") {
+        let p = e.expect("entry").path();
+        let name = p.file_name().and_then(|n| n.to_str()).expect("name");
+        files.insert(format!("m/{name}"), std::fs::read(&p).expect("read"));
+    }
+    let srv = TestServer::start(files, Fault::None);
+    let m = ModelIndex::open_url(&format!("{}/m", srv.base), Default::default()).expect("open");
+    let lg = llama::build(&m, LlamaShape::generate(8, 8)).expect("graph");
+    Executor::plan_only(&lg.graph, &m, &mut CpuBackend::new(), opts()).expect("plan");
+    let requests = srv.stats().requests;
+    // Runs of adjacent quant-state tensors, from the local copy's header.
+    let local = ModelIndex::open(&dir).expect("local");
+    let mut qs: Vec<_> = local
+        .q4_weights()
+        .expect("4-bit weights")
+        .iter()
+        .map(|k| local.require(&k.quant_state).expect("quant state").clone())
+        .collect();
+    qs.sort_by_key(|e| e.offset);
+    let runs = 1 + qs.windows(2).filter(|w| w[0].end() != w[1].offset).count();
+    assert!(qs.len() > 100, "SmolLM2 has {} 4-bit weights", qs.len());
+    eprintln!(
+        "opening + planning SmolLM2 over HTTP: {requests} requests ({} quant states in {runs} runs)",
+        qs.len()
+    );
+    assert_eq!(
+        requests,
+        1 + 2 + 2 + runs,
+        "config.json, 2 index probes, bytes 0-7 and the header of model.safetensors, one request \
+         per run of quant states"
+    );
+}

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use nibble_core::exec::{ExecOptions, Executor};
 use nibble_core::graph::Graph;
+use nibble_core::io::model::{open_model, ModelIndex};
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
@@ -18,8 +19,7 @@ use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 use web_time::Instant;
 
-use crate::fetch::{fetch_small, FetchSource, SharedTraffic, Traffic};
-use crate::open::{open, RemoteModel};
+use crate::fetch::{FetchFolder, FetchSource, SharedTraffic, Traffic};
 
 /// Memory settings from JavaScript: `{ deviceBudget: bytes | "min", slots, slotBytes }`.
 #[derive(Debug, Clone, Copy)]
@@ -43,7 +43,7 @@ impl Default for Settings {
 #[derive(Default)]
 struct State {
     backend: Option<WgpuBackend>,
-    model: Option<RemoteModel>,
+    model: Option<ModelIndex>,
     kind: Option<ModelKind>,
     settings: Settings,
     busy: bool,
@@ -114,7 +114,7 @@ fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
 fn exec_options(
     s: Settings,
     graph: &Graph,
-    model: &nibble_core::io::model::ModelIndex,
+    model: &ModelIndex,
     backend: &mut WgpuBackend,
 ) -> Result<ExecOptions, JsValue> {
     let device_bytes = match s.device_bytes {
@@ -182,7 +182,7 @@ fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
 impl State {
     /// The loaded model, which must be of `kind` (its files and index, cheap to clone: the
     /// index shares its source), and the memory settings with `opts` applied.
-    fn loaded(&self, kind: ModelKind, opts: &Value) -> Result<(RemoteModel, Settings), JsValue> {
+    fn loaded(&self, kind: ModelKind, opts: &Value) -> Result<(ModelIndex, Settings), JsValue> {
         let m = self
             .model
             .as_ref()
@@ -287,22 +287,29 @@ impl Nibble {
                 t.forget_validators();
             }
             let t0 = Instant::now();
-            let model = open(&traffic, &url).await.map_err(js_err)?;
-            let kind = kind_of(model.index.config.as_ref())?;
+            let before = traffic_bytes(&traffic, "header") + traffic_bytes(&traffic, "quant-state");
+            let folder = std::sync::Arc::new(FetchFolder::new(&url, traffic.clone()));
+            let model = open_model(folder, None).await.map_err(js_err)?;
+            // The graph builders and the planner read the quant states synchronously.
+            model.load_quant_states().await.map_err(js_err)?;
+            let open_bytes =
+                traffic_bytes(&traffic, "header") + traffic_bytes(&traffic, "quant-state") - before;
+            let kind = kind_of(model.config.as_ref())?;
             let (text, eos) = if kind == ModelKind::Llm {
-                language_side_files(&traffic, &url).await?
+                language_side_files(&model).await?
             } else {
                 (None, Vec::new())
             };
             let open_ms = t0.elapsed().as_secs_f64() * 1e3;
-            let total: u64 = model.files.iter().map(|f| f.len).sum();
+            let files = model.source().files().to_vec();
+            let total: u64 = files.iter().map(|f| f.len).sum();
             let summary = json!({
                 "url": url,
                 "kind": match kind { ModelKind::Llm => "llm", ModelKind::Dit => "dit", ModelKind::Encoder => "encoder" },
-                "files": model.files.iter().map(|f| json!({"url": f.name, "bytes": f.len})).collect::<Vec<_>>(),
+                "files": files.iter().map(|f| json!({"url": f.name, "bytes": f.len})).collect::<Vec<_>>(),
                 "bytes": total,
-                "tensors": model.index.len(),
-                "open_bytes": model.open_bytes,
+                "tensors": model.len(),
+                "open_bytes": open_bytes,
                 "open_ms": open_ms,
                 "tokenizer": text.is_some(),
                 "chat_template": text.as_ref().is_some_and(|t| t.has_chat_template()),
@@ -362,7 +369,7 @@ impl Nibble {
             // Everything that can be refused is checked before the device is taken out of the
             // state (it goes back when the run ends).
             let (model, s) = state.borrow().loaded(ModelKind::Llm, &opts)?;
-            let index = model.index.clone();
+            let index = model.clone();
             let max_tokens = opts
                 .get("maxTokens")
                 .and_then(Value::as_u64)
@@ -469,7 +476,7 @@ impl Nibble {
         future_to_promise(async move {
             let _busy = BusyGuard::take(&state)?;
             let (model, s) = state.borrow().loaded(ModelKind::Dit, &opts_v)?;
-            let index = model.index.clone();
+            let index = model.clone();
             let inputs = dit_inputs(&index, &opts_v, inputs_js.as_ref())?;
             let steps = opts_v
                 .get("steps")
@@ -618,37 +625,34 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
                     .and_then(Value::as_u64)
                     .unwrap_or(16) as usize;
                 let m = opts.get("maxTokens").and_then(Value::as_u64).unwrap_or(16) as usize;
-                llama::build(&model.index, LlamaShape::generate(p, m))
+                llama::build(model, LlamaShape::generate(p, m))
                     .map_err(js_err)?
                     .graph
             }
             _ => {
-                let inputs = dit_inputs(&model.index, opts, None)?;
-                Denoiser::<WgpuBackend>::graph_for(&model.index, &inputs).map_err(js_err)?
+                let inputs = dit_inputs(model, opts, None)?;
+                Denoiser::<WgpuBackend>::graph_for(model, &inputs).map_err(js_err)?
             }
         };
-        let o = exec_options(s, &graph, &model.index, &mut backend)?;
-        let plan = Executor::plan_only(&graph, &model.index, &mut backend, o).map_err(js_err)?;
+        let o = exec_options(s, &graph, model, &mut backend)?;
+        let plan = Executor::plan_only(&graph, model, &mut backend, o).map_err(js_err)?;
         Ok(plan_json(&plan))
     })();
     state.borrow_mut().backend = Some(backend);
     r
 }
 
-/// `tokenizer.json`, `tokenizer_config.json` (or `chat_template.jinja`) and the extra
-/// end-of-sequence ids of `generation_config.json`, where the model folder has them.
+/// The tokenizer (with its chat template) and the extra end-of-sequence ids of
+/// `generation_config.json`, where the model folder has them.
 async fn language_side_files(
-    traffic: &SharedTraffic,
-    url: &str,
+    model: &ModelIndex,
 ) -> Result<(Option<TextTokenizer>, Vec<u32>), JsValue> {
-    const LIMIT: u64 = 64 << 20;
-    let base = url.trim_end_matches('/');
-    let get = |name: &'static str| {
-        let u = format!("{base}/{name}");
-        async move { fetch_small(traffic, &u, LIMIT).await.map_err(js_err) }
-    };
     let mut eos = Vec::new();
-    if let Some(b) = get("generation_config.json").await? {
+    if let Some(b) = model
+        .read_side("generation_config.json")
+        .await
+        .map_err(js_err)?
+    {
         if let Ok(v) = serde_json::from_slice::<Value>(&b) {
             match v.get("eos_token_id") {
                 Some(Value::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
@@ -659,25 +663,13 @@ async fn language_side_files(
             }
         }
     }
-    let Some(json) = get("tokenizer.json").await? else {
-        return Ok((None, eos));
-    };
-    let cfg = get("tokenizer_config.json").await?;
-    let has_template = cfg.as_ref().is_some_and(|c| {
-        serde_json::from_slice::<Value>(c).is_ok_and(|v| v.get("chat_template").is_some())
-    });
-    let tpl = if has_template {
-        None
-    } else {
-        get("chat_template.jinja").await?
-    };
-    let t = TextTokenizer::from_parts(&json, cfg.as_deref(), tpl.as_deref()).map_err(js_err)?;
-    Ok((Some(t), eos))
+    let t = TextTokenizer::load(model).await.map_err(js_err)?;
+    Ok((t, eos))
 }
 
 /// The DiT's inputs: from JavaScript (`inputs`), else random from the seed at the size asked.
 fn dit_inputs(
-    index: &nibble_core::io::model::ModelIndex,
+    index: &ModelIndex,
     opts: &Value,
     js: Option<&JsValue>,
 ) -> Result<DitInputs, JsValue> {

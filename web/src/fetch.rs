@@ -10,8 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::Duration;
 
+use nibble_core::io::folder::{percent_encode_path, BoxFuture, ModelFolder, OpenedFile};
+use nibble_core::io::model::ModelIndex;
 use nibble_core::io::source::{
-    check_range, parse_content_range, ByteSource, ReadCompletion, ReadRequest, SourceFile,
+    check_range, parse_content_range, ByteSource, RangeSource, ReadCompletion, ReadRequest,
+    SourceFile,
 };
 use nibble_core::{Error, Result};
 use wasm_bindgen::closure::Closure;
@@ -242,6 +245,20 @@ pub async fn fetch_range(
     len: u64,
     purpose: &'static str,
 ) -> Result<(js_sys::Uint8Array, u64)> {
+    range_request(traffic, url, offset, len, purpose, false)
+        .await?
+        .ok_or_else(|| http_err(url, "HTTP 404".into()))
+}
+
+/// [`fetch_range`], with `None` for a 404 where `absent_ok` (opening a file that may not exist).
+async fn range_request(
+    traffic: &SharedTraffic,
+    url: &str,
+    offset: u64,
+    len: u64,
+    purpose: &'static str,
+    absent_ok: bool,
+) -> Result<Option<(js_sys::Uint8Array, u64)>> {
     if len == 0 {
         return Err(http_err(url, format!("empty read at offset {offset}")));
     }
@@ -266,6 +283,10 @@ pub async fn fetch_range(
         }
     };
     let status = resp.status();
+    if status == 404 && absent_ok {
+        log(status, 0);
+        return Ok(None);
+    }
     if status != 206 {
         log(status, 0);
         return Err(http_err(
@@ -292,21 +313,23 @@ pub async fn fetch_range(
             ));
         }
     };
+    // A validator that disappears is a change too: the bytes may be another file's.
     let validator = header(&resp, "etag").or_else(|| header(&resp, "last-modified"));
-    if let (Some(v), Ok(mut t)) = (validator, traffic.lock()) {
-        match t.validators.get(url) {
-            Some(prev) if *prev != v => {
+    if let Ok(mut t) = traffic.lock() {
+        match (t.validators.get(url), validator) {
+            (Some(prev), v) if v.as_ref() != Some(prev) => {
                 return Err(http_err(
                     url,
                     format!(
-                    "the file changed during the run (ETag/Last-Modified '{prev}' became '{v}')"
-                ),
+                        "the file changed during the run (ETag/Last-Modified '{prev}' became '{}')",
+                        v.unwrap_or_default()
+                    ),
                 ))
             }
-            Some(_) => {}
-            None => {
+            (None, Some(v)) => {
                 t.validators.insert(url.to_string(), v);
             }
+            _ => {}
         }
     }
     let data = body(url, &resp).await?;
@@ -319,7 +342,7 @@ pub async fn fetch_range(
         ));
     }
     let total = total.unwrap_or(offset + len);
-    Ok((data, total))
+    Ok(Some((data, total)))
 }
 
 /// A small side file (config.json) by a plain GET; `None` on 404.
@@ -399,10 +422,12 @@ impl FetchSource {
     /// The source factory the executor asks for (one source for the resident pass, one for the
     /// stream) over `model`'s files.
     pub fn maker(
-        model: &crate::open::RemoteModel,
+        model: &ModelIndex,
         traffic: &SharedTraffic,
     ) -> impl FnMut() -> Box<dyn ByteSource> {
-        let (files, urls, traffic) = (model.files.clone(), model.urls.clone(), traffic.clone());
+        let files = model.source().files().to_vec();
+        let urls: Vec<String> = files.iter().map(|f| f.name.clone()).collect();
+        let traffic = traffic.clone();
         move || {
             Box::new(FetchSource::new(
                 files.clone(),
@@ -503,5 +528,134 @@ impl ByteSource for FetchSource {
         if let Ok(mut p) = self.pending.lock() {
             p.waker = Some(waker.clone());
         }
+    }
+}
+
+/// A model folder at a URL, read with `fetch`: the browser's side of core's one open routine
+/// ([`nibble_core::io::model::open_model`]). Weights then stream through [`FetchSource`]; nothing
+/// in the browser reads them synchronously.
+pub struct FetchFolder {
+    base: String,
+    traffic: SharedTraffic,
+    opened: Mutex<Vec<SourceFile>>,
+}
+
+impl FetchFolder {
+    /// The folder at `base`.
+    pub fn new(base: &str, traffic: SharedTraffic) -> Self {
+        FetchFolder {
+            base: base.trim_end_matches('/').to_string(),
+            traffic,
+            opened: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl ModelFolder for FetchFolder {
+    fn root(&self) -> &str {
+        &self.base
+    }
+
+    fn locate(&self, name: &str) -> String {
+        format!("{}/{}", self.base, percent_encode_path(name))
+    }
+
+    fn read_small<'a>(
+        &'a self,
+        name: &'a str,
+        limit: u64,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(async move { fetch_small(&self.traffic, &self.locate(name), limit).await })
+    }
+
+    fn open_file<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<OpenedFile>>> {
+        Box::pin(async move {
+            let url = self.locate(name);
+            let Some((head, len)) =
+                range_request(&self.traffic, &url, 0, 8, "header", true).await?
+            else {
+                return Ok(None);
+            };
+            let mut opened = self
+                .opened
+                .lock()
+                .map_err(|_| Error::Invalid("folder poisoned".into()))?;
+            opened.push(SourceFile { name: url, len });
+            Ok(Some(OpenedFile {
+                index: opened.len() - 1,
+                len,
+                head: head.to_vec(),
+            }))
+        })
+    }
+
+    fn read_at<'a>(
+        &'a self,
+        file: usize,
+        offset: u64,
+        len: u64,
+        what: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<u8>>> {
+        Box::pin(async move {
+            let url = self
+                .opened
+                .lock()
+                .map_err(|_| Error::Invalid("folder poisoned".into()))?
+                .get(file)
+                .map(|f| f.name.clone())
+                .ok_or_else(|| Error::Invalid(format!("no opened file #{file}")))?;
+            let purpose = if what == "<header>" {
+                "header"
+            } else {
+                "quant-state"
+            };
+            Ok(fetch_range(&self.traffic, &url, offset, len, purpose)
+                .await?
+                .0
+                .to_vec())
+        })
+    }
+
+    fn list_safetensors(&self) -> Result<Option<Vec<String>>> {
+        Ok(None)
+    }
+
+    fn source(&self) -> Result<Arc<dyn RangeSource>> {
+        let files = self
+            .opened
+            .lock()
+            .map_err(|_| Error::Invalid("folder poisoned".into()))?
+            .clone();
+        Ok(Arc::new(StreamOnly { files }))
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        http_err(&self.locate(name), "HTTP 404 (not found)".into())
+    }
+}
+
+/// The browser's files as a [`RangeSource`]: their names and lengths for the planner; reads
+/// go through [`FetchSource`] (a synchronous read would block the page).
+struct StreamOnly {
+    files: Vec<SourceFile>,
+}
+
+impl RangeSource for StreamOnly {
+    fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
+    fn read_exact_at(&self, file: usize, offset: u64, _buf: &mut [u8], what: &str) -> Result<()> {
+        Err(Error::Model {
+            file: self
+                .files
+                .get(file)
+                .map(|f| f.name.clone())
+                .unwrap_or_default(),
+            msg: format!(
+                "tensor '{what}' at offset {offset}: in the browser weights are only streamed, \
+                 not read synchronously"
+            ),
+        })
     }
 }

@@ -21,8 +21,6 @@
 mod api;
 #[cfg(target_arch = "wasm32")]
 mod fetch;
-#[cfg(target_arch = "wasm32")]
-mod open;
 
 #[cfg(target_arch = "wasm32")]
 pub use api::Nibble;

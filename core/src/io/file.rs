@@ -11,8 +11,10 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+use crate::io::folder::{check_name, BoxFuture, ModelFolder, OpenedFile};
 use crate::io::source::{RangeSource, SlotMemory, SourceFile};
 
 /// How a [`FileSource`] reads.
@@ -79,6 +81,12 @@ thread_local! {
 impl FileSource {
     /// Opens the files for reading with `mode` (`Auto` is resolved here).
     pub fn open(paths: &[PathBuf], mode: FileReadMode) -> Result<Self> {
+        let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        Self::open_named(paths, &names, mode)
+    }
+
+    /// [`FileSource::open`] with the names messages give the files.
+    pub fn open_named(paths: &[PathBuf], names: &[String], mode: FileReadMode) -> Result<Self> {
         let mode = match mode {
             FileReadMode::Auto => {
                 let total: u64 = paths
@@ -97,8 +105,8 @@ impl FileSource {
         let mut handles = Vec::new();
         let mut direct = Vec::new();
         let mut maps = Vec::new();
-        for p in paths {
-            let name = p.display().to_string();
+        for (p, name) in paths.iter().zip(names) {
+            let name = name.clone();
             let f = File::open(p).map_err(|e| Error::io(&name, e))?;
             let len = f.metadata().map_err(|e| Error::io(&name, e))?.len();
             direct.push(if mode == FileReadMode::Direct {
@@ -156,12 +164,25 @@ fn open_direct(p: &Path) -> Result<File> {
     )))
 }
 
-/// Reads until `buf` is full or the file ends; returns the bytes read.
-fn pread_full(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+/// One positional read: `pread` on Unix, `ReadFile` at an offset on Windows (which moves the
+/// file cursor; nibble never reads these handles any other way).
+#[cfg(unix)]
+fn read_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
     use std::os::unix::fs::FileExt;
+    f.read_at(buf, offset)
+}
+
+#[cfg(windows)]
+fn read_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    use std::os::windows::fs::FileExt;
+    f.seek_read(buf, offset)
+}
+
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+pub(crate) fn pread_full(f: &File, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut got = 0;
     while got < buf.len() {
-        match f.read_at(&mut buf[got..], offset + got as u64) {
+        match read_at(f, &mut buf[got..], offset + got as u64) {
             Ok(0) => break,
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -272,6 +293,10 @@ impl RangeSource for FileSource {
         Ok(())
     }
 
+    #[cfg(not(unix))]
+    fn consumed(&self, _file: usize, _offset: u64, _len: u64) {}
+
+    #[cfg(unix)]
     fn consumed(&self, file: usize, offset: u64, len: u64) {
         if self.mode == FileReadMode::Mmap {
             if let Some(m) = self.maps.get(file).and_then(|m| m.as_ref()) {
@@ -299,5 +324,202 @@ impl RangeSource for FileSource {
             self.files.first().map(|f| f.name.as_str()).unwrap_or("?"),
             self.mode.name()
         )
+    }
+}
+
+/// A model folder on the local disk. Names are resolved (symbolic links followed) and must stay
+/// inside the folder, except the file the user named; only regular files are opened (a FIFO or a
+/// device would block or never end).
+#[derive(Debug)]
+pub struct LocalFolder {
+    /// The folder as the user gave it (for messages).
+    dir: PathBuf,
+    display: String,
+    /// Its canonical path (for the inside-the-folder check).
+    canonical: PathBuf,
+    /// A file the user named directly (it may be a link to anywhere).
+    named: Option<PathBuf>,
+    mode: FileReadMode,
+    /// The opened files: (resolved path, the name shown in messages).
+    opened: Mutex<Vec<(PathBuf, String)>>,
+}
+
+impl LocalFolder {
+    /// The folder `dir`, its weights read with `mode`.
+    pub fn new(dir: &Path, mode: FileReadMode) -> Result<Self> {
+        let display = dir.display().to_string();
+        let canonical = dir.canonicalize().map_err(|e| Error::io(&display, e))?;
+        Ok(LocalFolder {
+            dir: dir.to_path_buf(),
+            display,
+            canonical,
+            named: None,
+            mode,
+            opened: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The folder of the file `path` that the user named; returns the folder and the file's name
+    /// in it.
+    pub fn of_file(path: &Path, mode: FileReadMode) -> Result<(Self, String)> {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| Error::Invalid(format!("{}: not a file name", path.display())))?
+            .to_string();
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let mut f = Self::new(&dir, mode)?;
+        f.display = path
+            .parent()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        f.named = Some(
+            path.canonicalize()
+                .map_err(|e| Error::io(path.display().to_string(), e))?,
+        );
+        Ok((f, name))
+    }
+
+    /// The file `name` refers to, `None` when there is none; an error when it leaves the folder
+    /// or is not a regular file.
+    fn resolve(&self, name: &str) -> Result<Option<PathBuf>> {
+        check_name(name)?;
+        let shown = self.locate(name);
+        let real = match self.canonical.join(name).canonicalize() {
+            Ok(p) => p,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(shown, e)),
+        };
+        if !real.starts_with(&self.canonical) && self.named.as_ref() != Some(&real) {
+            return Err(Error::Invalid(format!(
+                "{shown} leads outside the model folder (to {})",
+                real.display()
+            )));
+        }
+        let meta = std::fs::metadata(&real).map_err(|e| Error::io(&shown, e))?;
+        if !meta.is_file() {
+            return Err(Error::Invalid(format!("{shown} is not a regular file")));
+        }
+        Ok(Some(real))
+    }
+}
+
+impl ModelFolder for LocalFolder {
+    fn root(&self) -> &str {
+        &self.display
+    }
+
+    fn locate(&self, name: &str) -> String {
+        if self.display.is_empty() {
+            name.to_string()
+        } else {
+            self.dir.join(name).display().to_string()
+        }
+    }
+
+    fn read_small<'a>(
+        &'a self,
+        name: &'a str,
+        limit: u64,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(async move {
+            let Some(path) = self.resolve(name)? else {
+                return Ok(None);
+            };
+            let shown = self.locate(name);
+            let f = File::open(&path).map_err(|e| Error::io(&shown, e))?;
+            let len = f.metadata().map_err(|e| Error::io(&shown, e))?.len();
+            if len > limit {
+                return Err(Error::Model {
+                    file: shown,
+                    msg: format!("{len} bytes, over the {limit}-byte limit for this file"),
+                });
+            }
+            let mut buf = vec![0u8; len as usize];
+            let got = pread_full(&f, 0, &mut buf).map_err(|e| Error::io(&shown, e))?;
+            buf.truncate(got);
+            Ok(Some(buf))
+        })
+    }
+
+    fn open_file<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<OpenedFile>>> {
+        Box::pin(async move {
+            let Some(path) = self.resolve(name)? else {
+                return Ok(None);
+            };
+            let shown = self.locate(name);
+            let f = File::open(&path).map_err(|e| Error::io(&shown, e))?;
+            let len = f.metadata().map_err(|e| Error::io(&shown, e))?.len();
+            let mut head = vec![0u8; len.min(8) as usize];
+            let got = pread_full(&f, 0, &mut head).map_err(|e| Error::io(&shown, e))?;
+            head.truncate(got);
+            let mut opened = self
+                .opened
+                .lock()
+                .map_err(|_| Error::Invalid("folder poisoned".into()))?;
+            opened.push((path, shown));
+            Ok(Some(OpenedFile {
+                index: opened.len() - 1,
+                len,
+                head,
+            }))
+        })
+    }
+
+    fn read_at<'a>(
+        &'a self,
+        file: usize,
+        offset: u64,
+        len: u64,
+        what: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<u8>>> {
+        Box::pin(async move {
+            let (path, shown) = self
+                .opened
+                .lock()
+                .map_err(|_| Error::Invalid("folder poisoned".into()))?
+                .get(file)
+                .cloned()
+                .ok_or_else(|| Error::Invalid(format!("no opened file #{file}")))?;
+            let n =
+                usize::try_from(len).map_err(|_| Error::Invalid(format!("{what}: {len} bytes")))?;
+            let f = File::open(&path).map_err(|e| Error::io(&shown, e))?;
+            let mut buf = vec![0u8; n];
+            let got = pread_full(&f, offset, &mut buf).map_err(|e| Error::io(&shown, e))?;
+            if got != n {
+                return Err(Error::ShortRead {
+                    file: shown,
+                    tensor: what.to_string(),
+                    offset,
+                    wanted: len,
+                    got: got as u64,
+                });
+            }
+            Ok(buf)
+        })
+    }
+
+    fn list_safetensors(&self) -> Result<Option<Vec<String>>> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.canonical)
+            .map_err(|e| Error::io(&self.display, e))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        names.sort();
+        Ok(Some(names))
+    }
+
+    fn source(&self) -> Result<Arc<dyn RangeSource>> {
+        let opened = self
+            .opened
+            .lock()
+            .map_err(|_| Error::Invalid("folder poisoned".into()))?
+            .clone();
+        let (paths, names): (Vec<PathBuf>, Vec<String>) = opened.into_iter().unzip();
+        Ok(Arc::new(FileSource::open_named(&paths, &names, self.mode)?))
     }
 }

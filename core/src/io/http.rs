@@ -1,21 +1,24 @@
-//! HTTP(S) byte ranges as a [`RangeSource`] (native; the browser has its own `fetch` source).
+//! HTTP(S) transport (native; the browser has its own `fetch`): an [`HttpClient`] that returns
+//! bytes, the [`HttpSource`] that streams a model's files through it, and the [`HttpFolder`] a
+//! model URL is opened through.
 //!
-//! Opening a file takes two requests (bytes 0-7, then the header); after that only the ranges of
-//! the tensors in the plan are fetched. Every data response must be `206` with a `Content-Range`
-//! equal to what was asked; `ETag` / `Last-Modified` are pinned when the file is opened and
-//! checked on every response. Connection errors, resets, short bodies and 5xx are retried with
-//! exponential backoff, resuming from the last byte received; 4xx is not retried. A `200` to a
-//! ranged request (a server that ignores `Range`) is an error naming the URL, unless the file is
-//! small enough to read whole and the caller allowed that.
+//! Opening a file takes one request (bytes 0-7, which also gives the file's length); its header is
+//! a second; after that only the ranges of the tensors in the plan are fetched. Every data
+//! response must be `206` with a `Content-Range` equal to what was asked; `ETag` /
+//! `Last-Modified` are pinned when the file is opened and checked on every response (one that
+//! disappears counts as a change). Connection errors, resets, short bodies and 5xx are retried
+//! with exponential backoff, resuming from the last byte received; 4xx is not retried. A `200` to
+//! a ranged request (a server that ignores `Range`) is an error naming the URL, unless the file
+//! is small enough to read whole and the caller allowed that.
 
 use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::format::safetensors::SafetensorsHeader;
-use crate::io::source::{RangeSource, SourceFile};
+use crate::io::folder::{percent_encode_path, BoxFuture, ModelFolder, OpenedFile};
+use crate::io::source::{parse_content_range, RangeSource, SourceFile};
 
 /// Knobs of the HTTP client.
 #[derive(Debug, Clone)]
@@ -53,17 +56,26 @@ pub struct Validators {
     pub last_modified: Option<String>,
 }
 
-/// Files served over HTTP(S), read by Range requests.
+/// A file the client has opened.
+#[derive(Debug, Clone)]
+struct OpenFile {
+    url: String,
+    len: u64,
+    validators: Validators,
+    /// The whole file, when a server that ignores ranges sent it and it was small enough.
+    whole: Option<Arc<Vec<u8>>>,
+}
+
+/// An HTTP(S) client that returns bytes: small whole files, and ranges of the files it opened
+/// (numbered in the order they were opened), checked as the module says.
 #[derive(Debug)]
-pub struct HttpSource {
+pub struct HttpClient {
     agent: ureq::Agent,
     opts: HttpOptions,
-    files: Vec<SourceFile>,
-    validators: Vec<Validators>,
+    files: Mutex<Vec<OpenFile>>,
     bytes_received: AtomicU64,
     requests: AtomicU64,
     retries_done: AtomicU64,
-    full_bodies: Mutex<Vec<Option<Vec<u8>>>>,
 }
 
 enum Attempt {
@@ -71,6 +83,15 @@ enum Attempt {
     Retry(String),
     /// Give up now.
     Fatal(Error),
+    /// A 404 where absence is an answer (opening a file, a side file).
+    NotFound,
+}
+
+/// What a ranged read got.
+enum Ranged {
+    /// The file's total length, and its whole body when the server sent all of it.
+    Got(u64, Option<Vec<u8>>),
+    NotFound,
 }
 
 fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String> {
@@ -80,9 +101,7 @@ fn header(resp: &ureq::http::Response<ureq::Body>, name: &str) -> Option<String>
         .map(|s| s.to_string())
 }
 
-use crate::io::source::parse_content_range;
-
-impl HttpSource {
+impl HttpClient {
     /// A client with no files yet.
     pub fn new(opts: HttpOptions) -> Self {
         let config = ureq::Agent::config_builder()
@@ -93,15 +112,13 @@ impl HttpSource {
             .max_idle_connections(opts.connections.max(1) * 4)
             .user_agent(format!("nibble/{}", env!("CARGO_PKG_VERSION")))
             .build();
-        HttpSource {
+        HttpClient {
             agent: ureq::Agent::new_with_config(config),
             opts,
-            files: Vec::new(),
-            validators: Vec::new(),
+            files: Mutex::new(Vec::new()),
             bytes_received: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             retries_done: AtomicU64::new(0),
-            full_bodies: Mutex::new(Vec::new()),
         }
     }
 
@@ -120,9 +137,76 @@ impl HttpSource {
         self.retries_done.load(Ordering::Relaxed)
     }
 
-    /// The validators pinned for a file.
-    pub fn validators(&self, file: usize) -> Option<&Validators> {
-        self.validators.get(file)
+    /// The validators pinned for opened file `file`.
+    pub fn validators(&self, file: usize) -> Option<Validators> {
+        self.files
+            .lock()
+            .ok()?
+            .get(file)
+            .map(|f| f.validators.clone())
+    }
+
+    fn file(&self, file: usize) -> Result<OpenFile> {
+        self.files
+            .lock()
+            .map_err(|_| Error::Invalid("http client poisoned".into()))?
+            .get(file)
+            .cloned()
+            .ok_or_else(|| Error::Invalid(format!("no opened file #{file}")))
+    }
+
+    /// Opens `url` for ranged reads: its first bytes (up to 8) and its length from
+    /// `Content-Range`, validators pinned. `None` on 404.
+    pub fn open(&self, url: &str) -> Result<Option<OpenedFile>> {
+        let mut head = [0u8; 8];
+        let mut v = Validators::default();
+        let (len, whole) =
+            match self.range(url, u64::MAX, 0, &mut head, "<header length>", &mut v, true)? {
+                Ranged::NotFound => return Ok(None),
+                Ranged::Got(len, whole) => (len, whole),
+            };
+        let mut files = self
+            .files
+            .lock()
+            .map_err(|_| Error::Invalid("http client poisoned".into()))?;
+        files.push(OpenFile {
+            url: url.to_string(),
+            len,
+            validators: v,
+            whole: whole.map(Arc::new),
+        });
+        Ok(Some(OpenedFile {
+            index: files.len() - 1,
+            len,
+            head: head[..len.min(8) as usize].to_vec(),
+        }))
+    }
+
+    /// Fills `buf` from `offset` of opened file `file`; `what` names the tensor for errors.
+    pub fn read(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()> {
+        let f = self.file(file)?;
+        if let Some(whole) = &f.whole {
+            let s = offset as usize;
+            let piece = whole
+                .get(s..s + buf.len())
+                .ok_or_else(|| Error::OffsetOutOfRange {
+                    file: f.url.clone(),
+                    tensor: what.to_string(),
+                    offset,
+                    end: offset + buf.len() as u64,
+                    file_len: whole.len() as u64,
+                })?;
+            buf.copy_from_slice(piece);
+            return Ok(());
+        }
+        let mut v = f.validators.clone();
+        match self.range(&f.url, f.len, offset, buf, what, &mut v, false)? {
+            Ranged::Got(..) => Ok(()),
+            Ranged::NotFound => Err(Error::Model {
+                file: f.url,
+                msg: format!("{what}: HTTP 404"),
+            }),
+        }
     }
 
     /// GETs a small whole file (config.json, an index JSON); `Ok(None)` on 404.
@@ -171,6 +255,7 @@ impl HttpSource {
                 Err(e) => Attempt::Retry(e.to_string()),
             };
             match outcome {
+                Attempt::NotFound => return Ok(None),
                 Attempt::Fatal(e) => return Err(e),
                 Attempt::Retry(why) => {
                     if attempt >= self.opts.retries {
@@ -187,77 +272,26 @@ impl HttpSource {
         }
     }
 
-    /// Opens a safetensors file by URL: bytes 0-7 (header length and, from `Content-Range`,
-    /// the file length), then the header. Returns its index in `files()` and the header.
-    pub fn open_file(&mut self, url: &str) -> Result<(usize, SafetensorsHeader)> {
-        let idx = self.files.len();
-        self.files.push(SourceFile {
-            name: url.to_string(),
-            len: u64::MAX,
-        });
-        self.validators.push(Validators::default());
-        if let Ok(mut b) = self.full_bodies.lock() {
-            b.push(None);
-        }
-        let mut first8 = [0u8; 8];
-        let total = match self.fetch_range(idx, 0, &mut first8, "<header length>", true) {
-            Ok(t) => t,
-            Err(e) => {
-                self.files.pop();
-                self.validators.pop();
-                return Err(e);
-            }
-        };
-        self.files[idx].len = total;
-        let header_len = SafetensorsHeader::parse_header_len(url, &first8, total)?;
-        let mut header = vec![0u8; header_len as usize];
-        self.fetch_range(idx, 8, &mut header, "<header>", false)?;
-        let h = SafetensorsHeader::parse(url, &header, total)?;
-        Ok((idx, h))
-    }
-
-    /// One ranged read with retries and resume. With `pin`, records the validators and returns
-    /// the total length from `Content-Range`; otherwise checks them.
-    fn fetch_range(
-        &mut self,
-        file: usize,
-        offset: u64,
-        buf: &mut [u8],
-        what: &str,
-        pin: bool,
-    ) -> Result<u64> {
-        let mut v = self.validators[file].clone();
-        let total = self.range_get(file, offset, buf, what, &mut v, pin)?;
-        if pin {
-            self.validators[file] = v;
-        }
-        Ok(total)
-    }
-
-    fn range_get(
+    /// One ranged read of `url` with retries and resume into `buf`. With `pin` (opening the
+    /// file: `known_len` is `u64::MAX`), records the validators and a 404 is `NotFound`;
+    /// otherwise the validators are checked against `pinned`. Returns the file's total length
+    /// and, when the server sent the whole file (allowed for small files), its bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn range(
         &self,
-        file: usize,
+        url: &str,
+        known_len: u64,
         offset: u64,
         buf: &mut [u8],
         what: &str,
         pinned: &mut Validators,
         pin: bool,
-    ) -> Result<u64> {
-        let url = self.files[file].name.clone();
-        let known_len = self.files[file].len;
+    ) -> Result<Ranged> {
+        let url = url.to_string();
         if buf.is_empty() {
-            return Ok(known_len);
+            return Ok(Ranged::Got(known_len, None));
         }
-        if let Some(whole) = self
-            .full_bodies
-            .lock()
-            .ok()
-            .and_then(|b| b.get(file).cloned().flatten())
-        {
-            let s = offset as usize;
-            buf.copy_from_slice(&whole[s..s + buf.len()]);
-            return Ok(whole.len() as u64);
-        }
+        let mut whole_body = None;
         let mut got = 0usize;
         let mut attempt = 0u32;
         let mut total_seen = known_len;
@@ -277,6 +311,9 @@ impl HttpSource {
                     Err(e) => return Attempt::Retry(format!("request failed: {e}")),
                 };
                 let status = resp.status().as_u16();
+                if pin && got == 0 && status == 404 {
+                    return Attempt::NotFound;
+                }
                 let fatal = |msg: String| {
                     Attempt::Fatal(Error::Model {
                         file: url.clone(),
@@ -292,15 +329,16 @@ impl HttpSource {
                     pinned.etag = etag.clone();
                     pinned.last_modified = lm.clone();
                 } else {
-                    if pinned.etag.is_some() && etag.is_some() && pinned.etag != etag {
+                    // A validator that was there and is gone is a change too: the bytes may be
+                    // another file's.
+                    if pinned.etag.is_some() && pinned.etag != etag {
                         return fatal(format!(
                             "the file changed during the run (ETag {} became {})",
                             pinned.etag.as_deref().unwrap_or(""),
                             etag.as_deref().unwrap_or("")
                         ));
                     }
-                    if pinned.last_modified.is_some() && lm.is_some() && pinned.last_modified != lm
-                    {
+                    if pinned.last_modified.is_some() && pinned.last_modified != lm {
                         return fatal(
                             "the file changed during the run (Last-Modified differs)".into(),
                         );
@@ -330,9 +368,7 @@ impl HttpSource {
                         buf[got..].copy_from_slice(&whole[start as usize..=end as usize]);
                         got = buf.len();
                         total_seen = whole.len() as u64;
-                        if let Ok(mut b) = self.full_bodies.lock() {
-                            b[file] = Some(whole);
-                        }
+                        whole_body = Some(whole);
                         return Attempt::Retry(String::new());
                     }
                     return fatal(
@@ -391,8 +427,11 @@ impl HttpSource {
                 Attempt::Retry(String::new())
             })();
             match outcome {
+                Attempt::NotFound => return Ok(Ranged::NotFound),
                 Attempt::Fatal(e) => return Err(e),
-                Attempt::Retry(_) if got == buf.len() => return Ok(total_seen),
+                Attempt::Retry(_) if got == buf.len() => {
+                    return Ok(Ranged::Got(total_seen, whole_body.take()))
+                }
                 Attempt::Retry(why) => {
                     if got > before {
                         // Progress was made: resume from the last byte without counting it
@@ -417,6 +456,35 @@ impl HttpSource {
     }
 }
 
+/// A model's files over HTTP, as a [`RangeSource`]: the files a client opened.
+#[derive(Debug)]
+pub struct HttpSource {
+    client: Arc<HttpClient>,
+    files: Vec<SourceFile>,
+}
+
+impl HttpSource {
+    /// The files `client` has opened so far.
+    pub fn new(client: Arc<HttpClient>) -> Result<Self> {
+        let files = client
+            .files
+            .lock()
+            .map_err(|_| Error::Invalid("http client poisoned".into()))?
+            .iter()
+            .map(|f| SourceFile {
+                name: f.url.clone(),
+                len: f.len,
+            })
+            .collect();
+        Ok(HttpSource { client, files })
+    }
+
+    /// The client (request counts, validators).
+    pub fn client(&self) -> &HttpClient {
+        &self.client
+    }
+}
+
 impl RangeSource for HttpSource {
     fn files(&self) -> &[SourceFile] {
         &self.files
@@ -424,8 +492,81 @@ impl RangeSource for HttpSource {
 
     fn read_exact_at(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()> {
         self.check_range(file, offset, buf.len() as u64, what)?;
-        let mut v = self.validators[file].clone();
-        self.range_get(file, offset, buf, what, &mut v, false)
-            .map(|_| ())
+        self.client.read(file, offset, buf, what)
+    }
+}
+
+/// A model folder at an HTTP(S) base URL (or the folder of a `.safetensors` URL).
+#[derive(Debug)]
+pub struct HttpFolder {
+    base: String,
+    client: Arc<HttpClient>,
+}
+
+impl HttpFolder {
+    /// The folder at `base` (without a trailing slash).
+    pub fn new(base: &str, opts: HttpOptions) -> Self {
+        HttpFolder {
+            base: base.trim_end_matches('/').to_string(),
+            client: Arc::new(HttpClient::new(opts)),
+        }
+    }
+
+    /// The client (request counts).
+    pub fn client(&self) -> &Arc<HttpClient> {
+        &self.client
+    }
+}
+
+impl ModelFolder for HttpFolder {
+    fn root(&self) -> &str {
+        &self.base
+    }
+
+    fn locate(&self, name: &str) -> String {
+        format!("{}/{}", self.base, percent_encode_path(name))
+    }
+
+    fn read_small<'a>(
+        &'a self,
+        name: &'a str,
+        limit: u64,
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(async move { self.client.get_small(&self.locate(name), limit) })
+    }
+
+    fn open_file<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<OpenedFile>>> {
+        Box::pin(async move { self.client.open(&self.locate(name)) })
+    }
+
+    fn read_at<'a>(
+        &'a self,
+        file: usize,
+        offset: u64,
+        len: u64,
+        what: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<u8>>> {
+        Box::pin(async move {
+            let n =
+                usize::try_from(len).map_err(|_| Error::Invalid(format!("{what}: {len} bytes")))?;
+            let mut buf = vec![0u8; n];
+            self.client.read(file, offset, &mut buf, what)?;
+            Ok(buf)
+        })
+    }
+
+    fn list_safetensors(&self) -> Result<Option<Vec<String>>> {
+        Ok(None)
+    }
+
+    fn source(&self) -> Result<Arc<dyn RangeSource>> {
+        Ok(Arc::new(HttpSource::new(self.client.clone())?))
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        Error::Model {
+            file: self.locate(name),
+            msg: "HTTP 404 (not found)".into(),
+        }
     }
 }

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "native")]
 pub mod file;
+pub mod folder;
 #[cfg(feature = "native")]
 pub mod http;
 pub mod model;

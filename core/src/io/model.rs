@@ -1,6 +1,8 @@
-//! safetensors headers and model folders as an index: tensor name -> dtype, shape, file and
-//! absolute byte range. Every range is validated against the file length before anything reads
-//! it (DESIGN.md invariant 3).
+//! A model's tensors by name, with their files and byte ranges ([`ModelIndex`]), and the one
+//! routine that opens a model ([`open_model`]) from any [`ModelFolder`]: a local directory or
+//! file, an HTTP base URL or file URL, the browser's fetch. Every range is validated against the
+//! file length before anything reads it (DESIGN.md invariant 3); every quant-state JSON is read
+//! once, when the model opens.
 
 use std::collections::HashMap;
 #[cfg(feature = "native")]
@@ -8,7 +10,7 @@ use std::fs::File;
 #[cfg(feature = "native")]
 use std::io::Read;
 #[cfg(feature = "native")]
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
@@ -17,6 +19,7 @@ use crate::format::bnb::{
 };
 use crate::format::dtype::dtype_name;
 use crate::format::safetensors::{SafetensorsHeader, TensorEntry};
+use crate::io::folder::{check_name, ModelFolder, OpenedFile, SIDE_FILE_LIMIT};
 use crate::io::source::RangeSource;
 
 /// Opens a local file and parses its safetensors header (reads only the first 8 + N bytes).
@@ -26,23 +29,20 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader> {
     let mut f = File::open(path).map_err(|e| Error::io(&name, e))?;
     let file_len = f.metadata().map_err(|e| Error::io(&name, e))?.len();
     let mut first8 = [0u8; 8];
-    let got = read_up_to(&mut f, &mut first8).map_err(|e| Error::io(&name, e))?;
+    let mut got = 0;
+    while got < 8 {
+        match f
+            .read(&mut first8[got..])
+            .map_err(|e| Error::io(&name, e))?
+        {
+            0 => break,
+            k => got += k,
+        }
+    }
     let header_len = SafetensorsHeader::parse_header_len(&name, &first8[..got], file_len)?;
     let mut header = vec![0u8; header_len as usize];
     f.read_exact(&mut header).map_err(|e| Error::io(&name, e))?;
     SafetensorsHeader::parse(&name, &header, file_len)
-}
-
-#[cfg(feature = "native")]
-fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 /// One file of a model.
@@ -55,7 +55,7 @@ pub struct Shard {
 }
 
 /// A model: one safetensors file, or a folder (local or URL) with `config.json` and one file or
-/// shards. Reads go through the model's [`RangeSource`].
+/// shards. Reads go through the model's [`RangeSource`]; side files through its folder.
 #[derive(Clone)]
 pub struct ModelIndex {
     /// The path or URL the user gave.
@@ -70,6 +70,11 @@ pub struct ModelIndex {
     /// use: a malformed checkpoint still opens, and says what is wrong when its weights are
     /// asked for).
     q4: OnceLock<(Vec<Bnb4bitKeys>, HashMap<String, usize>)>,
+    /// The folder the model was opened from (side files are read through it).
+    folder: Option<Arc<dyn ModelFolder>>,
+    /// The bytes of every quant-state JSON tensor, read together the first time one is needed
+    /// (shared by clones of the index).
+    quant_json: Arc<OnceLock<HashMap<String, Vec<u8>>>>,
 }
 
 impl std::fmt::Debug for ModelIndex {
@@ -86,12 +91,16 @@ pub const SHARD_INDEX_NAMES: [&str; 2] = [
     "model.safetensors.index.json",
     "diffusion_pytorch_model.safetensors.index.json",
 ];
-/// Single-file names nibble recognises in a model folder.
+/// Single-file names nibble recognises in a model folder, in the order they are tried
+/// (diffusers' first when `config.json` names a diffusers class).
 pub const SINGLE_FILE_NAMES: [&str; 2] =
     ["model.safetensors", "diffusion_pytorch_model.safetensors"];
 
+/// The most one quant-state read fetches (adjacent small tensors are read together).
+const MAX_RUN: u64 = 16 << 20;
+
 /// The shard files named by an index JSON's `weight_map`, sorted; checks every entry names a
-/// plain file of the folder.
+/// plain file next to the index (after percent-decoding too).
 pub fn shard_files_of_index(
     index_name: &str,
     index_json: &serde_json::Value,
@@ -109,7 +118,7 @@ pub fn shard_files_of_index(
         let f = f
             .as_str()
             .ok_or_else(|| bad(format!("weight_map entry '{tensor}' is not a string")))?;
-        if f.contains('/') || f.contains('\\') || f.starts_with('.') || f.is_empty() {
+        if f.contains('/') || f.starts_with('.') || check_name(f).is_err() {
             return Err(bad(format!(
                 "weight_map entry '{tensor}' names '{f}', not a file in the folder"
             )));
@@ -132,6 +141,105 @@ pub fn side_json(bytes: Option<Vec<u8>>, name: &str) -> Result<Option<serde_json
             file: name.to_string(),
             msg: format!("invalid JSON: {e}"),
         })
+}
+
+/// Opens the model in `folder`: the file `file` when given (a `.safetensors` the user named),
+/// else the folder's `config.json` and its shards (by an index JSON), its single weights file
+/// (one of [`SINGLE_FILE_NAMES`]) or, where the folder can be listed, its only `*.safetensors`.
+/// Reads `config.json` and the index if any, and 8 + N header bytes per file; no tensor byte
+/// (the quant-state JSONs come later, all together: [`ModelIndex::load_quant_states`]).
+pub async fn open_model(folder: Arc<dyn ModelFolder>, file: Option<&str>) -> Result<ModelIndex> {
+    let root = folder.root().to_string();
+    let mut config = None;
+    let mut index = None;
+    let mut opened: Vec<(String, OpenedFile)> = Vec::new();
+    if let Some(name) = file {
+        let f = folder
+            .open_file(name)
+            .await?
+            .ok_or_else(|| folder.missing(name))?;
+        opened.push((name.to_string(), f));
+    } else {
+        config = side_json(
+            folder.read_small("config.json", SIDE_FILE_LIMIT).await?,
+            &folder.locate("config.json"),
+        )?;
+        for idx in SHARD_INDEX_NAMES {
+            let shown = folder.locate(idx);
+            if let Some(j) = side_json(folder.read_small(idx, SIDE_FILE_LIMIT).await?, &shown)? {
+                for name in shard_files_of_index(&shown, &j)? {
+                    let f = folder.open_file(&name).await?.ok_or_else(|| Error::Model {
+                        file: shown.clone(),
+                        msg: format!("names {name}: {}", folder.missing(&name)),
+                    })?;
+                    opened.push((name, f));
+                }
+                index = Some((shown, j));
+                break;
+            }
+        }
+        if index.is_none() {
+            let mut names = SINGLE_FILE_NAMES.to_vec();
+            if config
+                .as_ref()
+                .is_some_and(|c| c.get("_class_name").is_some())
+            {
+                names.reverse();
+            }
+            for name in names {
+                // Only absence moves on to the next name: any other failure is the answer.
+                if let Some(f) = folder.open_file(name).await? {
+                    opened.push((name.to_string(), f));
+                    break;
+                }
+            }
+        }
+        if opened.is_empty() {
+            let listed = folder.list_safetensors()?;
+            match listed.as_deref() {
+                Some([one]) => {
+                    let f = folder.open_file(one).await?.ok_or_else(|| Error::Model {
+                        file: folder.locate(one),
+                        msg: "vanished while the folder was opened".into(),
+                    })?;
+                    opened.push((one.clone(), f));
+                }
+                _ => {
+                    return Err(Error::Model {
+                        file: root,
+                        msg: format!(
+                            "no model found: expected one of {}, {} or a single *.safetensors \
+                             file{}",
+                            SHARD_INDEX_NAMES.join(", "),
+                            SINGLE_FILE_NAMES.join(", "),
+                            match listed {
+                                Some(l) => format!(" ({} found)", l.len()),
+                                None => format!(" ({})", folder.missing(SINGLE_FILE_NAMES[0])),
+                            }
+                        ),
+                    })
+                }
+            }
+        }
+    }
+    let mut shards = Vec::with_capacity(opened.len());
+    for (name, f) in opened {
+        let shown = folder.locate(&name);
+        let header_len = SafetensorsHeader::parse_header_len(&shown, &f.head, f.len)?;
+        let json = folder.read_at(f.index, 8, header_len, "<header>").await?;
+        let header = SafetensorsHeader::parse(&shown, &json, f.len)?;
+        shards.push(Shard { name, header });
+    }
+    let source = folder.source()?;
+    let mut model = ModelIndex::from_parts(
+        root,
+        shards,
+        config,
+        source,
+        index.as_ref().map(|(n, j)| (n.as_str(), j)),
+    )?;
+    model.folder = Some(folder);
+    Ok(model)
 }
 
 impl ModelIndex {
@@ -167,6 +275,8 @@ impl ModelIndex {
             by_name,
             source,
             q4: OnceLock::new(),
+            folder: None,
+            quant_json: Arc::new(OnceLock::new()),
         };
         if let Some((idx_name, json)) = index_json {
             let bad = |msg: String| Error::Model {
@@ -195,35 +305,6 @@ impl ModelIndex {
         Ok(me)
     }
 
-    /// A small file beside the weights (`tokenizer.json`, `generation_config.json`, ...), read
-    /// from the model's folder or fetched from its URL; `Ok(None)` when there is none.
-    #[cfg(feature = "native")]
-    pub fn side_file(&self, name: &str) -> Result<Option<Vec<u8>>> {
-        const LIMIT: u64 = 64 << 20;
-        let root = self.root.trim_end_matches('/');
-        if root.starts_with("http://") || root.starts_with("https://") {
-            let dir = if root.ends_with(".safetensors") {
-                root.rsplit_once('/').map(|(d, _)| d).unwrap_or(root)
-            } else {
-                root
-            };
-            let http = crate::io::http::HttpSource::new(Default::default());
-            return http.get_small(&format!("{dir}/{name}"), LIMIT);
-        }
-        let p = Path::new(root);
-        let dir = if p.is_dir() {
-            p
-        } else {
-            p.parent().unwrap_or(Path::new("."))
-        };
-        let path = dir.join(name);
-        match std::fs::read(&path) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(Error::io(path.display().to_string(), e)),
-        }
-    }
-
     /// Opens a local `.safetensors` file or model folder and validates every header.
     #[cfg(feature = "native")]
     pub fn open(path: &Path) -> Result<Self> {
@@ -234,146 +315,70 @@ impl ModelIndex {
     /// mmap).
     #[cfg(feature = "native")]
     pub fn open_with(path: &Path, mode: crate::io::file::FileReadMode) -> Result<Self> {
-        let disp = path.display().to_string();
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(&disp, e))?;
-        let single = |p: PathBuf, config| -> Result<Self> {
-            let header = read_header(&p)?;
-            let name = p
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or("")
-                .to_string();
-            let source = crate::io::file::FileSource::open(&[p], mode)?;
-            Self::from_parts(
-                disp.clone(),
-                vec![Shard { name, header }],
-                config,
-                Arc::new(source),
-                None,
-            )
+        use crate::io::file::LocalFolder;
+        let shown = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(&shown, e))?;
+        let (folder, file) = if meta.is_dir() {
+            (LocalFolder::new(path, mode)?, None)
+        } else {
+            let (f, name) = LocalFolder::of_file(path, mode)?;
+            (f, Some(name))
         };
-        if meta.is_file() {
-            return single(path.to_path_buf(), None);
-        }
-        let config = read_json_if_exists(&path.join("config.json"))?;
-        for idx_name in SHARD_INDEX_NAMES {
-            let idx_path = path.join(idx_name);
-            if let Some(index_json) = read_json_if_exists(&idx_path)? {
-                let idx_disp = idx_path.display().to_string();
-                let files = shard_files_of_index(&idx_disp, &index_json)?;
-                let mut shards = Vec::with_capacity(files.len());
-                let mut paths = Vec::with_capacity(files.len());
-                for f in files {
-                    let p = path.join(&f);
-                    shards.push(Shard {
-                        name: f,
-                        header: read_header(&p)?,
-                    });
-                    paths.push(p);
-                }
-                let source = crate::io::file::FileSource::open(&paths, mode)?;
-                return Self::from_parts(
-                    disp,
-                    shards,
-                    config,
-                    Arc::new(source),
-                    Some((&idx_disp, &index_json)),
-                );
-            }
-        }
-        for name in SINGLE_FILE_NAMES {
-            let p = path.join(name);
-            if p.is_file() {
-                return single(p, config);
-            }
-        }
-        let mut found: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|e| Error::io(&disp, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        found.sort();
-        if found.len() == 1 {
-            return single(found.remove(0), config);
-        }
-        Err(Error::Model {
-            file: disp,
-            msg: format!(
-                "no model found: expected one of {}, {} or a single *.safetensors file ({} found)",
-                SHARD_INDEX_NAMES.join(", "),
-                SINGLE_FILE_NAMES.join(", "),
-                found.len()
-            ),
-        })
+        let mut m = crate::io::folder::block_on(open_model(Arc::new(folder), file.as_deref()))?;
+        m.root = shown;
+        Ok(m)
     }
 
     /// Opens a model over HTTP(S): a `.safetensors` URL, or a folder URL holding `config.json`
     /// and `model.safetensors` / `diffusion_pytorch_model.safetensors` or shards with their
-    /// index. Fetches only `config.json`, the index JSON and each file's 8 + N header bytes.
+    /// index.
     #[cfg(feature = "native")]
     pub fn open_url(url: &str, opts: crate::io::http::HttpOptions) -> Result<Self> {
-        use crate::io::http::HttpSource;
-        const SMALL: u64 = 64 << 20;
-        let mut http = HttpSource::new(opts);
+        use crate::io::http::HttpFolder;
         let url = url.trim_end_matches('/');
-        let single = |mut http: HttpSource, file_url: &str, config| -> Result<Self> {
-            let (_, header) = http.open_file(file_url)?;
-            let name = file_url.rsplit('/').next().unwrap_or("").to_string();
-            Self::from_parts(
-                url.to_string(),
-                vec![Shard { name, header }],
-                config,
-                Arc::new(http),
-                None,
-            )
+        let (base, file) = match url.rsplit_once('/') {
+            Some((dir, name)) if name.ends_with(".safetensors") => (dir, Some(name)),
+            _ => (url, None),
         };
-        if url.ends_with(".safetensors") {
-            return single(http, url, None);
+        let folder = Arc::new(HttpFolder::new(base, opts));
+        let mut m = crate::io::folder::block_on(open_model(folder, file))?;
+        m.root = url.to_string();
+        Ok(m)
+    }
+
+    /// Opens a model by local path (read with `mode`) or http(s) URL.
+    #[cfg(feature = "native")]
+    pub fn open_path_or_url(arg: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
+        if arg.starts_with("http://") || arg.starts_with("https://") {
+            Self::open_url(arg, Default::default())
+        } else {
+            Self::open_with(Path::new(arg), mode)
         }
-        let json = side_json;
-        let config_url = format!("{url}/config.json");
-        let config = json(http.get_small(&config_url, SMALL)?, &config_url)?;
-        for idx_name in SHARD_INDEX_NAMES {
-            let idx_url = format!("{url}/{idx_name}");
-            if let Some(index_json) = json(http.get_small(&idx_url, SMALL)?, &idx_url)? {
-                let files = shard_files_of_index(&idx_url, &index_json)?;
-                let mut shards = Vec::with_capacity(files.len());
-                for f in files {
-                    let (_, header) = http.open_file(&format!("{url}/{f}"))?;
-                    shards.push(Shard { name: f, header });
-                }
-                return Self::from_parts(
-                    url.to_string(),
-                    shards,
-                    config,
-                    Arc::new(http),
-                    Some((&idx_url, &index_json)),
-                );
-            }
+    }
+
+    /// A small file of the model's folder (`tokenizer.json`, `generation_config.json`,
+    /// `1_Pooling/config.json`, ...), `None` when there is none. `name` comes from the model's
+    /// files and must stay inside its folder.
+    pub async fn read_side(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        check_name(name)?;
+        match &self.folder {
+            Some(f) => f.read_small(name, SIDE_FILE_LIMIT).await,
+            None => Ok(None),
         }
-        let mut last_err = None;
-        for name in SINGLE_FILE_NAMES {
-            match http.open_file(&format!("{url}/{name}")) {
-                Ok((_, header)) => {
-                    let shard = Shard {
-                        name: name.to_string(),
-                        header,
-                    };
-                    return Self::from_parts(
-                        url.to_string(),
-                        vec![shard],
-                        config,
-                        Arc::new(http),
-                        None,
-                    );
-                }
-                Err(e) => last_err = Some(e),
-            }
+    }
+
+    /// [`ModelIndex::read_side`], natively.
+    #[cfg(feature = "native")]
+    pub fn side_file(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        crate::io::folder::block_on(self.read_side(name))
+    }
+
+    /// The full path or URL of `name` in the model's folder, for messages.
+    pub fn locate(&self, name: &str) -> String {
+        match &self.folder {
+            Some(f) => f.locate(name),
+            None => format!("{}/{name}", self.root.trim_end_matches('/')),
         }
-        Err(last_err.unwrap_or_else(|| Error::Model {
-            file: url.to_string(),
-            msg: "no model found".into(),
-        }))
     }
 
     /// Every bitsandbytes 4-bit weight of the model, in file order (found on first use).
@@ -410,11 +415,84 @@ impl ModelIndex {
         })
     }
 
+    /// Reads every quant-state JSON of the model's 4-bit weights, once, in runs of adjacent
+    /// tensors (one read per run, through the folder: in the browser this is the only way).
+    /// Graph builders and the planner use them; natively the first of them loads them itself.
+    pub async fn load_quant_states(&self) -> Result<()> {
+        if self.quant_json.get().is_some() {
+            return Ok(());
+        }
+        // A model whose 4-bit keys are malformed gets none: its weights say what is wrong when
+        // they are used.
+        let Ok(keys) = self.q4_weights() else {
+            let _ = self.quant_json.set(HashMap::new());
+            return Ok(());
+        };
+        let mut wanted: Vec<&TensorEntry> = keys
+            .iter()
+            .filter_map(|k| self.get(&k.quant_state))
+            .collect();
+        wanted.sort_by_key(|e| (e.shard, e.offset));
+        let mut runs: Vec<Vec<&TensorEntry>> = Vec::new();
+        for e in wanted {
+            match runs.last_mut() {
+                Some(run)
+                    if run[0].shard == e.shard
+                        && run.last().is_some_and(|l| l.end() == e.offset)
+                        && e.end() - run[0].offset <= MAX_RUN =>
+                {
+                    run.push(e)
+                }
+                _ => runs.push(vec![e]),
+            }
+        }
+        let mut out = HashMap::new();
+        for run in runs {
+            let (start, end) = (run[0].offset, run[run.len() - 1].end());
+            let bytes = match &self.folder {
+                Some(f) => {
+                    f.read_at(run[0].shard, start, end - start, "<quant states>")
+                        .await?
+                }
+                None => {
+                    let mut b = vec![0u8; (end - start) as usize];
+                    self.source
+                        .read_exact_at(run[0].shard, start, &mut b, "<quant states>")?;
+                    b
+                }
+            };
+            for e in run {
+                let at = (e.offset - start) as usize;
+                out.insert(e.name.clone(), bytes[at..at + e.len as usize].to_vec());
+            }
+        }
+        let _ = self.quant_json.set(out);
+        Ok(())
+    }
+
+    /// The quant-state JSONs, loaded natively on first use; in the browser
+    /// [`ModelIndex::load_quant_states`] must have run.
+    fn quant_jsons(&self) -> Result<&HashMap<String, Vec<u8>>> {
+        #[cfg(feature = "native")]
+        if self.quant_json.get().is_none() {
+            crate::io::folder::block_on(self.load_quant_states())?;
+        }
+        self.quant_json.get().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{}: the quant states were not loaded (ModelIndex::load_quant_states)",
+                self.root
+            ))
+        })
+    }
+
     /// The quant state JSON of a 4-bit weight, checked against its key and against the header
     /// entries of its components (dtypes, element counts, packed bytes), without reading them.
     pub fn quant_state_json(&self, keys: &Bnb4bitKeys) -> Result<QuantStateJson> {
         let e = self.require(&keys.quant_state)?;
-        let bytes = self.read_bytes(e)?;
+        let bytes = match self.quant_jsons()?.get(&keys.quant_state) {
+            Some(b) => b.clone(),
+            None => self.read_bytes(e)?,
+        };
         let packed = self.require(&keys.base)?;
         let file = self.shard_name(packed.shard).to_string();
         let entry = |n: &Option<String>| n.as_deref().map(|n| self.require(n)).transpose();
@@ -438,7 +516,13 @@ impl ModelIndex {
             let e = self.require(name)?;
             Ok((self.read_bytes(e)?, e))
         };
-        let json = read(&keys.quant_state)?;
+        let json = (
+            match self.quant_jsons()?.get(&keys.quant_state) {
+                Some(b) => b.clone(),
+                None => self.read_bytes(self.require(&keys.quant_state)?)?,
+            },
+            self.require(&keys.quant_state)?,
+        );
         let absmax = read(&keys.absmax)?;
         let qmap = read(&keys.quant_map)?;
         let nested_a = keys.nested_absmax.as_deref().map(read).transpose()?;
@@ -525,21 +609,6 @@ impl ModelIndex {
             expected: "F32, F16, BF16 or F64".into(),
             actual: dtype_name(entry.dtype),
         })
-    }
-}
-
-#[cfg(feature = "native")]
-fn read_json_if_exists(path: &Path) -> Result<Option<serde_json::Value>> {
-    let disp = path.display().to_string();
-    match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| Error::Model {
-                file: disp,
-                msg: format!("invalid JSON: {e}"),
-            }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io(disp, e)),
     }
 }
 

@@ -94,18 +94,33 @@ impl TextTokenizer {
         })
     }
 
-    /// Loads the tokenizer files of a model folder or URL.
+    /// Loads the tokenizer files of a model (`tokenizer.json`, `tokenizer_config.json`, and
+    /// `chat_template.jinja` when the config has no template) through its folder, locally, over
+    /// HTTP or in the browser; `None` when the model has no `tokenizer.json`.
+    pub async fn load(model: &crate::io::model::ModelIndex) -> Result<Option<Self>> {
+        let Some(json) = model.read_side("tokenizer.json").await? else {
+            return Ok(None);
+        };
+        let cfg = model.read_side("tokenizer_config.json").await?;
+        let has_template = cfg.as_ref().is_some_and(|c| {
+            serde_json::from_slice::<serde_json::Value>(c)
+                .is_ok_and(|v| v.get("chat_template").is_some())
+        });
+        let tpl = if has_template {
+            None
+        } else {
+            model.read_side("chat_template.jinja").await?
+        };
+        Self::from_parts(&json, cfg.as_deref(), tpl.as_deref()).map(Some)
+    }
+
+    /// [`TextTokenizer::load`] natively; a model without `tokenizer.json` is an error.
     #[cfg(feature = "native")]
     pub fn for_model(model: &crate::io::model::ModelIndex) -> Result<Self> {
-        let json = model
-            .side_file("tokenizer.json")?
-            .ok_or_else(|| Error::Model {
-                file: format!("{}/tokenizer.json", model.root.trim_end_matches('/')),
-                msg: "not found: this model has no tokenizer (use --prompt-ids)".into(),
-            })?;
-        let cfg = model.side_file("tokenizer_config.json")?;
-        let tpl = model.side_file("chat_template.jinja")?;
-        Self::from_parts(&json, cfg.as_deref(), tpl.as_deref())
+        crate::io::folder::block_on(Self::load(model))?.ok_or_else(|| Error::Model {
+            file: model.locate("tokenizer.json"),
+            msg: "not found: this model has no tokenizer (use --prompt-ids)".into(),
+        })
     }
 
     /// Cuts longer texts to `max_len` tokens (special tokens included), as sentence-transformers
