@@ -57,7 +57,7 @@ impl crate::backends::WithBackend for OneMode<'_> {
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
         let model = crate::open_model_with(&b.model, &b.file_mode)?;
-        let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;
+        let cfg = DitConfig::of(&model)?;
         let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0);
         let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens());
         let device_bytes = match self.mode {

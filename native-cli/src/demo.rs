@@ -148,7 +148,7 @@ impl crate::backends::WithBackend for Demo<'_> {
     fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
         let Demo { o, dit, encoder } = self;
         let quiet = o.json;
-        let dcfg = DitConfig::from_json(dit.config.as_ref().context("DiT config.json")?)?;
+        let dcfg = DitConfig::of(dit)?;
         let budgets = Budgets {
             device_bytes: parse_size(&o.device_budget)?,
             ring_slots: o.slots,
@@ -374,7 +374,7 @@ pub fn run(o: &DemoOptions) -> Result<()> {
         o.json,
     )?;
     let dit = ModelIndex::open(&dit_dir)?;
-    let dcfg = DitConfig::from_json(dit.config.as_ref().context("DiT config.json")?)?;
+    let dcfg = DitConfig::of(&dit)?;
     let es = encoder_shape(dcfg.joint_dim);
     let enc_dir = root.join(format!(
         "text-encoder-{}x{}-{}layers-v{}-seed{}",

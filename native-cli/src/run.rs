@@ -208,7 +208,7 @@ fn generate<B: Backend>(
     mut backend: B,
     label: &str,
 ) -> Result<()> {
-    let cfg = llama::config(model)?;
+    let cfg = llama::LlamaConfig::of(model)?;
     let tokenizer = match (&o.prompt, TextTokenizer::for_model(model)) {
         (Some(_), Err(e)) => return Err(e.into()),
         (_, t) => t.ok(),

@@ -120,7 +120,7 @@ pub fn run<B: Backend>(
     mut backend: B,
     label: &str,
 ) -> Result<()> {
-    let cfg = DitConfig::from_json(model.config.as_ref().context("config.json")?)?;
+    let cfg = DitConfig::of(model)?;
     let resumed = match &d.resume {
         Some(dir) => Some(Checkpoint::load(dir)?.with_context(|| {
             format!(

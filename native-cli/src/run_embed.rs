@@ -13,18 +13,6 @@ use serde_json::json;
 
 use crate::run::RunOptions;
 
-/// The longest input: sentence-transformers' `max_seq_length` (sentence_bert_config.json)
-/// where the model has one, else the position table's length.
-fn max_len(model: &ModelIndex, cfg: &bert::BertConfig) -> usize {
-    model
-        .side_file("sentence_bert_config.json")
-        .ok()
-        .flatten()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| v.get("max_seq_length")?.as_u64())
-        .map_or(cfg.max_positions, |m| (m as usize).min(cfg.max_positions))
-}
-
 /// Embeds `o.prompt` (or `o.prompt_ids`) and prints the vector.
 pub fn run<B: Backend>(
     o: &RunOptions,
@@ -32,8 +20,8 @@ pub fn run<B: Backend>(
     mut backend: B,
     label: &str,
 ) -> Result<()> {
-    let cfg = bert::config(model)?;
-    let limit = max_len(model, &cfg);
+    let cfg = bert::BertConfig::of(model)?;
+    let limit = nibble_core::io::folder::block_on(bert::max_seq_len(model, &cfg))?;
     let ids: Vec<u32> = match &o.prompt {
         Some(text) => {
             if o.chat {

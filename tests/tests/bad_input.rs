@@ -591,3 +591,168 @@ fn key_suffix_and_json_disagree_on_quant_type() {
         matches!(quant_error(&e), QuantProblem::UnknownQuantType(m) if m.contains("key says nf4"))
     );
 }
+
+/// A copy of a fixture's model folder (files and sub-folders) with `edit` applied to the JSON
+/// file `json` in it.
+fn edited_copy(
+    fixture_model: &str,
+    json: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> tempfile::TempDir {
+    fn copy(from: &std::path::Path, to: &std::path::Path) {
+        std::fs::create_dir_all(to).expect("dir");
+        for e in std::fs::read_dir(from).expect("read dir") {
+            let p = e.expect("entry").path();
+            let t = to.join(p.file_name().expect("name"));
+            if p.is_dir() {
+                copy(&p, &t);
+            } else {
+                std::fs::copy(&p, &t).expect("copy");
+            }
+        }
+    }
+    let d = tmp();
+    copy(&nibble_tests::fixture(fixture_model), d.path());
+    let p = d.path().join(json);
+    let mut v = nibble_tests::read_json(&p);
+    edit(&mut v);
+    std::fs::write(&p, serde_json::to_vec(&v).expect("json")).expect("write");
+    d
+}
+
+/// The error of reading `what` from the edited copy; it must name the file and contain `field`.
+fn config_error(
+    d: &tempfile::TempDir,
+    file: &str,
+    field: &str,
+    what: impl FnOnce(&ModelIndex) -> Result<(), Error>,
+) {
+    let m = ModelIndex::open(d.path()).expect("the weights are fine");
+    let e = what(&m).expect_err(field).to_string();
+    let path = d.path().join(file).display().to_string();
+    assert!(e.contains(&path), "the error names {path}: {e}");
+    assert!(e.contains(field), "the error names {field}: {e}");
+}
+
+#[test]
+fn llama_configs_with_wrong_types_and_sizes_are_refused_naming_the_field() {
+    use nibble_core::models::llama::{self, LlamaConfig, LlamaShape};
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
+        (
+            "rms_norm_eps",
+            Box::new(|c| c["rms_norm_eps"] = "1e-6".into()),
+        ),
+        (
+            "rms_norm_eps",
+            Box::new(|c| c["rms_norm_eps"] = (-1.0).into()),
+        ),
+        ("hidden_size", Box::new(|c| c["hidden_size"] = (-64).into())),
+        (
+            "num_hidden_layers",
+            Box::new(|c| c["num_hidden_layers"] = 0.into()),
+        ),
+        (
+            "num_attention_heads",
+            Box::new(|c| {
+                c.as_object_mut().expect("object").remove("head_dim");
+                c["num_attention_heads"] = 3.into();
+                c["num_key_value_heads"] = 3.into();
+            }),
+        ),
+        (
+            "num_key_value_heads",
+            Box::new(|c| c["num_key_value_heads"] = 3.into()),
+        ),
+        (
+            "eos_token_id",
+            Box::new(|c| c["eos_token_id"] = ((1u64 << 32) + 102).into()),
+        ),
+        (
+            "rope_theta",
+            Box::new(|c| c["rope_parameters"]["rope_theta"] = 0.0.into()),
+        ),
+        (
+            "rope_scaling.factor",
+            Box::new(|c| {
+                c["rope_parameters"]["rope_type"] = "linear".into();
+                c["rope_parameters"]["factor"] = 0.0.into();
+            }),
+        ),
+        ("hidden_act", Box::new(|c| c["hidden_act"] = "relu".into())),
+    ];
+    for (field, edit) in cases {
+        let d = edited_copy("tiny-llama-nf4/model", "config.json", edit);
+        config_error(&d, "config.json", field, |m| LlamaConfig::of(m).map(drop));
+        // The graph builder reads the same config and refuses the same way.
+        config_error(&d, "config.json", field, |m| {
+            llama::build(m, LlamaShape::generate(2, 2)).map(drop)
+        });
+    }
+}
+
+#[test]
+fn quantization_the_planner_cannot_run_is_refused() {
+    use nibble_core::backend::cpu_ref::CpuRefBackend;
+    use nibble_core::models::llama::{self, LlamaShape};
+    let d = edited_copy("tiny-llama-nf4/model", "config.json", |c| {
+        c["quantization_config"]["load_in_8bit"] = true.into();
+    });
+    config_error(&d, "config.json", "load_in_8bit", |m| {
+        let g = llama::build(m, LlamaShape::generate(2, 2))?;
+        nibble_core::plan::min_device_bytes(&g.graph, m, &mut CpuRefBackend::new()).map(drop)
+    });
+}
+
+#[test]
+fn dit_and_bert_configs_with_wrong_types_are_refused_naming_the_field() {
+    use nibble_core::models::bert::BertConfig;
+    use nibble_core::models::dit::DitConfig;
+    let d = edited_copy("tiny-dit-nf4/model", "config.json", |c| {
+        c["axes_dims_rope"] = serde_json::json!([2, 2, 2]);
+    });
+    config_error(&d, "config.json", "axes_dims_rope", |m| {
+        DitConfig::of(m).map(drop)
+    });
+    let d = edited_copy("tiny-dit-nf4/model", "config.json", |c| {
+        c["num_layers"] = "2".into();
+    });
+    config_error(&d, "config.json", "num_layers", |m| {
+        DitConfig::of(m).map(drop)
+    });
+    let d = edited_copy("minilm-nf4/model", "config.json", |c| {
+        c["hidden_size"] = "384".into();
+    });
+    config_error(&d, "config.json", "hidden_size", |m| {
+        BertConfig::of(m).map(drop)
+    });
+}
+
+#[test]
+fn sentence_transformers_files_cannot_lead_outside_the_model_folder() {
+    use nibble_core::models::bert::Pooling;
+    for path in ["../../etc", "/etc", "%2e%2e/%2e%2e/x"] {
+        let d = edited_copy("minilm-nf4/model", "modules.json", |m| {
+            for module in m.as_array_mut().expect("list") {
+                if module["type"]
+                    .as_str()
+                    .is_some_and(|t| t.ends_with(".Pooling"))
+                {
+                    module["path"] = path.into();
+                }
+            }
+        });
+        let m = ModelIndex::open(d.path()).expect("open");
+        let e = Pooling::for_model(&m).expect_err(path).to_string();
+        assert!(e.contains("inside the model folder"), "{path}: {e}");
+    }
+    let d = edited_copy("minilm-nf4/model", "1_Pooling/config.json", |c| {
+        c["pooling_mode_mean_tokens"] = "yes".into();
+    });
+    config_error(
+        &d,
+        "1_Pooling/config.json",
+        "pooling_mode_mean_tokens",
+        |m| Pooling::for_model(m).map(drop),
+    );
+}

@@ -367,7 +367,7 @@ fn models_the_decoder_does_not_compute_are_refused() {
     let mut qwen3 = config.clone();
     qwen3["model_type"] = "qwen3".into();
     let e = err(&copy(&qwen3, None), shape);
-    assert!(e.contains("model_type 'qwen3'"), "{e}");
+    assert!(e.contains("model_type: 'qwen3'"), "{e}");
 
     let mut mistral = config.clone();
     mistral["model_type"] = "mistral".into();

@@ -126,7 +126,7 @@ fn check_within<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: Tol) 
     let rows = batch(&e);
     let (_, shape) = ints(&e, "input_ids");
     let seq_len = shape[1];
-    let hidden = bert::config(&m).expect("config").hidden;
+    let hidden = bert::BertConfig::of(&m).expect("config").hidden;
     let tokens_want = e
         .f32("token_embeddings_nf4_deq_fp32")
         .expect("token embeddings");

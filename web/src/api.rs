@@ -673,13 +673,7 @@ fn dit_inputs(
     opts: &Value,
     js: Option<&JsValue>,
 ) -> Result<DitInputs, JsValue> {
-    let cfg = DitConfig::from_json(
-        index
-            .config
-            .as_ref()
-            .ok_or_else(|| js_err("no config.json"))?,
-    )
-    .map_err(js_err)?;
+    let cfg = DitConfig::of(index).map_err(js_err)?;
     if let Some(obj) = js.filter(|v| v.is_object()) {
         let get = |name: &str| -> Result<Vec<f32>, JsValue> {
             let v = js_sys::Reflect::get(obj, &JsValue::from_str(name))?;

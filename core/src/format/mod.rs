@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod gguf;
 #[cfg(all(feature = "native", feature = "text"))]
 pub mod gguf_convert;
+pub mod json;
 pub mod quantize;
 pub mod safetensors;
 pub mod writer;

@@ -15,7 +15,7 @@ mod size;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::format::bnb::{Bnb4bitKeys, QuantStateJson};
+use crate::format::bnb::{Bnb4bitKeys, QuantStateJson, QuantizationConfig};
 use crate::format::dtype::{dtype_name, Dtype};
 use crate::format::safetensors::TensorEntry;
 use crate::graph::{ElemType, Graph, Source};
@@ -212,6 +212,9 @@ impl Planner {
     /// Every tensor the graph reads is checked against the model's index here (names, shapes,
     /// dtypes, quant states), before any weight byte is read.
     pub fn new(graph: Graph, model: &ModelIndex, rules: Rules) -> Result<Self> {
+        if let Some(c) = &model.config {
+            QuantizationConfig::of_config(&model.locate("config.json"), c)?;
+        }
         let graph = if rules.host_memory {
             graph
                 .with_bf16_weights(|t| model.get(t).is_some_and(|e| e.dtype == Dtype::BF16))

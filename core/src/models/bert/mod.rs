@@ -1,6 +1,12 @@
-//! BERT encoders (transformers' `BertModel`, sentence-transformers models): the post-norm
-//! encoder graph, sentence-transformers pooling, and the [`Encoder`] that runs it.
+//! BERT encoders (transformers' `BertModel`, sentence-transformers models): the typed config, the
+//! post-norm encoder graph, sentence-transformers pooling, and the [`Encoder`] that runs it.
 
+mod config;
+mod encoder;
 mod graph;
+mod pooling;
 
-pub use graph::{build, config, BertConfig, BertGraph, Encoder, Pooling, PoolingMode};
+pub use config::BertConfig;
+pub use encoder::Encoder;
+pub use graph::{build, BertGraph};
+pub use pooling::{max_seq_len, Pooling, PoolingMode};

@@ -231,10 +231,7 @@ impl<B: Backend> Denoiser<B> {
     }
 
     fn checked_config(model: &ModelIndex, inputs: &DitInputs, sigmas: &[f32]) -> Result<DitConfig> {
-        let cfg = DitConfig::from_json(model.config.as_ref().ok_or_else(|| Error::Model {
-            file: model.root.clone(),
-            msg: "no config.json".into(),
-        })?)?;
+        let cfg = DitConfig::of(model)?;
         inputs.check(&cfg)?;
         if sigmas.len() < 2 {
             return Err(Error::Invalid("a schedule needs at least one step".into()));

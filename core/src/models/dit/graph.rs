@@ -4,109 +4,11 @@
 //! RoPE), single-stream blocks (parallel attention and MLP), adaptive final norm and projection.
 //! Batch size 1. Every block is one weight group.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::graph::{Graph, ValueId};
 use crate::graph::{OpKind, Q4Info, RopeMode, ValueInfo};
 use crate::io::model::ModelIndex;
-
-/// The model's hyper-parameters, from `config.json`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DitConfig {
-    /// Token width of the latent.
-    pub in_channels: usize,
-    /// Output token width: `patch_size² x out_channels` (`out_channels` defaulting to
-    /// `in_channels`), the width of diffusers' `proj_out`.
-    pub out_channels: usize,
-    /// Double-stream blocks.
-    pub double_blocks: usize,
-    /// Single-stream blocks.
-    pub single_blocks: usize,
-    /// Heads.
-    pub heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-    /// Text embedding width.
-    pub joint_dim: usize,
-    /// Pooled text embedding width.
-    pub pooled_dim: usize,
-    /// Whether a guidance embedding is added.
-    pub guidance: bool,
-    /// RoPE dims per id axis (sum = head_dim).
-    pub axes_dims: Vec<usize>,
-}
-
-impl DitConfig {
-    /// Reads a diffusers `config.json`.
-    pub fn from_json(c: &serde_json::Value) -> Result<Self> {
-        let u = |k: &str| c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let need = |k: &str| {
-            u(k).ok_or_else(|| Error::Model {
-                file: "config.json".into(),
-                msg: format!("missing '{k}'"),
-            })
-        };
-        let in_channels = need("in_channels")?;
-        let head_dim = need("attention_head_dim")?;
-        let axes_dims: Vec<usize> = c
-            .get("axes_dims_rope")
-            .and_then(|v| v.as_array())
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_u64().map(|x| x as usize))
-                    .collect()
-            })
-            .unwrap_or_else(|| vec![16, 56, 56]);
-        if axes_dims.iter().sum::<usize>() != head_dim {
-            return Err(Error::Model {
-                file: "config.json".into(),
-                msg: format!(
-                    "axes_dims_rope {axes_dims:?} do not sum to attention_head_dim {head_dim}"
-                ),
-            });
-        }
-        Ok(DitConfig {
-            in_channels,
-            out_channels: u("patch_size").unwrap_or(1).pow(2)
-                * u("out_channels").unwrap_or(in_channels),
-            double_blocks: need("num_layers")?,
-            single_blocks: need("num_single_layers")?,
-            heads: need("num_attention_heads")?,
-            head_dim,
-            joint_dim: need("joint_attention_dim")?,
-            pooled_dim: need("pooled_projection_dim")?,
-            guidance: c
-                .get("guidance_embeds")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-            axes_dims,
-        })
-    }
-
-    /// Model width.
-    pub fn dim(&self) -> usize {
-        self.heads * self.head_dim
-    }
-
-    /// cos / sin tables `[S, head_dim / 2]` for ids `[S, axes]` (text ids first, then image
-    /// ids), computed in f64 and rounded to f32 as diffusers' `FluxPosEmbed` does.
-    pub fn rope_tables(&self, ids: &[f32], theta: f64) -> (Vec<f32>, Vec<f32>) {
-        let axes = self.axes_dims.len();
-        let s = ids.len() / axes.max(1);
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for t in 0..s {
-            for (a, &d) in self.axes_dims.iter().enumerate() {
-                let pos = ids[t * axes + a] as f64;
-                for j in 0..d / 2 {
-                    let freq = 1.0 / theta.powf((2 * j) as f64 / d as f64);
-                    let x = pos * freq;
-                    cos.push(x.cos() as f32);
-                    sin.push(x.sin() as f32);
-                }
-            }
-        }
-        (cos, sin)
-    }
-}
+use crate::models::dit::DitConfig;
 
 /// Inputs in order: latent tokens `[N, in]`, text tokens `[T, joint]`, pooled `[pooled]`,
 /// timestep `[1]` (already x1000), guidance `[1]` (already x1000; only when the model has a
@@ -281,10 +183,7 @@ impl Builder<'_> {
 
 /// Builds the transformer for `n` latent tokens and `t` text tokens against `model`'s weights.
 pub fn build(model: &ModelIndex, n: usize, t: usize) -> Result<DitGraph> {
-    let cfg = DitConfig::from_json(model.config.as_ref().ok_or_else(|| Error::Model {
-        file: model.root.clone(),
-        msg: "no config.json".into(),
-    })?)?;
+    let cfg = DitConfig::of(model)?;
     let mut b = Builder {
         g: Graph::new(),
         model,
@@ -476,55 +375,4 @@ pub fn build(model: &ModelIndex, n: usize, t: usize) -> Result<DitGraph> {
         graph: b.g,
         config: cfg,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(extra: serde_json::Value) -> serde_json::Value {
-        let mut c = serde_json::json!({
-            "in_channels": 16, "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6],
-            "num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
-            "joint_attention_dim": 32, "pooled_projection_dim": 32,
-        });
-        for (k, v) in extra.as_object().expect("object") {
-            c[k] = v.clone();
-        }
-        c
-    }
-
-    /// `proj_out` is `patch_size² x (out_channels or in_channels)` wide, as in diffusers.
-    #[test]
-    fn output_width_follows_patch_size_and_out_channels() {
-        let w = |extra| {
-            DitConfig::from_json(&config(extra))
-                .expect("config")
-                .out_channels
-        };
-        assert_eq!(w(serde_json::json!({})), 16);
-        assert_eq!(
-            w(serde_json::json!({"out_channels": null, "patch_size": 1})),
-            16
-        );
-        assert_eq!(w(serde_json::json!({"patch_size": 2})), 64);
-        assert_eq!(
-            w(serde_json::json!({"out_channels": 8, "patch_size": 2})),
-            32
-        );
-    }
-
-    #[test]
-    fn euler_inputs_refuse_a_model_whose_output_is_not_the_latent() {
-        let cfg =
-            DitConfig::from_json(&config(serde_json::json!({"patch_size": 2}))).expect("config");
-        let inputs = crate::models::dit::DitInputs::random(&cfg, 2, 2, 3, 3.5, 0);
-        let e = inputs
-            .check(&cfg)
-            .expect_err("64 values per token for 16 channels");
-        assert!(
-            e.to_string().contains("predicts 64 values per token"),
-            "{e}"
-        );
-    }
 }
