@@ -10,8 +10,10 @@ use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
-use nibble_core::models::llama::{self, Decoder, LlamaShape};
-use nibble_core::models::text::{Message, TextStream, TextTokenizer};
+use nibble_core::models::llama::{
+    self, Decoder, GenerateOptions, Generation, LlamaShape, Sampling,
+};
+use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::models::ModelKind;
 use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
 use serde_json::json;
@@ -59,58 +61,6 @@ pub struct RunOptions {
     pub stream_all: bool,
     /// Options of a DiT run.
     pub dit: crate::run_dit::DitRun,
-}
-
-struct Sampler(u64);
-
-impl Sampler {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    fn pick(&mut self, logits: &[f32], o: &RunOptions) -> u32 {
-        let argmax = || {
-            (0..logits.len())
-                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-                .unwrap_or(0) as u32
-        };
-        if o.temperature <= 0.0 {
-            return argmax();
-        }
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        if o.top_k > 0 {
-            idx.truncate(o.top_k);
-        }
-        let m = logits[idx[0]];
-        let mut p: Vec<f32> = idx
-            .iter()
-            .map(|&i| ((logits[i] - m) / o.temperature).exp())
-            .collect();
-        let sum: f32 = p.iter().sum();
-        p.iter_mut().for_each(|x| *x /= sum);
-        let mut cum = 0.0;
-        let mut keep = p.len();
-        for (i, x) in p.iter().enumerate() {
-            cum += x;
-            if cum >= o.top_p {
-                keep = i + 1;
-                break;
-            }
-        }
-        let total: f32 = p[..keep].iter().sum();
-        let mut r = self.uniform() * total;
-        for (i, x) in p[..keep].iter().enumerate() {
-            r -= x;
-            if r <= 0.0 {
-                return idx[i] as u32;
-            }
-        }
-        idx[keep - 1] as u32
-    }
 }
 
 /// The model's kind by its config.json.
@@ -183,25 +133,6 @@ pub(crate) fn resident_budget<B: Backend>(
     )?)
 }
 
-/// End-of-sequence ids: config.json's and generation_config.json's.
-fn eos_ids(model: &ModelIndex, cfg: &llama::LlamaConfig) -> Vec<u32> {
-    let mut ids = cfg.eos.clone();
-    if let Ok(Some(b)) = model.side_file("generation_config.json") {
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
-            match v.get("eos_token_id") {
-                Some(serde_json::Value::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
-                Some(serde_json::Value::Array(a)) => {
-                    ids.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)))
-                }
-                _ => {}
-            }
-        }
-    }
-    ids.sort_unstable();
-    ids.dedup();
-    ids
-}
-
 fn generate<B: Backend>(
     o: &RunOptions,
     model: &ModelIndex,
@@ -209,19 +140,19 @@ fn generate<B: Backend>(
     label: &str,
 ) -> Result<()> {
     let cfg = llama::LlamaConfig::of(model)?;
+    let sampling = Sampling {
+        temperature: o.temperature,
+        top_k: o.top_k,
+        top_p: o.top_p,
+        seed: o.seed,
+    };
+    sampling.check()?;
     let tokenizer = match (&o.prompt, TextTokenizer::for_model(model)) {
         (Some(_), Err(e)) => return Err(e.into()),
         (_, t) => t.ok(),
     };
     let prompt_ids: Vec<u32> = match (&o.prompt, &tokenizer) {
-        (Some(text), Some(tok)) => {
-            if o.chat {
-                let rendered = tok.apply_chat_template(&[Message::new("user", text)], true)?;
-                tok.encode(&rendered, false)?
-            } else {
-                tok.encode(text, true)?
-            }
-        }
+        (Some(text), Some(tok)) => tok.prompt_ids(text, o.chat)?,
         _ => o.prompt_ids.clone(),
     };
     if prompt_ids.is_empty() {
@@ -261,64 +192,57 @@ fn generate<B: Backend>(
         );
     }
     dec.executor_mut().set_profile(o.profile);
-    let eos = if o.ignore_eos {
-        Vec::new()
-    } else {
-        eos_ids(model, &cfg)
-    };
-    let mut sampler = Sampler(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let mut stream = TextStream::default();
-    let mut generated = Vec::new();
-    let mut chose: Vec<f32> = Vec::new();
-    let mut bytes_streamed = 0u64;
-    let mut bytes_in_place = 0u64;
-    let t = Instant::now();
-    let (logits, stats) = dec.prefill(&prompt_ids)?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    bytes_streamed += stats.stream.bytes;
-    bytes_in_place += stats.in_place_bytes;
+    let eos = nibble_core::io::folder::block_on(llama::eos_ids(model, &cfg))?;
     let vocab = cfg.vocab;
-    let prompt_logits = if o.logits_out.is_some() {
-        logits.clone()
-    } else {
-        Vec::new()
-    };
-    let mut last: Vec<f32> = logits[logits.len() - vocab..].to_vec();
+    let mut gen = Generation::new(
+        dec,
+        prompt_ids.clone(),
+        eos,
+        GenerateOptions {
+            max_tokens: o.max_tokens,
+            stop_at_eos: !o.ignore_eos,
+            sampling,
+        },
+    )?;
+    let mut stream = TextStream::default();
+    let mut prompt_logits = Vec::new();
+    let mut chose: Vec<f32> = Vec::new();
+    let (mut bytes_streamed, mut bytes_in_place) = (0u64, 0u64);
+    let (mut prefill_s, mut decode_s, mut decode_steps) = (0f64, 0f64, 0usize);
     let mut out = std::io::stdout().lock();
-    let t_dec = Instant::now();
-    let mut decode_steps = 0usize;
     let mut rss_per_token = Vec::with_capacity(o.max_tokens);
-    loop {
-        if o.logits_out.is_some() {
-            chose.extend_from_slice(&last);
+    while let Some(t) = gen.next_token()? {
+        bytes_streamed += t.stats.stream.bytes;
+        bytes_in_place += t.stats.in_place_bytes;
+        if t.index == 0 {
+            prefill_s = t.wall.as_secs_f64();
+        } else {
+            decode_s += t.wall.as_secs_f64();
+            decode_steps += 1;
         }
-        let next = sampler.pick(&last, o);
-        generated.push(next);
+        if o.logits_out.is_some() {
+            let l = gen.logits();
+            if t.index == 0 {
+                prompt_logits = l.to_vec();
+            }
+            chose.extend_from_slice(&l[l.len() - vocab..]);
+        }
         rss_per_token.push(nibble_core::plan::machine::rss_bytes().unwrap_or(0));
         if !o.json {
             let piece = match &tokenizer {
-                Some(tok) => stream.push(tok, next)?,
-                None => format!("{next} "),
+                Some(tok) => stream.push(tok, t.id)?,
+                None => format!("{} ", t.id),
             };
             let _ = out.write_all(piece.as_bytes());
             let _ = out.flush();
         }
-        if generated.len() >= o.max_tokens || eos.contains(&next) {
-            break;
-        }
-        let (l, st) = dec.decode(next)?;
-        decode_steps += 1;
-        bytes_streamed += st.stream.bytes;
-        bytes_in_place += st.in_place_bytes;
-        last = l;
     }
-    let decode_s = t_dec.elapsed().as_secs_f64();
+    let generated = gen.tokens().to_vec();
     let prefill_tok_s = prompt_ids.len() as f64 / prefill_s.max(1e-9);
     let decode_tok_s = decode_steps as f64 / decode_s.max(1e-9);
     let rss_max = nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0);
     if let Some(path) = &o.logits_out {
-        use nibble_core::format::dtype::f32_to_bytes;
-        use nibble_core::format::dtype::Dtype;
+        use nibble_core::format::dtype::{f32_to_bytes, Dtype};
         let n = generated.len() as u64;
         nibble_core::format::writer::write_safetensors(
             path,
@@ -339,6 +263,7 @@ fn generate<B: Backend>(
             &Default::default(),
         )?;
     }
+    let dec = gen.into_decoder();
     if o.profile {
         crate::run::print_profile(&dec.executor().profile());
     }

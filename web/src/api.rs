@@ -9,8 +9,10 @@ use nibble_core::graph::Graph;
 use nibble_core::io::model::{open_model, ModelIndex};
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
-use nibble_core::models::llama::{self, Decoder, LlamaShape};
-use nibble_core::models::text::{Message, TextStream, TextTokenizer};
+use nibble_core::models::llama::{
+    self, Decoder, GenerateOptions, Generation, LlamaShape, Sampling,
+};
+use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::models::ModelKind;
 use nibble_core::plan::{Budgets, MemoryPlan};
 use nibble_wgpu::WgpuBackend;
@@ -151,6 +153,36 @@ fn plan_json(plan: &MemoryPlan) -> Value {
     })
 }
 
+/// Sampling from JavaScript: `{ temperature: 0, topK: 0, topP: 1, seed: 0 }` (greedy by
+/// default), as `nibble run`'s `--temperature --top-k --top-p --seed`.
+fn sampling_from(v: &Value) -> Result<Sampling, JsValue> {
+    let d = Sampling::default();
+    let num = |k: &str| v.get(k).filter(|x| !x.is_null());
+    let f = |k: &str, d: f32| -> Result<f32, JsValue> {
+        match num(k) {
+            None => Ok(d),
+            Some(x) => x
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| js_err(format!("{k}: {x} is not a number"))),
+        }
+    };
+    let u = |k: &str, d: u64| -> Result<u64, JsValue> {
+        match num(k) {
+            None => Ok(d),
+            Some(x) => x
+                .as_u64()
+                .ok_or_else(|| js_err(format!("{k}: {x} is not a whole number >= 0"))),
+        }
+    };
+    Ok(Sampling {
+        temperature: f("temperature", d.temperature)?,
+        top_k: u("topK", d.top_k as u64)? as usize,
+        top_p: f("topP", d.top_p)?,
+        seed: u("seed", d.seed)?,
+    })
+}
+
 fn kind_of(config: Option<&Value>) -> Result<ModelKind, JsValue> {
     let c = config.ok_or_else(|| js_err("the model has no config.json"))?;
     match ModelKind::of_config(c) {
@@ -163,16 +195,6 @@ fn kind_of(config: Option<&Value>) -> Result<ModelKind, JsValue> {
             "config.json describes neither a Llama-family decoder nor a Flux-style DiT",
         )),
     }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
@@ -341,10 +363,11 @@ impl Nibble {
         })
     }
 
-    /// Greedy generation: `prompt` is text (through the tokenizer; as a chat turn unless
+    /// Generation: `prompt` is text (through the tokenizer; as a chat turn unless
     /// `opts.chat` is false and when the model has a chat template) or token ids; `opts =
-    /// { maxTokens: 16, stopAtEos: true, chat }` plus any memory setting; `on_token(id, index,
-    /// text)` is called as each token is chosen (`text`: the newly complete text, when the model
+    /// { maxTokens: 16, stopAtEos: true, chat, temperature: 0, topK: 0, topP: 1, seed: 0 }`
+    /// (greedy by default; a sampling and seed give the tokens `nibble run` gives with them)
+    /// plus any memory setting; `on_token(id, index, text)` is called as each token is chosen (`text`: the newly complete text, when the model
     /// has a tokenizer). Resolves to `{ tokens, plan, prefill_tok_s, decode_tok_s, passes,
     /// weight_bytes, predicted_weight_bytes }`.
     pub fn generate(
@@ -369,27 +392,30 @@ impl Nibble {
             // Everything that can be refused is checked before the device is taken out of the
             // state (it goes back when the run ends).
             let (model, s) = state.borrow().loaded(ModelKind::Llm, &opts)?;
-            let index = model.clone();
             let max_tokens = opts
                 .get("maxTokens")
                 .and_then(Value::as_u64)
                 .unwrap_or(16)
                 .max(1) as usize;
-            let stop_at_eos = opts
-                .get("stopAtEos")
-                .and_then(Value::as_bool)
-                .unwrap_or(true);
+            let gen_opts = GenerateOptions {
+                max_tokens,
+                stop_at_eos: opts
+                    .get("stopAtEos")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(true),
+                sampling: sampling_from(&opts)?,
+            };
+            gen_opts.sampling.check().map_err(js_err)?;
             if prompt.is_empty() {
                 return Err(js_err("the prompt has no tokens"));
             }
-            let lg = llama::build(&index, LlamaShape::generate(prompt.len(), max_tokens))
+            let lg = llama::build(&model, LlamaShape::generate(prompt.len(), max_tokens))
                 .map_err(js_err)?;
             let mut backend = backend_of(&state).await?;
-            let (mut eos, text) = {
+            let (eos, text) = {
                 let st = state.borrow();
                 (st.eos.clone(), st.text.clone())
             };
-            eos.extend(lg.config.eos.iter().copied());
             let mut stream = TextStream::default();
             let mut piece = |id: u32| -> JsValue {
                 match &text {
@@ -397,7 +423,7 @@ impl Nibble {
                     None => JsValue::UNDEFINED,
                 }
             };
-            let o = match exec_options(s, &lg.graph, &index, &mut backend) {
+            let o = match exec_options(s, &lg.graph, &model, &mut backend) {
                 Ok(o) => o,
                 Err(e) => {
                     state.borrow_mut().backend = Some(backend);
@@ -406,50 +432,37 @@ impl Nibble {
             };
             let before = traffic_bytes(&traffic, "weights");
             let mut make = FetchSource::maker(&model, &traffic);
-            let mut d = Decoder::from_graph_async(lg, &index, backend, o, &mut make)
+            let mut d = Decoder::from_graph_async(lg, &model, backend, o, &mut make)
                 .await
                 .map_err(js_err)?;
             // One pass for the prompt, one per further token: no read runs past the last.
             d.executor_mut().limit_stream_passes(max_tokens as u64);
             let plan = d.executor().plan().clone();
-            let t0 = Instant::now();
+            let mut gen = Generation::new(d, prompt.clone(), eos, gen_opts).map_err(js_err)?;
+            let (mut prefill_s, mut decode_s) = (0f64, 0f64);
             let run = async {
-                let (last, _) = d.prefill_async(&prompt).await.map_err(js_err)?;
-                let prefill_s = t0.elapsed().as_secs_f64();
-                let mut tokens = vec![argmax(&last)];
-                let first = piece(tokens[0]);
-                let _ = on_token.call3(
-                    &JsValue::NULL,
-                    &JsValue::from(tokens[0]),
-                    &JsValue::from(0),
-                    &first,
-                );
-                let t1 = Instant::now();
-                while tokens.len() < max_tokens
-                    && !(stop_at_eos && eos.contains(tokens.last().unwrap_or(&0)))
-                {
-                    let prev = *tokens.last().unwrap_or(&0);
-                    let (l, _) = d.decode_async(prev).await.map_err(js_err)?;
-                    let t = argmax(&l);
-                    tokens.push(t);
-                    let p = piece(t);
+                while let Some(t) = gen.next_token_async().await.map_err(js_err)? {
+                    if t.index == 0 {
+                        prefill_s = t.wall.as_secs_f64();
+                    } else {
+                        decode_s += t.wall.as_secs_f64();
+                    }
+                    let p = piece(t.id);
                     let _ = on_token.call3(
                         &JsValue::NULL,
-                        &JsValue::from(t),
-                        &JsValue::from(tokens.len() as u32 - 1),
+                        &JsValue::from(t.id),
+                        &JsValue::from(t.index as u32),
                         &p,
                     );
                 }
-                Ok::<_, JsValue>((tokens, prefill_s, t1.elapsed().as_secs_f64()))
+                Ok::<_, JsValue>(())
             };
             let r = run.await;
-            let passes = match &r {
-                Ok((tokens, _, _)) => tokens.len() as u64,
-                Err(_) => 0,
-            };
-            let (backend, _ring) = d.into_parts();
+            let tokens = gen.tokens().to_vec();
+            let passes = tokens.len() as u64;
+            let (backend, _ring) = gen.into_decoder().into_parts();
             state.borrow_mut().backend = Some(backend);
-            let (tokens, prefill_s, decode_s) = r?;
+            r?;
             let decoded = tokens.len().saturating_sub(1);
             let v = json!({
                 "tokens": tokens,
@@ -538,15 +551,7 @@ impl Nibble {
     /// Token ids of `text` with the model's tokenizer; with `chat`, as the user's turn of the
     /// model's chat template, ready for the assistant's answer (as `nibble run --chat`).
     pub fn tokenize(&self, text: String, chat: bool) -> Result<Vec<u32>, JsValue> {
-        let tok = self.text()?;
-        if chat {
-            let rendered = tok
-                .apply_chat_template(&[Message::new("user", &text)], true)
-                .map_err(js_err)?;
-            tok.encode(&rendered, false).map_err(js_err)
-        } else {
-            tok.encode(&text, true).map_err(js_err)
-        }
+        self.text()?.prompt_ids(&text, chat).map_err(js_err)
     }
 
     /// How long each later request waits for its response before it is aborted and tried again
@@ -642,27 +647,12 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
     r
 }
 
-/// The tokenizer (with its chat template) and the extra end-of-sequence ids of
-/// `generation_config.json`, where the model folder has them.
+/// The tokenizer (with its chat template) and the end-of-sequence ids of a language model.
 async fn language_side_files(
     model: &ModelIndex,
 ) -> Result<(Option<TextTokenizer>, Vec<u32>), JsValue> {
-    let mut eos = Vec::new();
-    if let Some(b) = model
-        .read_side("generation_config.json")
-        .await
-        .map_err(js_err)?
-    {
-        if let Ok(v) = serde_json::from_slice::<Value>(&b) {
-            match v.get("eos_token_id") {
-                Some(Value::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
-                Some(Value::Array(a)) => {
-                    eos.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)))
-                }
-                _ => {}
-            }
-        }
-    }
+    let cfg = llama::LlamaConfig::of(model).map_err(js_err)?;
+    let eos = llama::eos_ids(model, &cfg).await.map_err(js_err)?;
     let t = TextTokenizer::load(model).await.map_err(js_err)?;
     Ok((t, eos))
 }

@@ -9,7 +9,7 @@
 // tensors, and no request to a weight file comes without a Range header. Saves a screenshot.
 //
 //   node web/tests/browser.mjs NIBBLE_BINARY FIXTURES_DIR OUT_DIR
-import { spawn } from "node:child_process";
+import { spawn, execFileSync } from "node:child_process";
 import { existsSync, mkdtempSync, readFileSync, mkdirSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
@@ -140,6 +140,24 @@ async function main() {
     report.llama = { tokens: r.tokens, prefill_tok_s: r.prefill_tok_s, decode_tok_s: r.decode_tok_s, wall_s: wall,
       weight_bytes: r.weight_bytes, predicted: r.predicted_weight_bytes, open_bytes: gotOpen };
     await page.screenshot({ path: join(outDir, "browser-llama.png"), fullPage: true });
+
+    // 1b. Sampling runs the same loop as `nibble run`: the same temperature, top-k, top-p and seed
+    // give the CLI's tokens (the CLI on its CPU backend, the page on WebGPU).
+    const samp = { temperature: 0.9, topK: 40, topP: 0.95, seed: 1234 };
+    const cliOut = execFileSync(nibbleBin, [
+      "run", "--model", join(llamaDir, "model"), "--prompt-ids", Array.from(prompt).join(","),
+      "--max-tokens", String(nTokens), "--ignore-eos", "--backend", "cpu", "--json",
+      "--temperature", String(samp.temperature), "--top-k", String(samp.topK),
+      "--top-p", String(samp.topP), "--seed", String(samp.seed),
+    ]);
+    const cliTokens = JSON.parse(cliOut.toString()).tokens;
+    const rs = await page.evaluate(([p, m, n, sm]) => window.nibbleDemo.runLlm(p, { ...m, ...sm, maxTokens: n, stopAtEos: false }),
+      [prompt, mem, nTokens, samp]);
+    check("tiny-llama sampled tokens equal nibble run's for the same seed", JSON.stringify(rs.tokens) === JSON.stringify(cliTokens),
+      `page [${rs.tokens}], nibble run [${cliTokens}]`);
+    check("tiny-llama sampling is in force (the sampled tokens are not the greedy ones)",
+      JSON.stringify(rs.tokens) !== JSON.stringify(Array.from(want)), `[${rs.tokens}]`);
+    report.llama_sampled = { tokens: rs.tokens, cli: cliTokens, ...samp };
 
     // 2. tiny-dit: the Euler loop, one step per interval of the fixture's sigma schedule.
     const ditDir = join(fixturesDir, "tiny-dit-nf4");

@@ -193,7 +193,11 @@ async function main() {
   });
   $("run").addEventListener("click", () => {
     const p = model?.kind === "llm"
-      ? runLlm(promptIds(), { ...settings(), stopAtEos: $("stopAtEos").checked })
+      ? runLlm(promptIds(), {
+        ...settings(), stopAtEos: $("stopAtEos").checked,
+        temperature: Number($("temperature").value), topK: Number($("topK").value),
+        topP: Number($("topP").value), seed: Number($("sampleSeed").value),
+      })
       : runDit(settings());
     p.catch((e) => { $("runStatus").textContent = `error: ${e.message ?? e}`; });
   });

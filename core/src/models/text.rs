@@ -123,6 +123,18 @@ impl TextTokenizer {
         })
     }
 
+    /// The prompt ids of `text`: as the user's turn of the chat template, ready for the
+    /// assistant's answer, with `chat` (the template adds the special tokens); else the text as
+    /// `tokenizer(text)` encodes it.
+    pub fn prompt_ids(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
+        if chat {
+            let rendered = self.apply_chat_template(&[Message::new("user", text)], true)?;
+            self.encode(&rendered, false)
+        } else {
+            self.encode(text, true)
+        }
+    }
+
     /// Cuts longer texts to `max_len` tokens (special tokens included), as sentence-transformers
     /// does at its `max_seq_length`; `None`: no cut.
     pub fn set_max_len(&mut self, max_len: Option<usize>) -> Result<()> {

@@ -1,10 +1,13 @@
 //! Llama-family decoders (Llama, Mistral, Qwen2, SmolLM): the typed config, the graph with
-//! prefill and decode programs over one KV cache, and the [`Decoder`] that runs it.
+//! prefill and decode programs over one KV cache, the [`Decoder`] that runs it, and the one
+//! token-generation loop ([`Generation`], [`Sampler`], [`eos_ids`]) every front end uses.
 
 mod config;
 mod decoder;
+mod generate;
 mod graph;
 
 pub use config::{LlamaConfig, RopeScaling, MODEL_TYPES};
 pub use decoder::Decoder;
+pub use generate::{eos_ids, Finish, GenerateOptions, Generation, Sampler, Sampling, Token};
 pub use graph::{build, LlamaGraph, LlamaShape};
