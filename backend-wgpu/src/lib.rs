@@ -4,13 +4,25 @@
 //! need neither subgroups nor shader-f16, so that every WebGPU browser can run them. Natively it
 //! runs on Vulkan, Metal and DX12 (Mesa's lavapipe on CPU-only Linux); a machine without any
 //! adapter gets [`WgpuError::NoAdapter`], never a panic.
+//!
+//! Device errors are values: the device is opened with an uncaptured-error handler and a
+//! device-lost callback that record what went wrong (wgpu's default handler panics), buffers are
+//! created inside error scopes, and every submit and read-back returns the recorded errors as an
+//! [`nibble_core::Error`] naming what was asked.
+
+mod dispatch;
+mod readback;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 pub use wgpu;
 
 use nibble_core::backend::cpu_ref::Q4Ref;
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::graph::{HostTensor, OpKind};
+
+use dispatch::{DUMMY_SLOTS, DUMMY_STRIDE, UNIFORM_SLOTS};
+use readback::words;
 
 /// Every kernel: (op name, WGSL source).
 pub const SHADERS: [(&str, &str); 24] = [
@@ -63,15 +75,6 @@ pub fn shader_source(name: &str) -> Option<String> {
 /// Rows up to which the 4-bit linear runs as a GEMV.
 pub const GEMV_MAX_ROWS: u32 = 8;
 
-/// How a kernel is launched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dispatch {
-    /// One invocation per item, 64 per workgroup.
-    Threads(usize),
-    /// Explicit workgroup counts.
-    Groups(u32, u32),
-}
-
 /// What can go wrong in this backend.
 #[derive(Debug, thiserror::Error)]
 pub enum WgpuError {
@@ -81,7 +84,7 @@ pub enum WgpuError {
     /// The adapter refused a device.
     #[error("wgpu device request failed: {0}")]
     Device(String),
-    /// A GPU-side failure (validation, mapping, lost device).
+    /// A GPU-side failure (validation, out of memory, mapping, lost device).
     #[error("wgpu: {0}")]
     Gpu(String),
     /// Shapes, inputs or options that do not fit.
@@ -92,6 +95,9 @@ pub enum WgpuError {
 /// `Result` with [`WgpuError`].
 pub type Result<T, E = WgpuError> = std::result::Result<T, E>;
 
+/// Errors the device reported outside an error scope, and whether it was lost.
+type ErrorLog = Arc<Mutex<Vec<String>>>;
+
 /// A wgpu device with its kernel pipelines.
 pub struct WgpuBackend {
     device: wgpu::Device,
@@ -101,12 +107,29 @@ pub struct WgpuBackend {
     pipelines: HashMap<&'static str, wgpu::ComputePipeline>,
     resident: Option<Resident>,
     max_binding: u64,
+    /// Errors recorded by the uncaptured-error handler and the device-lost callback.
+    errors: ErrorLog,
+    /// Ops recorded and not yet submitted.
+    pending: Option<wgpu::CommandEncoder>,
+    /// Uniform-ring slots used by the pending ops.
+    pending_ops: u64,
+    /// Submits of recorded ops so far.
+    submits: u64,
 }
 
 impl std::fmt::Debug for WgpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "WgpuBackend({})", self.describe())
     }
+}
+
+/// Device memory of the executor path: one arena, one weight pool, the uniform ring.
+#[derive(Debug)]
+struct Resident {
+    arena: wgpu::Buffer,
+    pool: wgpu::Buffer,
+    uniform: wgpu::Buffer,
+    dummy: wgpu::Buffer,
 }
 
 impl WgpuBackend {
@@ -153,6 +176,21 @@ impl WgpuBackend {
             })
             .await
             .map_err(|e| WgpuError::Device(e.to_string()))?;
+        // wgpu's default handler panics on an error outside an error scope: record it instead,
+        // and return it from the next submit or read-back.
+        let errors: ErrorLog = Arc::default();
+        let log = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut l) = log.lock() {
+                l.push(e.to_string());
+            }
+        }));
+        let lost = errors.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            if let Ok(mut l) = lost.lock() {
+                l.push(format!("the device was lost ({reason:?}): {msg}"));
+            }
+        });
         let max_binding = limits.max_storage_buffer_binding_size;
         Ok(WgpuBackend {
             device,
@@ -162,6 +200,10 @@ impl WgpuBackend {
             pipelines: HashMap::new(),
             resident: None,
             max_binding,
+            errors,
+            pending: None,
+            pending_ops: 0,
+            submits: 0,
         })
     }
 
@@ -189,9 +231,27 @@ impl WgpuBackend {
         &self.limits
     }
 
+    /// Submits of recorded ops so far (ops are batched: about one per weight group).
+    pub fn submits(&self) -> u64 {
+        self.submits
+    }
+
     /// Whether this backend runs `op` (every op today).
     pub fn supports(&self, op: &OpKind) -> bool {
         SHADERS.iter().any(|(n, _)| *n == op.name())
+    }
+
+    /// The errors the device reported since the last check, as one error.
+    fn check_errors(&self) -> Result<()> {
+        let mut l = self
+            .errors
+            .lock()
+            .map_err(|_| WgpuError::Gpu("error log poisoned".into()))?;
+        if l.is_empty() {
+            return Ok(());
+        }
+        let all = std::mem::take(&mut *l).join("; ");
+        Err(WgpuError::Gpu(all))
     }
 
     fn check(op: &OpKind, shapes: &[Vec<usize>]) -> nibble_core::Result<()> {
@@ -232,206 +292,44 @@ impl WgpuBackend {
         Ok(p)
     }
 
-    /// Kernel, uniform words and dispatch size of `op` for these operand shapes.
-    fn kernel(
-        op: &OpKind,
-        shapes: &[Vec<usize>],
-        out: &[usize],
-        q4_blocksize: u32,
-        bn: usize,
-    ) -> (&'static str, Vec<u32>, Dispatch) {
-        let (name, params, threads) =
-            nibble_core::backend::kernel_calls::call(op, shapes, out, q4_blocksize, bn);
-        if let OpKind::LinearQ4 { .. } = op {
-            let (rows, n) = (out[0] as u32, out[1] as u32);
-            // A GEMV (one workgroup per output) for decode-sized batches, 16 x 16 tiles above.
-            if rows > GEMV_MAX_ROWS {
-                return (
-                    "linear_q4_tiled",
-                    params,
-                    Dispatch::Groups(n.div_ceil(16), rows.div_ceil(16)),
-                );
-            }
-            return (name, params, Dispatch::Groups(rows * n, 1));
-        }
-        (name, params, Dispatch::Threads(threads))
-    }
-
-    /// Storage bindings of `op` in its kernel's order: operands, the 4-bit weight's three
-    /// buffers, and a dummy for each absent optional operand. Every binding is a writable
-    /// storage binding (the arena holds inputs and outputs), and WebGPU refuses two
-    /// overlapping writable bindings: each dummy gets its own range of the dummy buffer.
-    fn bind_order<'a>(
-        op: &OpKind,
-        ins: &[wgpu::BindingResource<'a>],
-        q4: Option<[wgpu::BindingResource<'a>; 3]>,
-        dummy: &'a wgpu::Buffer,
-    ) -> Vec<wgpu::BindingResource<'a>> {
-        use nibble_core::backend::kernel_calls::Slot;
-        let mut dummies = 0u64;
-        nibble_core::backend::kernel_calls::operands(op, ins.len())
-            .into_iter()
-            .map(|s| match (s, &q4) {
-                (Slot::Input(i), _) => ins[i].clone(),
-                (Slot::Packed, Some(q)) => q[0].clone(),
-                (Slot::Absmax, Some(q)) => q[1].clone(),
-                (Slot::Code, Some(q)) => q[2].clone(),
-                _ => {
-                    let at = dummies * DUMMY_STRIDE;
-                    dummies = (dummies + 1) % DUMMY_SLOTS;
-                    wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer: dummy,
-                        offset: at,
-                        size: std::num::NonZeroU64::new(4),
-                    })
-                }
-            })
-            .collect()
-    }
-
-    fn encode(
-        &mut self,
-        name: &'static str,
-        params: &[u32],
-        binds: Vec<wgpu::BindingResource<'_>>,
-        out: wgpu::BindingResource<'_>,
-        dispatch: Dispatch,
-        uniform: &wgpu::Buffer,
-    ) -> Result<wgpu::CommandEncoder> {
-        let pipeline = self.pipeline(name)?;
-        let mut words = params.to_vec();
-        words.resize(16, 0);
-        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        self.queue.write_buffer(uniform, 0, &bytes);
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: uniform.as_entire_binding(),
-        }];
-        let nb = binds.len() as u32;
-        for (k, b) in binds.into_iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: k as u32 + 1,
-                resource: b,
-            });
-        }
-        entries.push(wgpu::BindGroupEntry {
-            binding: nb + 1,
-            resource: out,
-        });
-        let layout = pipeline.get_bind_group_layout(0);
-        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &layout,
-            entries: &entries,
-        });
-        let max = self.limits.max_compute_workgroups_per_dimension.max(1);
-        let (gx, gy) = match dispatch {
-            Dispatch::Threads(threads) => {
-                let groups = threads.div_ceil(64).max(1) as u32;
-                if groups <= max {
-                    (groups, 1)
-                } else {
-                    (max, groups.div_ceil(max))
-                }
-            }
-            // A 1-D count of workgroups folded into x and y (kernels use x + y * num_workgroups.x).
-            Dispatch::Groups(x, 1) if x > max => (max, x.div_ceil(max)),
-            Dispatch::Groups(x, y) => (x.max(1), y.max(1)),
-        };
-        if gx > max || gy > max {
+    /// A buffer of `size` bytes named `what` (in errors): over the adapter's `max_buffer_size` it
+    /// is refused before wgpu sees it; natively it is created inside out-of-memory and
+    /// validation error scopes, so that a failure is this call's error (in the browser the
+    /// uncaptured-error handler records it for the next submit or read-back).
+    pub fn create_buffer(
+        &self,
+        what: &str,
+        size: u64,
+        usage: wgpu::BufferUsages,
+    ) -> Result<wgpu::Buffer> {
+        let max = self.limits.max_buffer_size;
+        if size > max {
             return Err(WgpuError::Gpu(format!(
-                "{name}: dispatch of {gx} x {gy} workgroups exceeds the limit {max}"
+                "the {what} needs {size} bytes, over this adapter's max_buffer_size of {max} bytes"
             )));
         }
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(name) });
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(name),
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(&pipeline);
-            pass.set_bind_group(0, &bind, &[]);
-            pass.dispatch_workgroups(gx, gy, 1);
-        }
-        Ok(enc)
-    }
-
-    /// Copies `bytes` of `src` into a mappable buffer and asks for its mapping; the returned
-    /// future resolves once the device has finished (on an event loop: when the loop runs).
-    fn read_back_async(
-        &self,
-        src: &wgpu::Buffer,
-        offset: u64,
-        bytes: u64,
-    ) -> impl std::future::Future<Output = Result<Vec<u8>>> {
-        type Mapped = (
-            Option<std::result::Result<(), wgpu::BufferAsyncError>>,
-            Option<std::task::Waker>,
+        let label = format!("{what} ({size} bytes)");
+        #[cfg(not(target_arch = "wasm32"))]
+        let scopes = (
+            self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory),
+            self.device.push_error_scope(wgpu::ErrorFilter::Validation),
         );
-        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(&label),
+            size: size.max(4),
+            usage,
             mapped_at_creation: false,
         });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("read"),
-            });
-        enc.copy_buffer_to_buffer(src, offset, &readback, 0, bytes);
-        self.queue.submit([enc.finish()]);
-        let state: std::sync::Arc<std::sync::Mutex<Mapped>> = Default::default();
-        let cb = state.clone();
-        readback.slice(..).map_async(wgpu::MapMode::Read, move |r| {
-            if let Ok(mut g) = cb.lock() {
-                g.0 = Some(r);
-                if let Some(w) = g.1.take() {
-                    w.wake();
-                }
-            }
-        });
-        // Natively nothing delivers the mapping unless the device is polled.
         #[cfg(not(target_arch = "wasm32"))]
-        let polled = self
-            .device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map(|_| ())
-            .map_err(|e| WgpuError::Gpu(e.to_string()));
-        #[cfg(target_arch = "wasm32")]
-        let polled: Result<()> = Ok(());
-        async move {
-            polled?;
-            std::future::poll_fn(|cx| match state.lock() {
-                Ok(mut g) => match g.0.take() {
-                    Some(r) => std::task::Poll::Ready(r.map_err(|e| WgpuError::Gpu(e.to_string()))),
-                    None => {
-                        g.1 = Some(cx.waker().clone());
-                        std::task::Poll::Pending
-                    }
-                },
-                Err(_) => {
-                    std::task::Poll::Ready(Err(WgpuError::Gpu("read-back state poisoned".into())))
-                }
-            })
-            .await?;
-            let slice = readback.slice(..);
-            let view = slice
-                .get_mapped_range()
-                .map_err(|e| WgpuError::Gpu(e.to_string()))?;
-            let v = view[..bytes as usize].to_vec();
-            drop(view);
-            readback.unmap();
-            Ok(v)
+        {
+            let (oom, validation) = scopes;
+            let v = pollster::block_on(validation.pop());
+            let o = pollster::block_on(oom.pop());
+            if let Some(e) = o.or(v) {
+                return Err(WgpuError::Gpu(format!("allocating {label}: {e}")));
+            }
         }
-    }
-
-    /// Natively the read-back's future is ready once the device has been polled to idle.
-    #[cfg(not(target_arch = "wasm32"))]
-    fn read_back(&self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
-        pollster::block_on(self.read_back_async(src, offset, bytes))
+        Ok(buffer)
     }
 
     /// Runs one op with host inputs and returns the host output, through the same arena and
@@ -451,116 +349,13 @@ impl WgpuBackend {
                 .into());
             }
         }
+        self.flush()?;
         let saved = self.resident.take();
         let result = nibble_core::backend::run_op(self, op, inputs, q4);
+        let flushed = self.flush();
         self.resident = saved;
+        flushed?;
         Ok(result?)
-    }
-}
-
-/// Rows per piece must keep every piece's packed and absmax bindings at aligned offsets: the
-/// smallest row count s with s*k a multiple of the blocksize and of 2, and s*k/2 and
-/// s*k/blocksize*4 multiples of the offset alignment.
-fn piece_step(k: u64, blocksize: u64, align: u64) -> Option<u64> {
-    (1..=1u64 << 20).find(|&s| {
-        let e = s * k;
-        e % blocksize == 0 && e % 2 == 0 && (e / 2) % align == 0 && (e / blocksize * 4) % align == 0
-    })
-}
-
-/// Device memory of the executor path: one arena, one weight pool, one uniform buffer.
-#[derive(Debug)]
-struct Resident {
-    arena: wgpu::Buffer,
-    pool: wgpu::Buffer,
-    uniform: wgpu::Buffer,
-    dummy: wgpu::Buffer,
-}
-
-impl WgpuBackend {
-    fn resident(&self) -> nibble_core::Result<&Resident> {
-        self.resident
-            .as_ref()
-            .ok_or_else(|| nibble_core::Error::Invalid("wgpu: allocate() was not called".into()))
-    }
-}
-
-impl WgpuBackend {
-    /// A dense weight (`Linear`'s w, `Embedding`'s table) over the binding limit, as row pieces.
-    #[allow(clippy::too_many_arguments)]
-    fn dense_row_pieces(
-        &mut self,
-        op: &OpKind,
-        params: &[u32],
-        inputs: &[Operand],
-        ins: &[wgpu::BindingResource<'_>],
-        out: wgpu::BindingResource<'_>,
-        arena: &wgpu::Buffer,
-        dummy: &wgpu::Buffer,
-        uniform: &wgpu::Buffer,
-    ) -> nibble_core::Result<()> {
-        let w = &inputs[1];
-        let (rows, k) = (w.info.shape[0] as u64, w.info.shape[1] as u64);
-        let align = Backend::alignment(self).pool_bytes;
-        let step = (1..=1u64 << 20)
-            .find(|s| (s * k * 4) % align == 0)
-            .ok_or_else(|| nibble_core::Error::Invalid("wgpu: no aligned split".into()))?;
-        let per = self.max_binding / (k * 4).max(1) / step * step;
-        if per == 0 {
-            return Err(nibble_core::Error::Invalid(format!(
-                "wgpu {}: {step} rows of {k} values exceed the binding limit of {} bytes",
-                op.name(),
-                self.max_binding
-            )));
-        }
-        let mut r0 = 0u64;
-        while r0 < rows {
-            let r1 = (r0 + per).min(rows);
-            let piece = wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: arena,
-                offset: (w.slice.offset as u64 + r0 * k) * 4,
-                size: std::num::NonZeroU64::new(((r1 - r0) * k * 4).max(4)),
-            });
-            let mut p = params.to_vec();
-            let (name, binds, threads) = match op {
-                OpKind::Linear { bias } => {
-                    p[1] = (r1 - r0) as u32;
-                    p[5] = r0 as u32;
-                    let b = if *bias {
-                        ins[2].clone()
-                    } else {
-                        dummy.as_entire_binding()
-                    };
-                    (
-                        "linear",
-                        vec![ins[0].clone(), piece, b],
-                        p[0] as usize * (r1 - r0) as usize,
-                    )
-                }
-                _ => {
-                    p[2] = r0 as u32;
-                    p[3] = (r1 - r0) as u32;
-                    (
-                        "embedding",
-                        vec![ins[0].clone(), piece],
-                        (p[0] * p[1]) as usize,
-                    )
-                }
-            };
-            let enc = self
-                .encode(
-                    name,
-                    &p,
-                    binds,
-                    out.clone(),
-                    Dispatch::Threads(threads),
-                    uniform,
-                )
-                .map_err(core_err)?;
-            self.queue.submit([enc.finish()]);
-            r0 = r1;
-        }
-        Ok(())
     }
 
     /// Caps the size of one storage binding below the adapter's limit (a constrained adapter, or
@@ -572,73 +367,10 @@ impl WgpuBackend {
         self
     }
 
-    /// A 4-bit linear whose weight is over the binding limit, as row pieces of W, each writing
-    /// its columns of the output.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_q4_pieces(
-        &mut self,
-        params: &[u32],
-        ins: &[wgpu::BindingResource<'_>],
-        v: &Q4View,
-        out: wgpu::BindingResource<'_>,
-        pool: &wgpu::Buffer,
-        dummy: &wgpu::Buffer,
-        uniform: &wgpu::Buffer,
-    ) -> nibble_core::Result<()> {
-        let (n, k, bs) = (v.shape[0] as u64, v.shape[1] as u64, v.blocksize as u64);
-        let align = Backend::alignment(self).pool_bytes;
-        let step = piece_step(k, bs, align).ok_or_else(|| {
-            nibble_core::Error::Invalid(format!("wgpu: no aligned split of a [{n}, {k}] weight"))
-        })?;
-        let rows_fit = (self.max_binding * 2 / k.max(1)).min(self.max_binding / 4 * bs / k.max(1));
-        let per = rows_fit / step * step;
-        if per == 0 {
-            return Err(nibble_core::Error::Invalid(format!(
-                "wgpu: one aligned piece of {step} rows of the [{n}, {k}] weight exceeds the binding limit of {} bytes",
-                self.max_binding
-            )));
-        }
-        let rows = params[0];
-        let mut r0 = 0u64;
-        while r0 < n {
-            let r1 = (r0 + per).min(n);
-            let pn = (r1 - r0) as u32;
-            let region = |offset: u64, len: u64| {
-                wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: pool,
-                    offset,
-                    size: std::num::NonZeroU64::new(len.div_ceil(4).max(1) * 4),
-                })
-            };
-            let packed = region(v.packed.offset + r0 * k / 2, ((r1 - r0) * k).div_ceil(2));
-            let absmax = region(
-                v.absmax.offset + r0 * k / bs * 4,
-                ((r1 - r0) * k).div_ceil(bs) * 4,
-            );
-            let code = region(v.code.offset, 64);
-            let mut p = params.to_vec();
-            p[1] = pn;
-            p[6] = r0 as u32;
-            let (name, dispatch) = if rows > GEMV_MAX_ROWS {
-                (
-                    "linear_q4_tiled",
-                    Dispatch::Groups(pn.div_ceil(16), rows.div_ceil(16)),
-                )
-            } else {
-                ("linear_q4", Dispatch::Groups(rows * pn, 1))
-            };
-            let bias = ins
-                .get(1)
-                .cloned()
-                .unwrap_or_else(|| dummy.as_entire_binding());
-            let binds = vec![ins[0].clone(), packed, absmax, code, bias];
-            let enc = self
-                .encode(name, &p, binds, out.clone(), dispatch, uniform)
-                .map_err(core_err)?;
-            self.queue.submit([enc.finish()]);
-            r0 = r1;
-        }
-        Ok(())
+    fn resident(&self) -> nibble_core::Result<&Resident> {
+        self.resident
+            .as_ref()
+            .ok_or_else(|| nibble_core::Error::Invalid("wgpu: allocate() was not called".into()))
     }
 }
 
@@ -659,47 +391,43 @@ impl Backend for WgpuBackend {
     }
 
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
-        let max = self.limits.max_buffer_size;
-        let arena_bytes = (arena_words.max(1) * 4) as u64;
-        for (what, b) in [
-            ("activation arena", arena_bytes),
-            ("weight pool", pool_bytes),
-        ] {
-            if b > max {
-                return Err(nibble_core::Error::Invalid(format!(
-                    "wgpu: the {what} needs {b} bytes, over this adapter's max_buffer_size {max}"
-                )));
-            }
-        }
-        let make = |label, size: u64, usage| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some(label),
-                size: size.max(4),
-                usage,
-                mapped_at_creation: false,
-            })
-        };
+        self.flush().map_err(core_err)?;
+        let arena_bytes = (arena_words.max(1) as u64).saturating_mul(4);
         let st = wgpu::BufferUsages::STORAGE
             | wgpu::BufferUsages::COPY_DST
             | wgpu::BufferUsages::COPY_SRC;
-        self.resident = Some(Resident {
-            arena: make("arena", arena_bytes, st),
-            pool: make("weight pool", pool_bytes, st),
-            uniform: make(
-                "params",
-                64,
+        let arena = self
+            .create_buffer("activation arena", arena_bytes, st)
+            .map_err(core_err)?;
+        let pool = self
+            .create_buffer("weight pool", pool_bytes, st)
+            .map_err(core_err)?;
+        let uniform = self
+            .create_buffer(
+                "op parameters",
+                UNIFORM_SLOTS * self.uniform_stride(),
                 wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            ),
-            dummy: make(
-                "dummy",
+            )
+            .map_err(core_err)?;
+        let dummy = self
+            .create_buffer(
+                "absent operands",
                 DUMMY_SLOTS * DUMMY_STRIDE,
                 wgpu::BufferUsages::STORAGE,
-            ),
+            )
+            .map_err(core_err)?;
+        self.resident = Some(Resident {
+            arena,
+            pool,
+            uniform,
+            dummy,
         });
         Ok(())
     }
 
     fn release(&mut self) {
+        // Ops still pending read these buffers: submit them before the memory goes.
+        let _ = self.flush();
         if let Some(r) = self.resident.take() {
             r.arena.destroy();
             r.pool.destroy();
@@ -719,6 +447,8 @@ impl Backend for WgpuBackend {
         dst: nibble_core::backend::ArenaSlice,
         words: &[u32],
     ) -> nibble_core::Result<()> {
+        // A queued write takes effect before anything recorded and not yet submitted.
+        self.flush().map_err(core_err)?;
         let r = self.resident()?;
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         self.queue
@@ -731,10 +461,12 @@ impl Backend for WgpuBackend {
         &mut self,
         src: nibble_core::backend::ArenaSlice,
     ) -> nibble_core::Result<Vec<u32>> {
+        self.flush().map_err(core_err)?;
         let r = self.resident()?;
         let bytes = self
             .read_back(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
             .map_err(core_err)?;
+        self.check_errors().map_err(core_err)?;
         Ok(words(&bytes, src.len))
     }
 
@@ -754,11 +486,15 @@ impl Backend for WgpuBackend {
         src: nibble_core::backend::ArenaSlice,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = nibble_core::Result<Vec<u32>>> + '_>>
     {
-        let fut = self.resident().map(|r| {
-            self.read_back_async(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
+        let flushed = self.flush().map_err(core_err);
+        let fut = flushed.and_then(|()| {
+            self.resident().map(|r| {
+                self.read_back_async(&r.arena, src.offset as u64 * 4, (src.len.max(1) * 4) as u64)
+            })
         });
         Box::pin(async move {
             let bytes = fut?.await.map_err(core_err)?;
+            self.check_errors().map_err(core_err)?;
             Ok(words(&bytes, src.len))
         })
     }
@@ -768,6 +504,8 @@ impl Backend for WgpuBackend {
         offset: u64,
         bytes: &[u8],
     ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
+        // The region may still be read by recorded ops of the group two back.
+        self.flush().map_err(core_err)?;
         let r = self.resident()?;
         if bytes.len() % 4 == 0 {
             self.queue.write_buffer(&r.pool, offset, bytes);
@@ -788,98 +526,6 @@ impl Backend for WgpuBackend {
         q4: Option<&Q4View>,
         out: &Operand,
     ) -> nibble_core::Result<()> {
-        let r = self.resident()?;
-        let (arena, pool, uniform, dummy) = (
-            r.arena.clone(),
-            r.pool.clone(),
-            r.uniform.clone(),
-            r.dummy.clone(),
-        );
-        let slice = |s: &nibble_core::backend::ArenaSlice| {
-            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &arena,
-                offset: s.offset as u64 * 4,
-                size: std::num::NonZeroU64::new((s.len.max(1) * 4) as u64),
-            })
-        };
-        let region = |p: &nibble_core::backend::PoolRegion| {
-            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &pool,
-                offset: p.offset,
-                size: std::num::NonZeroU64::new(p.len.div_ceil(4).max(1) * 4),
-            })
-        };
-        let ins: Vec<wgpu::BindingResource<'_>> = inputs.iter().map(|o| slice(&o.slice)).collect();
-        let q4b = q4.map(|v| [region(&v.packed), region(&v.absmax), region(&v.code)]);
-        let shapes: Vec<Vec<usize>> = inputs.iter().map(|o| o.info.shape.clone()).collect();
-        Self::check(op, &shapes)?;
-        let bn = inputs.get(1).map(|o| o.info.numel()).unwrap_or(1);
-        let (name, params, dispatch) = Self::kernel(
-            op,
-            &shapes,
-            &out.info.shape,
-            q4.map(|v| v.blocksize as u32).unwrap_or(0),
-            bn,
-        );
-        // A dense weight over the binding limit (an lm_head, an embedding table) is bound as row
-        // pieces; any other operand that large is refused.
-        let splittable = matches!(op, OpKind::Linear { .. } | OpKind::Embedding);
-        for (i, o) in inputs.iter().chain(std::iter::once(out)).enumerate() {
-            let bytes = o.slice.len as u64 * 4;
-            if bytes > self.max_binding && !(splittable && i == 1) {
-                return Err(nibble_core::Error::Invalid(format!(
-                    "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes",
-                    op.name(),
-                    o.info.shape,
-                    self.max_binding
-                )));
-            }
-        }
-        if splittable && inputs[1].slice.len as u64 * 4 > self.max_binding {
-            return self.dense_row_pieces(
-                op,
-                &params,
-                inputs,
-                &ins,
-                slice(&out.slice),
-                &arena,
-                &dummy,
-                &uniform,
-            );
-        }
-        if let (OpKind::LinearQ4 { .. }, Some(v)) = (op, q4) {
-            if v.packed.len > self.max_binding || v.absmax.len > self.max_binding {
-                return self.linear_q4_pieces(
-                    &params,
-                    &ins,
-                    v,
-                    slice(&out.slice),
-                    &pool,
-                    &dummy,
-                    &uniform,
-                );
-            }
-        }
-        let binds = Self::bind_order(op, &ins, q4b, &dummy);
-        let enc = self
-            .encode(name, &params, binds, slice(&out.slice), dispatch, &uniform)
-            .map_err(core_err)?;
-        self.queue.submit([enc.finish()]);
-        Ok(())
+        self.run_op(op, inputs, q4, out)
     }
-}
-
-/// Distinct ranges of the dummy buffer for absent operands (256: the largest storage-offset
-/// alignment an adapter may ask for).
-const DUMMY_STRIDE: u64 = 256;
-/// More than any kernel has optional operands.
-const DUMMY_SLOTS: u64 = 4;
-
-/// Little-endian words from read-back bytes.
-fn words(bytes: &[u8], n: usize) -> Vec<u32> {
-    bytes
-        .chunks_exact(4)
-        .take(n)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
