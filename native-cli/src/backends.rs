@@ -7,6 +7,8 @@ use nibble_core::backend::cpu::CpuBackend;
 use nibble_core::backend::cpu_ref::CpuRefBackend;
 use nibble_core::backend::Backend;
 
+use crate::args::BackendArg;
+
 /// One of the backends.
 pub enum AnyBackend {
     /// The optimized CPU backend.
@@ -50,14 +52,14 @@ impl AnyBackend {
     }
 }
 
-/// The backend named `name`; `auto` picks the best one present.
-pub fn select(name: &str) -> Result<AnyBackend> {
-    Ok(match name {
-        "cpu" => AnyBackend::Cpu(CpuBackend::new()),
-        "cpu-ref" | "cpu_ref" => AnyBackend::CpuRef(CpuRefBackend::new()),
-        "wgpu" => AnyBackend::Wgpu(Box::new(nibble_wgpu::WgpuBackend::new()?)),
-        "cuda" => AnyBackend::Cuda(Box::new(nibble_cuda::CudaBackend::new()?)),
-        "auto" => {
+/// The backend chosen; `auto` picks the best one present.
+pub fn select(choice: BackendArg) -> Result<AnyBackend> {
+    Ok(match choice {
+        BackendArg::Cpu => AnyBackend::Cpu(CpuBackend::new()),
+        BackendArg::CpuRef => AnyBackend::CpuRef(CpuRefBackend::new()),
+        BackendArg::Wgpu => AnyBackend::Wgpu(Box::new(nibble_wgpu::WgpuBackend::new()?)),
+        BackendArg::Cuda => AnyBackend::Cuda(Box::new(nibble_cuda::CudaBackend::new()?)),
+        BackendArg::Auto => {
             match nibble_cuda::CudaBackend::new() {
                 Ok(b) => return Ok(AnyBackend::Cuda(Box::new(b))),
                 Err(e) => eprintln!("auto: no CUDA ({e})"),
@@ -74,7 +76,6 @@ pub fn select(name: &str) -> Result<AnyBackend> {
             }
             AnyBackend::Cpu(CpuBackend::new())
         }
-        other => bail!("--backend '{other}': expected auto, cpu, cpu-ref, wgpu or cuda"),
     })
 }
 

@@ -381,11 +381,19 @@ impl GgufFile {
 
     /// The raw bytes of a tensor.
     pub fn read(&self, t: &GgufTensor) -> Result<Vec<u8>> {
-        use std::os::unix::fs::FileExt;
         let mut b = vec![0u8; t.len as usize];
-        self.file
-            .read_exact_at(&mut b, t.offset)
-            .map_err(|e| Error::io(format!("{} (tensor '{}')", self.path, t.name), e))?;
+        let what = || format!("{} (tensor '{}')", self.path, t.name);
+        let got = crate::format::positional::pread_full(&self.file, t.offset, &mut b)
+            .map_err(|e| Error::io(what(), e))?;
+        if got != b.len() {
+            return Err(Error::ShortRead {
+                file: self.path.clone(),
+                tensor: t.name.clone(),
+                offset: t.offset,
+                wanted: t.len,
+                got: got as u64,
+            });
+        }
         Ok(b)
     }
 

@@ -12,6 +12,8 @@ pub mod gguf;
 #[cfg(all(feature = "native", feature = "text"))]
 pub mod gguf_convert;
 pub mod json;
+#[cfg(feature = "native")]
+pub mod positional;
 pub mod quantize;
 pub mod safetensors;
 pub mod writer;

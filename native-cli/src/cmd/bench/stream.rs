@@ -15,30 +15,7 @@ use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
 use nibble_core::stream::ring::{HostAllocator, StagingRing};
 use serde_json::json;
 
-/// Options of the benchmark.
-#[derive(Debug, Clone)]
-pub struct StreamBench {
-    /// Model path or URL.
-    pub model: String,
-    /// Ring slots.
-    pub slots: usize,
-    /// Bytes per slot.
-    pub slot_bytes: usize,
-    /// Passes over all weights.
-    pub steps: u64,
-    /// Simulated compute per MiB consumed.
-    pub consume_ms_per_mib: f64,
-    /// Reader threads / connections.
-    pub readers: usize,
-    /// Read strategy for local files.
-    pub file_mode: FileReadMode,
-    /// Upload every chunk to this backend's weight pool (cpu, wgpu, cuda) instead of the
-    /// simulated consumer: the ring's slots then come from the backend (pinned memory for CUDA),
-    /// and the MiB/s are host-to-device throughput through the ring.
-    pub backend: Option<String>,
-    /// Print one JSON object.
-    pub json: bool,
-}
+use super::StreamArgs;
 
 /// A device the chunks are uploaded to.
 trait Sink {
@@ -141,8 +118,8 @@ fn baseline(model: &str, files: &[String], buf: &mut [u8]) -> Result<(u64, Durat
 }
 
 /// Runs the benchmark and prints the per-step table or the JSON object.
-pub fn run(o: &StreamBench) -> Result<()> {
-    let index = crate::open_model(&o.model)?;
+pub fn run(o: &StreamArgs) -> Result<()> {
+    let index = nibble_core::io::model::ModelIndex::open_path_or_url(&o.model, o.file_mode.into())?;
     let (source, resolved_mode): (Arc<dyn RangeSource>, Option<FileReadMode>) = if is_url(&o.model)
     {
         (index.source(), None)
@@ -153,7 +130,7 @@ pub fn run(o: &StreamBench) -> Result<()> {
             .iter()
             .map(|f| f.name.clone().into())
             .collect();
-        let fs = FileSource::open(&paths, o.file_mode)?;
+        let fs = FileSource::open(&paths, o.file_mode.into())?;
         let mode = fs.mode();
         (Arc::new(fs), Some(mode))
     };
@@ -174,7 +151,7 @@ pub fn run(o: &StreamBench) -> Result<()> {
     let step_bytes: u64 = chunks.iter().map(|c| c.len as u64).sum();
     let (mut sink, alloc, sink_label) = match &o.backend {
         Some(b) => {
-            let (s, a, l) = crate::backends::select(b)?.run(MakeSink {
+            let (s, a, l) = crate::backends::select(*b)?.run(MakeSink {
                 slot: o.slot_bytes as u64,
             })?;
             (Some(s), a, Some(l))
@@ -306,7 +283,7 @@ pub fn run(o: &StreamBench) -> Result<()> {
                 "file_mode": resolved_mode.map(|m| m.name()),
             }
         });
-        crate::write_stdout(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
+        crate::output::write_stdout(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
     } else {
         eprintln!(
             "throughput {throughput:.1} MiB/s, baseline ({}) {baseline_mib_s:.1} MiB/s, ratio {ratio:.3}",

@@ -1,6 +1,7 @@
 //! `nibble inspect`: what a model holds, without reading its weights.
 
 use anyhow::Result;
+use clap::Args;
 use nibble_core::format::bnb::QuantState;
 use nibble_core::format::dtype::dtype_name;
 use nibble_core::format::safetensors::TensorEntry;
@@ -47,8 +48,24 @@ fn tensor_json(model: &ModelIndex, t: &TensorEntry) -> Value {
 
 /// Prints the inventory of a model file or folder. Over HTTP only headers are fetched unless
 /// `quant_state` asks for the small quant-state tensors too.
-pub fn run(path: &str, as_json: bool, quant_state: bool) -> Result<()> {
-    let model = crate::open_model(path)?;
+/// Options of `nibble inspect`.
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    /// A `.safetensors` file, a model folder (config.json + one file or shards), or an http(s)
+    /// URL of either (only headers are fetched).
+    pub path: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Also show each 4-bit weight's quant state (reads its small tensors).
+    #[arg(long)]
+    pub quant_state: bool,
+}
+
+/// Prints what the model holds.
+pub fn run(a: &InspectArgs) -> Result<()> {
+    let (path, as_json, quant_state) = (a.path.as_str(), a.json, a.quant_state);
+    let model = ModelIndex::open_path_or_url(path, Default::default())?;
     let remote = path.starts_with("http://") || path.starts_with("https://");
     let weights = model.q4_weights().map(<[_]>::to_vec)?;
     let mut quantized = Vec::with_capacity(weights.len());
@@ -125,7 +142,7 @@ pub fn run(path: &str, as_json: bool, quant_state: bool) -> Result<()> {
             "quantization_config": qconfig,
         });
         outln!(o, "{}", serde_json::to_string_pretty(&out)?);
-        return crate::write_stdout(&o);
+        return crate::output::write_stdout(&o);
     }
 
     outln!(o, "{}", path);
@@ -239,5 +256,5 @@ pub fn run(path: &str, as_json: bool, quant_state: bool) -> Result<()> {
             .collect();
         outln!(o, "quantization_config: {}", parts.join(", "));
     }
-    crate::write_stdout(&o)
+    crate::output::write_stdout(&o)
 }

@@ -9,6 +9,9 @@ use nibble_core::backend::{layout_op, ArenaSlice, Backend};
 use nibble_core::graph::{OpKind, ValueInfo};
 use serde_json::json;
 
+use super::KernelsArgs;
+use crate::args::BackendArg;
+
 struct Bench {
     name: String,
     op: OpKind,
@@ -173,9 +176,10 @@ fn ring_upload_gb_s<B: Backend>(
 }
 
 /// Runs every kernel benchmark on `backend_name` and prints a table or JSON.
-pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
-    match backend_name {
-        "cpu" => {
+pub fn run(a: &KernelsArgs) -> Result<()> {
+    let (as_json, quick) = (a.json, a.quick);
+    match a.backend {
+        BackendArg::Cpu => {
             let label = format!(
                 "cpu ({})",
                 nibble_core::backend::cpu::CpuBackend::new().describe()
@@ -189,7 +193,7 @@ pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
                 None,
             )
         }
-        "cpu-ref" | "cpu_ref" => report(
+        BackendArg::CpuRef => report(
             "cpu-ref (scalar reference)".into(),
             as_json,
             quick,
@@ -197,7 +201,7 @@ pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
             || Ok(CpuRefBackend::new()),
             None,
         ),
-        "wgpu" => {
+        BackendArg::Wgpu => {
             let probe = nibble_wgpu::WgpuBackend::new()?;
             let label = format!("wgpu: {}", probe.describe());
             let mut first = Some(probe);
@@ -213,7 +217,7 @@ pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
                 None,
             )
         }
-        "cuda" => {
+        BackendArg::Cuda => {
             let mut probe = nibble_cuda::CudaBackend::new()?;
             let label = format!("cuda: {}", probe.describe());
             let t = if quick { 512 } else { 4096 };
@@ -243,7 +247,9 @@ pub fn run(backend_name: &str, as_json: bool, quick: bool) -> Result<()> {
                 Some(refs),
             )
         }
-        other => bail!("--backend '{other}': expected cpu, cpu-ref, wgpu or cuda"),
+        BackendArg::Auto => {
+            bail!("bench kernels measures one backend: --backend cpu, cpu-ref, wgpu or cuda")
+        }
     }
 }
 
@@ -315,7 +321,7 @@ fn report<B: Backend>(
         }
     }
     if as_json {
-        crate::write_stdout(&format!(
+        crate::output::write_stdout(&format!(
             "{}\n",
             serde_json::to_string_pretty(
                 &json!({"backend": label, "kernels": rows, "references": refs, "ratios": ratios})

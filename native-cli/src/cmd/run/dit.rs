@@ -10,37 +10,7 @@ use nibble_core::models::dit::{schedule, Checkpoint, DenoiseStep, Denoiser, DitI
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-/// Options of a DiT run.
-#[derive(Debug, Clone)]
-pub struct DitRun {
-    /// Denoising steps.
-    pub steps: usize,
-    /// Inputs file (hidden_states, encoder_hidden_states, pooled_projections, guidance,
-    /// img_ids, txt_ids); random from the seed otherwise.
-    pub inputs: Option<std::path::PathBuf>,
-    /// Seed of random inputs.
-    pub seed: u64,
-    /// Latent grid height (tokens), for random inputs.
-    pub height: usize,
-    /// Latent grid width (tokens), for random inputs.
-    pub width: usize,
-    /// Text tokens, for random inputs.
-    pub text_len: usize,
-    /// Guidance scale, for random inputs.
-    pub guidance: f32,
-    /// Static shift (1: none); ignored with dynamic shifting.
-    pub shift: f64,
-    /// Resolution-dependent shift (Flux).
-    pub dynamic_shift: bool,
-    /// Final latent output.
-    pub out: Option<std::path::PathBuf>,
-    /// PNG preview of the final latent.
-    pub preview: Option<std::path::PathBuf>,
-    /// Write a checkpoint into this folder after every step.
-    pub checkpoint: Option<std::path::PathBuf>,
-    /// Continue from the checkpoint in this folder.
-    pub resume: Option<std::path::PathBuf>,
-}
+use super::{exec_options, resident_budget, RunArgs};
 
 /// Reads inputs named like the fixture's (`hidden_states`, `encoder_hidden_states`, ...).
 pub fn read_inputs(path: &std::path::Path, cfg: &DitConfig) -> Result<DitInputs> {
@@ -113,13 +83,13 @@ pub fn step_row(s: &DenoiseStep) -> serde_json::Value {
 }
 
 /// Runs the denoising loop on `backend`.
-pub fn run<B: Backend>(
-    o: &crate::run::RunOptions,
-    d: &DitRun,
+pub(super) fn run<B: Backend>(
+    o: &RunArgs,
     model: &ModelIndex,
     mut backend: B,
     label: &str,
 ) -> Result<()> {
+    let d = &o.dit;
     let cfg = DitConfig::of(model)?;
     let resumed = match &d.resume {
         Some(dir) => Some(Checkpoint::load(dir)?.with_context(|| {
@@ -134,7 +104,7 @@ pub fn run<B: Backend>(
     let inputs = match (&resumed, &d.inputs) {
         (Some(c), _) => c.inputs.clone(),
         (None, Some(p)) => read_inputs(p, &cfg)?,
-        (None, None) => DitInputs::random(&cfg, d.height, d.width, d.text_len, d.guidance, d.seed),
+        (None, None) => DitInputs::random(&cfg, d.height, d.width, d.text_len, d.guidance, o.seed),
     };
     let sigmas = match &resumed {
         Some(c) => c.sigmas.clone(),
@@ -143,9 +113,9 @@ pub fn run<B: Backend>(
     if resumed.is_none() && d.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let opts = crate::run::exec_options(o, || {
+    let opts = exec_options(&o.memory, || {
         let graph = Denoiser::<B>::graph_for(model, &inputs)?;
-        crate::run::resident_budget(&graph, model, &mut backend)
+        resident_budget(&graph, model, &mut backend)
     })?;
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {
@@ -193,7 +163,7 @@ pub fn run<B: Backend>(
             "rss_max_bytes": nibble_core::plan::machine::peak_rss_bytes(),
             "plan": {"peak_device_bytes": den.executor().plan().peak_device_bytes,
                      "peak_host_bytes": den.executor().plan().peak_host_bytes}}});
-        crate::write_stdout(&format!("{v}\n"))?;
+        crate::output::write_stdout(&format!("{v}\n"))?;
     } else {
         eprintln!(
             "{} steps in {:.1} s ({:.1} ms/step)",

@@ -15,6 +15,7 @@ use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use clap::Args;
 use tower_http::cors::{Any, CorsLayer};
 use tower_http::services::ServeDir;
 
@@ -124,7 +125,23 @@ fn app(dir: &Path, mounts: &[(String, PathBuf)]) -> Result<Router> {
 }
 
 /// Serves `dir` on `addr` until interrupted.
-pub fn run(dir: &Path, mounts: &[(String, PathBuf)], addr: &str) -> Result<()> {
+/// Options of `nibble serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// The folder to serve; nothing outside it is reachable.
+    pub dir: PathBuf,
+    /// Address to listen on (loopback unless told otherwise; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub addr: String,
+    /// Also serve DIR at /NAME/ (repeatable), e.g. `--mount models=models` beside the browser
+    /// demo's page.
+    #[arg(long = "mount", value_name = "NAME=DIR", value_parser = parse_mount)]
+    pub mounts: Vec<(String, PathBuf)>,
+}
+
+/// Serves the folder until interrupted.
+pub fn run(a: &ServeArgs) -> Result<()> {
+    let (dir, mounts, addr) = (a.dir.as_path(), a.mounts.as_slice(), a.addr.as_str());
     let addr: SocketAddr = addr
         .parse()
         .with_context(|| format!("--addr '{addr}': expected IP:PORT"))?;

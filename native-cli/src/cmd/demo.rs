@@ -13,54 +13,73 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use clap::Args;
 use nibble_core::backend::Backend;
 use nibble_core::exec::{ExecOptions, Executor};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::dit::{schedule, Checkpoint, Denoiser, DitInputs};
 use nibble_core::models::llama::{self, Decoder, LlamaShape};
-use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
+use nibble_core::plan::{fmt_bytes, Budgets};
 use nibble_core::tooling::synth::{Arch, LlamaSynthShape, SynthModel};
 use serde_json::json;
 
+use crate::args::{size, BackendArg};
+
 /// Options of `nibble demo`.
-#[derive(Debug, Clone)]
-pub struct DemoOptions {
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
     /// Denoising steps.
+    #[arg(long, default_value_t = 50)]
     pub steps: usize,
-    /// Latent grid (tokens).
+    /// Latent grid height in tokens.
+    #[arg(long, default_value_t = 8)]
     pub height: usize,
-    /// Latent grid (tokens).
+    /// Latent grid width in tokens.
+    #[arg(long, default_value_t = 8)]
     pub width: usize,
     /// Text tokens.
+    #[arg(long, default_value_t = 16)]
     pub text_len: usize,
-    /// The prompt (bytes become the synthetic encoder's token ids).
+    /// The prompt (its bytes become the synthetic encoder's token ids).
+    #[arg(long, default_value = "a lighthouse on a cliff at dusk, oil on canvas")]
     pub prompt: String,
     /// Size of the synthetic DiT on disk.
-    pub dit_size: String,
+    #[arg(long, value_parser = size, default_value = "1800MiB", value_name = "SIZE")]
+    pub dit_size: u64,
     /// Seed of the models and the noise.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Device budget of both phases.
-    pub device_budget: String,
+    /// Device memory for each phase.
+    #[arg(long, value_parser = size, default_value = "512MiB", value_name = "SIZE")]
+    pub device_budget: u64,
     /// Ring slots.
+    #[arg(long, default_value_t = 4)]
     pub slots: u64,
-    /// Ring slot size.
-    pub slot_size: String,
-    /// Backend.
-    pub backend: String,
-    /// Where the chart, latent and step figures go.
+    /// Bytes per ring slot.
+    #[arg(long, value_parser = size, default_value = "32MiB", value_name = "SIZE")]
+    pub slot_size: u64,
+    /// Backend that runs the ops.
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: BackendArg,
+    /// Where the chart, latent, preview and per-step figures go.
+    #[arg(long, default_value = "nibble-demo")]
     pub out_dir: PathBuf,
-    /// Where the synthetic models are kept (default `$NIBBLE_CACHE` or `~/.cache/nibble`).
+    /// Where the synthetic models are kept (default $NIBBLE_CACHE or ~/.cache/nibble).
+    #[arg(long)]
     pub cache_dir: Option<PathBuf>,
-    /// Checkpoint folder (after every DiT step).
+    /// Write the DiT latent and step index here after every step (atomically).
+    #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
-    /// Resume the DiT phase from this checkpoint folder.
+    /// Continue the DiT phase from the checkpoint in this folder.
+    #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
-    /// One JSON object on stdout.
+    /// Print one JSON object.
+    #[arg(long)]
     pub json: bool,
 }
 
-fn cache_root(o: &DemoOptions) -> PathBuf {
+fn cache_root(o: &DemoArgs) -> PathBuf {
     o.cache_dir
         .clone()
         .or_else(|| std::env::var_os("NIBBLE_CACHE").map(PathBuf::from))
@@ -128,7 +147,7 @@ fn prompt_ids(prompt: &str, len: usize) -> Vec<u32> {
 }
 
 struct Demo<'a> {
-    o: &'a DemoOptions,
+    o: &'a DemoArgs,
     dit: &'a ModelIndex,
     encoder: &'a ModelIndex,
 }
@@ -150,9 +169,9 @@ impl crate::backends::WithBackend for Demo<'_> {
         let quiet = o.json;
         let dcfg = DitConfig::of(dit)?;
         let budgets = Budgets {
-            device_bytes: parse_size(&o.device_budget)?,
+            device_bytes: o.device_budget,
             ring_slots: o.slots,
-            slot_bytes: parse_size(&o.slot_size)?,
+            slot_bytes: o.slot_size,
         };
         let opts = ExecOptions {
             budgets,
@@ -259,7 +278,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             }
             rss.push((s.step as f64, s.rss_bytes as f64 / (1 << 20) as f64));
             times.push((s.step as f64, ms));
-            rows.push(crate::run_dit::step_row(&s));
+            rows.push(crate::cmd::run::step_row(&s));
         }
         let dit_secs = t2.elapsed().as_secs_f64();
         let dit_peak = phase_peak();
@@ -270,11 +289,11 @@ impl crate::backends::WithBackend for Demo<'_> {
             .with_context(|| format!("creating {}", o.out_dir.display()))?;
         let (n, c) = (den.inputs().image_tokens(), dcfg.in_channels);
         let latent = o.out_dir.join("latent.safetensors");
-        crate::run_dit::write_latent(&latent, den.latent(), n, c)?;
+        crate::cmd::run::write_latent(&latent, den.latent(), n, c)?;
         let (gh, gw) = den.inputs().grid();
         let preview = o.out_dir.join("preview.png");
-        crate::run_dit::write_preview(&preview, den.latent(), gh, gw, c, 16)?;
-        let (svg, png) = crate::chart::write(
+        crate::cmd::run::write_preview(&preview, den.latent(), gh, gw, c, 16)?;
+        let (svg, png) = crate::output::chart::write(
             &o.out_dir.join("chart"),
             &format!(
                 "nibble demo: {} NF4 DiT, device budget {}, ring {} x {}",
@@ -283,12 +302,12 @@ impl crate::backends::WithBackend for Demo<'_> {
                 budgets.ring_slots,
                 fmt_bytes(budgets.slot_bytes)
             ),
-            &[crate::chart::Series {
+            &[crate::output::chart::Series {
                 name: format!("streamed ({label})"),
                 rss_mib: rss.clone(),
                 step_ms: times.clone(),
             }],
-            Some(&crate::chart::Reference {
+            Some(&crate::output::chart::Reference {
                 name: "plan: host + device".into(),
                 mib: (plan.peak_host_bytes + plan.peak_device_bytes) as f64 / (1 << 20) as f64,
             }),
@@ -332,7 +351,10 @@ impl crate::backends::WithBackend for Demo<'_> {
             serde_json::to_vec_pretty(&json!({"steps": rows, "summary": summary}))?,
         )?;
         if o.json {
-            crate::write_stdout(&format!("{}\n", json!({"steps": rows, "summary": summary})))?;
+            crate::output::write_stdout(&format!(
+                "{}\n",
+                json!({"steps": rows, "summary": summary})
+            ))?;
         } else {
             eprintln!(
                 "done: {} steps in {:.1} s ({:.0} ms/step after the first), {} streamed per step; RSS {} at step 2, {} at the end ({:+} bytes); peak RSS text encoder {}, DiT {} (plan: host {} + device {} = {})",
@@ -362,10 +384,10 @@ impl crate::backends::WithBackend for Demo<'_> {
 }
 
 /// Runs the demo.
-pub fn run(o: &DemoOptions) -> Result<()> {
+pub fn run(o: &DemoArgs) -> Result<()> {
     let root = cache_root(o);
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
-    let size = parse_size(&o.dit_size)?;
+    let size = o.dit_size;
     let dit_dir = root.join(format!("dit-{}-seed{}", o.dit_size, o.seed));
     ensure_model(
         &dit_dir,
@@ -387,7 +409,7 @@ pub fn run(o: &DemoOptions) -> Result<()> {
         o.json,
     )?;
     let encoder = ModelIndex::open(&enc_dir)?;
-    crate::backends::select(&o.backend)?.run(Demo {
+    crate::backends::select(o.backend)?.run(Demo {
         o,
         dit: &dit,
         encoder: &encoder,

@@ -9,46 +9,17 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
-use nibble_core::plan::{fmt_bytes, parse_size, Budgets};
+use nibble_core::plan::{fmt_bytes, Budgets};
 use serde_json::json;
 
-/// Options of `nibble bench offload`.
-#[derive(Debug, Clone)]
-pub struct OffloadBench {
-    /// DiT folder or URL.
-    pub model: String,
-    /// Steps per mode.
-    pub steps: usize,
-    /// Device budget of the streamed and naive modes.
-    pub device_budget: String,
-    /// Ring slots.
-    pub slots: u64,
-    /// Ring slot size.
-    pub slot_size: String,
-    /// Backend.
-    pub backend: String,
-    /// Latent grid.
-    pub height: usize,
-    /// Latent grid.
-    pub width: usize,
-    /// Text tokens.
-    pub text_len: usize,
-    /// Resident mode only when the model needs at most this much device memory.
-    pub resident_limit: Option<String>,
-    /// How local files are read (`--file-mode`).
-    pub file_mode: String,
-    /// Run one mode in this process (the parent spawns one child per mode).
-    pub mode: Option<String>,
-    /// Chart path stem.
-    pub chart: Option<std::path::PathBuf>,
-    /// One JSON object.
-    pub json: bool,
-}
+use super::OffloadArgs;
+use crate::args::value_name;
 
 struct OneMode<'a> {
-    b: &'a OffloadBench,
+    b: &'a OffloadArgs,
     mode: &'a str,
 }
 
@@ -56,19 +27,19 @@ impl crate::backends::WithBackend for OneMode<'_> {
     type Output = serde_json::Value;
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
-        let model = crate::open_model_with(&b.model, &b.file_mode)?;
+        let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
         let cfg = DitConfig::of(&model)?;
         let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0);
         let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens());
         let device_bytes = match self.mode {
             "resident" => u64::MAX / 4,
-            _ => parse_size(&b.device_budget)?,
+            _ => b.device_budget,
         };
         let opts = ExecOptions {
             budgets: Budgets {
                 device_bytes,
                 ring_slots: b.slots,
-                slot_bytes: parse_size(&b.slot_size)?,
+                slot_bytes: b.slot_size,
             },
             readers: 2,
             stream_all: false,
@@ -78,7 +49,7 @@ impl crate::backends::WithBackend for OneMode<'_> {
         let plan = den.executor().plan().clone();
         let mut rows = Vec::new();
         while let Some(s) = den.step()? {
-            rows.push(crate::run_dit::step_row(&s));
+            rows.push(crate::cmd::run::step_row(&s));
         }
         Ok(json!({"mode": self.mode, "backend": label, "steps": rows,
                   "plan": {"resident_groups": plan.counts().0, "streamed_groups": plan.counts().1,
@@ -102,18 +73,18 @@ fn col(rows: &serde_json::Value, k: &str) -> Vec<f64> {
 }
 
 /// Runs the benchmark (or, with `mode`, one of its modes).
-pub fn run(b: &OffloadBench) -> Result<()> {
+pub fn run(b: &OffloadArgs) -> Result<()> {
     if let Some(mode) = &b.mode {
-        let v = crate::backends::select(&b.backend)?.run(OneMode { b, mode })?;
-        return crate::write_stdout(&format!("{v}\n"));
+        let v = crate::backends::select(b.backend)?.run(OneMode { b, mode })?;
+        return crate::output::write_stdout(&format!("{v}\n"));
     }
     if b.steps < 2 {
         bail!("--steps must be at least 2 (the first step warms up)");
     }
     // Does the model fit resident?
-    let model = crate::open_model(&b.model)?;
-    let limit = match &b.resident_limit {
-        Some(s) => parse_size(s)?,
+    let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
+    let limit = match b.resident_limit {
+        Some(s) => s,
         None => nibble_core::plan::machine::available_memory_bytes().unwrap_or(0) * 6 / 10,
     };
     let need = model.file_bytes() * 2;
@@ -135,11 +106,21 @@ pub fn run(b: &OffloadBench) -> Result<()> {
                 "--steps",
                 &b.steps.to_string(),
                 "--device-budget",
-                &b.device_budget,
+                &b.device_budget.to_string(),
             ])
-            .args(["--slots", &b.slots.to_string(), "--slot-size", &b.slot_size])
-            .args(["--file-mode", &b.file_mode])
-            .args(["--backend", &b.backend, "--height", &b.height.to_string()])
+            .args([
+                "--slots",
+                &b.slots.to_string(),
+                "--slot-size",
+                &b.slot_size.to_string(),
+            ])
+            .args(["--file-mode", &value_name(b.file_mode)])
+            .args([
+                "--backend",
+                &value_name(b.backend),
+                "--height",
+                &b.height.to_string(),
+            ])
             .args([
                 "--width",
                 &b.width.to_string(),
@@ -206,7 +187,7 @@ pub fn run(b: &OffloadBench) -> Result<()> {
             ));
         }
         summary.push(entry);
-        series.push(crate::chart::Series {
+        series.push(crate::output::chart::Series {
             name: mode.to_string(),
             rss_mib: rss
                 .iter()
@@ -221,7 +202,7 @@ pub fn run(b: &OffloadBench) -> Result<()> {
         });
     }
     let stem = b.chart.clone().unwrap_or_else(|| "nibble-offload".into());
-    let (svg, png) = crate::chart::write(
+    let (svg, png) = crate::output::chart::write(
         &stem,
         &format!(
             "bench offload: {} ({}), {}",
@@ -241,7 +222,7 @@ pub fn run(b: &OffloadBench) -> Result<()> {
         None,
     )?;
     if b.json {
-        crate::write_stdout(&format!(
+        crate::output::write_stdout(&format!(
             "{}\n",
             json!({"modes": results, "summary": summary, "chart_svg": svg, "chart_png": png})
         ))?;

@@ -11,27 +11,27 @@ use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use crate::run::RunOptions;
+use super::{exec_options, resident_budget, RunArgs};
 
-/// Embeds `o.prompt` (or `o.prompt_ids`) and prints the vector.
-pub fn run<B: Backend>(
-    o: &RunOptions,
+/// Embeds `o.prompt` (or `o.text.prompt_ids`) and prints the vector.
+pub(super) fn run<B: Backend>(
+    o: &RunArgs,
     model: &ModelIndex,
     mut backend: B,
     label: &str,
 ) -> Result<()> {
     let cfg = bert::BertConfig::of(model)?;
     let limit = nibble_core::io::folder::block_on(bert::max_seq_len(model, &cfg))?;
-    let ids: Vec<u32> = match &o.prompt {
+    let ids: Vec<u32> = match &o.text.prompt {
         Some(text) => {
-            if o.chat {
+            if o.text.chat {
                 bail!("--chat: an encoder has no chat template");
             }
             let mut tok = TextTokenizer::for_model(model)?;
             tok.set_max_len(Some(limit))?;
             tok.encode(text, true)?
         }
-        None => o.prompt_ids.clone(),
+        None => o.text.prompt_ids.clone(),
     };
     if ids.is_empty() {
         bail!("the prompt has no tokens");
@@ -44,8 +44,8 @@ pub fn run<B: Backend>(
     }
     let pooling = Pooling::for_model(model)?;
     let bg = bert::build(model, ids.len())?;
-    let opts = crate::run::exec_options(o, || {
-        crate::run::resident_budget(&bg.graph, model, &mut backend)
+    let opts = exec_options(&o.memory, || {
+        resident_budget(&bg.graph, model, &mut backend)
     })?;
     let t_setup = Instant::now();
     let mut enc = Encoder::from_graph(bg, model, backend, opts)
@@ -85,10 +85,10 @@ pub fn run<B: Backend>(
                 "device_bytes": enc.executor().plan().peak_device_bytes,
             },
         });
-        crate::write_stdout(&format!("{v}\n"))?;
+        crate::output::write_stdout(&format!("{v}\n"))?;
     } else {
         let values: Vec<String> = embedding.iter().map(|x| format!("{x}")).collect();
-        crate::write_stdout(&format!("[{}]\n", values.join(", ")))?;
+        crate::output::write_stdout(&format!("[{}]\n", values.join(", ")))?;
         eprintln!(
             "embedding: {} values ({mode} pooling{}) of {} tokens in {:.1} ms; peak RSS {}; streamed {}",
             embedding.len(),

@@ -1,9 +1,11 @@
-//! `nibble dequant` and `nibble quantize`.
+//! `nibble dequant`, `nibble quantize` and `nibble convert`: the bitsandbytes 4-bit format in and
+//! out of files.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use nibble_core::format::bnb::{
     is_quant_component, Bnb4bitKeys, FloatDtype, QuantState, QuantType,
 };
@@ -13,6 +15,7 @@ use nibble_core::format::quantize::{
     quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions,
 };
 use nibble_core::format::writer::{SafetensorsWriter, TensorSpec};
+use nibble_core::io::model::ModelIndex;
 use regex::Regex;
 
 /// `--quant` values.
@@ -29,13 +32,80 @@ pub const DEFAULT_INCLUDE: &str = r"\.weight$";
 /// Default `--exclude`: what transformers keeps unquantized (embeddings, output head).
 pub const DEFAULT_EXCLUDE: &str = r"(^|\.)(lm_head|embed_tokens|wte|wpe|word_embeddings|position_embeddings|token_type_embeddings)\.weight$";
 
+/// Options of `nibble dequant`.
+#[derive(Debug, Clone, Args)]
+pub struct DequantArgs {
+    /// A `.safetensors` file, a model folder, or a URL of either.
+    pub path: String,
+    /// A 4-bit weight to dequantize (its base name, e.g. `model.layers.0.mlp.up_proj.weight`);
+    /// repeat for several.
+    #[arg(
+        long = "tensor",
+        required_unless_present = "all",
+        conflicts_with = "all"
+    )]
+    pub tensors: Vec<String>,
+    /// Dequantize every 4-bit weight.
+    #[arg(long)]
+    pub all: bool,
+    /// Output `.safetensors` file.
+    #[arg(short, long)]
+    pub out: PathBuf,
+}
+
+/// Options of `nibble quantize`.
+#[derive(Debug, Clone, Args)]
+pub struct QuantizeArgs {
+    /// A `.safetensors` file, a model folder, or a URL of either.
+    pub input: String,
+    /// Output `.safetensors` file.
+    #[arg(short, long)]
+    pub out: PathBuf,
+    /// 4-bit data type.
+    #[arg(long = "quant", value_enum, default_value_t = QuantArg::Nf4)]
+    pub quant: QuantArg,
+    /// Elements per absmax block (power of two, 32..4096; transformers uses 64).
+    #[arg(long, default_value_t = 64)]
+    pub blocksize: u64,
+    /// Quantize absmax to 8 bits too (`bnb_4bit_use_double_quant`).
+    #[arg(long)]
+    pub double_quant: bool,
+    /// Only tensors whose name matches this regex are quantized.
+    #[arg(long, default_value = DEFAULT_INCLUDE)]
+    pub include: String,
+    /// Tensors whose name matches this regex are copied unchanged (default: embeddings and
+    /// lm_head, as transformers leaves them; pass --exclude '' to quantize them too).
+    #[arg(long, default_value = DEFAULT_EXCLUDE)]
+    pub exclude: String,
+}
+
+/// Options of `nibble convert`.
+#[derive(Debug, Clone, Args)]
+pub struct ConvertArgs {
+    /// The `.gguf` file.
+    pub gguf: PathBuf,
+    /// Output folder.
+    #[arg(short, long)]
+    pub out: PathBuf,
+    /// 4-bit data type.
+    #[arg(long = "quant", value_enum, default_value_t = QuantArg::Nf4)]
+    pub quant: QuantArg,
+    /// Quantize absmax to 8 bits too (`bnb_4bit_use_double_quant`).
+    #[arg(long)]
+    pub double_quant: bool,
+    /// Dtype of the tensors kept unquantized (embeddings, norms, lm_head): bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+}
+
 fn pt_metadata() -> BTreeMap<String, String> {
     BTreeMap::from([("format".to_string(), "pt".to_string())])
 }
 
 /// Dequantizes the named (or all) 4-bit weights into an F32 safetensors file.
-pub fn dequant(path: &str, names: &[String], all: bool, out: &Path) -> Result<()> {
-    let model = crate::open_model(path)?;
+pub fn dequant(a: &DequantArgs) -> Result<()> {
+    let (path, names, all, out) = (a.path.as_str(), &a.tensors, a.all, a.out.as_path());
+    let model = ModelIndex::open_path_or_url(path, Default::default())?;
     let weights = model.q4_weights().map(<[_]>::to_vec)?;
     let chosen: Vec<&Bnb4bitKeys> = if all {
         weights.iter().collect()
@@ -90,15 +160,15 @@ pub fn dequant(path: &str, names: &[String], all: bool, out: &Path) -> Result<()
 }
 
 /// Quantizes matching 2-D float weights, copying every other tensor unchanged.
-pub fn quantize(
-    input: &str,
-    out: &Path,
-    quant: QuantArg,
-    blocksize: u64,
-    double_quant: bool,
-    include: &str,
-    exclude: &str,
-) -> Result<()> {
+pub fn quantize(a: &QuantizeArgs) -> Result<()> {
+    let (input, out, quant, blocksize, double_quant) = (
+        a.input.as_str(),
+        a.out.as_path(),
+        a.quant,
+        a.blocksize,
+        a.double_quant,
+    );
+    let (include, exclude) = (a.include.as_str(), a.exclude.as_str());
     let include = Regex::new(include).with_context(|| format!("--include '{include}'"))?;
     let exclude = if exclude.is_empty() {
         None
@@ -114,7 +184,7 @@ pub fn quantize(
         blocksize,
         double_quant,
     };
-    let model = crate::open_model(input)?;
+    let model = ModelIndex::open_path_or_url(input, Default::default())?;
     let already: Vec<String> = model
         .q4_weights()
         .map(<[_]>::to_vec)?
@@ -184,13 +254,14 @@ pub fn quantize(
 }
 
 /// `nibble convert`: GGUF to a transformers NF4 folder.
-pub fn convert(
-    gguf: &Path,
-    out: &Path,
-    quant: QuantArg,
-    double_quant: bool,
-    dtype: &str,
-) -> Result<()> {
+pub fn convert(a: &ConvertArgs) -> Result<()> {
+    let (gguf, out, quant, double_quant, dtype) = (
+        a.gguf.as_path(),
+        a.out.as_path(),
+        a.quant,
+        a.double_quant,
+        a.dtype.as_str(),
+    );
     use nibble_core::format::gguf_convert::{convert, ConvertOptions};
     let dtype = match dtype {
         "bf16" | "bfloat16" => FloatDtype::BF16,

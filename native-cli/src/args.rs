@@ -1,0 +1,88 @@
+//! Command-line values parsed once, for every subcommand: sizes (`512MiB`), backends, file read
+//! modes, and the memory options that `run` and the benchmarks share.
+
+use clap::{Args, ValueEnum};
+use nibble_core::io::file::FileReadMode;
+
+/// A size with binary units: `4096`, `64k`, `512MiB`, `1.5GiB`.
+pub fn size(s: &str) -> Result<u64, String> {
+    nibble_core::plan::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// Which backend runs the ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum BackendArg {
+    /// CUDA when a driver and device are present, then a wgpu adapter that is a real GPU, then
+    /// the optimized CPU backend.
+    #[default]
+    Auto,
+    /// The optimized CPU backend (all cores, AVX2 where the CPU has it).
+    Cpu,
+    /// The scalar reference backend (slow; the oracle of the conformance tests).
+    #[value(alias = "cpu_ref")]
+    CpuRef,
+    /// wgpu: Vulkan, Metal, DX12 (Mesa's lavapipe on CPU-only Linux).
+    Wgpu,
+    /// CUDA (NVIDIA).
+    Cuda,
+}
+
+/// How local weight files are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum FileModeArg {
+    /// `pread` when the files fit in half the available RAM, `pread-dropcache` otherwise.
+    #[default]
+    Auto,
+    /// Positional reads (the page cache keeps what was read).
+    Pread,
+    /// Positional reads, then the range is dropped from the page cache (stream from disk).
+    PreadDropcache,
+    /// O_DIRECT reads: the disk's DMA fills the ring, no copy from the page cache (Linux).
+    Direct,
+    /// A read-only map, copied out and released page by page.
+    Mmap,
+}
+
+impl From<FileModeArg> for FileReadMode {
+    fn from(m: FileModeArg) -> Self {
+        match m {
+            FileModeArg::Auto => FileReadMode::Auto,
+            FileModeArg::Pread => FileReadMode::Pread,
+            FileModeArg::PreadDropcache => FileReadMode::PreadDropCache,
+            FileModeArg::Direct => FileReadMode::Direct,
+            FileModeArg::Mmap => FileReadMode::Mmap,
+        }
+    }
+}
+
+/// Memory of a run: the device budget and the staging ring.
+#[derive(Debug, Clone, Args)]
+pub struct MemoryArgs {
+    /// Device memory for weights, activations and the KV cache (default: everything
+    /// resident). Weight groups that do not fit stream through the ring every step.
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    pub device_budget: Option<u64>,
+    /// Staging-ring slots (reads kept in flight).
+    #[arg(long, default_value_t = 4)]
+    pub slots: u64,
+    /// Bytes per ring slot (a larger tensor streams through in pieces).
+    #[arg(long, value_parser = size, default_value = "16MiB", value_name = "SIZE")]
+    pub slot_size: u64,
+    /// Stream every weight group through the ring each step, whatever the device budget would
+    /// keep resident (the lowest-memory plan).
+    #[arg(long)]
+    pub stream_all: bool,
+}
+
+/// A size that must fit this machine's address space.
+pub fn size_usize(s: &str) -> Result<usize, String> {
+    let b = size(s)?;
+    usize::try_from(b).map_err(|_| format!("{s} is more than this machine can address"))
+}
+
+/// The command-line spelling of a value of a value enum (for a child process's arguments).
+pub fn value_name<T: ValueEnum>(v: T) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}

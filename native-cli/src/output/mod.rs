@@ -1,0 +1,28 @@
+//! Output shared by the subcommands: stdout that tolerates a closed pipe, the op profile.
+
+/// Prints an op profile (slowest first) to stderr.
+pub fn print_profile(p: &[(String, u64, std::time::Duration)]) {
+    let total: f64 = p.iter().map(|x| x.2.as_secs_f64()).sum();
+    eprintln!("op profile ({:.1} ms in ops):", total * 1e3);
+    for (name, calls, t) in p.iter().take(20) {
+        eprintln!(
+            "  {:>9.2} ms {:>5.1}%  {:>7} calls  {:>8.1} us/call  {name}",
+            t.as_secs_f64() * 1e3,
+            t.as_secs_f64() * 100.0 / total.max(1e-12),
+            calls,
+            t.as_secs_f64() * 1e6 / (*calls).max(1) as f64
+        );
+    }
+}
+
+/// Writes to stdout; a closed pipe (`nibble inspect ... | head`) is not an error.
+pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+pub mod chart;
