@@ -5,9 +5,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use nibble_core::io::file::{FileReadMode, FileSource};
+use nibble_core::io::machine::{peak_rss_bytes, rss_bytes};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::io::source::{RangeSource, ThreadedSource};
-use nibble_core::plan::machine::{peak_rss_bytes, rss_bytes};
 use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
 use nibble_core::stream::ring::{HostAllocator, StagingRing};
 

@@ -12,7 +12,7 @@ pub enum ElemType {
     U32,
     /// A dense weight kept as the bf16 values the model stores, two per arena word (element
     /// `2i` in the low half of word `i`): only where a backend reads it directly
-    /// ([`crate::backend::Backend::dense_bf16`]), only as the weight of `Linear` or the table of
+    /// (a backend with the host-memory capability), only as the weight of `Linear` or the table of
     /// `Embedding`, which widen each element to f32 exactly (the same results as an f32 copy,
     /// from half the bytes).
     BF16,

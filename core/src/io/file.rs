@@ -95,7 +95,7 @@ impl FileSource {
                     .filter_map(|p| std::fs::metadata(p).ok())
                     .map(|m| m.len())
                     .sum();
-                match crate::plan::machine::available_memory_bytes() {
+                match crate::io::machine::available_memory_bytes() {
                     Some(avail) if total > avail / 2 => FileReadMode::PreadDropCache,
                     _ => FileReadMode::Pread,
                 }

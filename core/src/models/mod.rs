@@ -1,4 +1,11 @@
-//! Model graph builders on the core graph.
+//! The models layer: each model kind in its own folder with its typed config, its graph and its
+//! runtime loop (Llama-family decoders with the token-generation loop and sampler, BERT encoders
+//! with sentence-transformers pooling, Flux-style DiTs with the denoising loop and the
+//! flow-matching schedule), the helpers their graphs share, and text (tokenizers, chat
+//! templates).
+//!
+//! Owns: what a model is and how a run of it proceeds, step by step.
+//! May import: `exec`, `plan`, `backend`, `graph`, `stream`, `io`, `format`, `error`.
 
 pub mod bert;
 pub mod dit;

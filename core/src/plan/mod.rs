@@ -5,12 +5,11 @@
 //! figures are the layout's, and the executor allocates exactly what the plan printed. An
 //! impossible budget is refused with the smallest budget that would work.
 //!
-//! Owns: budgets, [`MemoryPlan`], the [`layout::Layout`] of arena and pool, and what the machine
-//! has ([`machine`]).
-//! May import: `backend` (its address types and capabilities), `graph`, `io`, `format`, `error`.
+//! Owns: budgets, [`MemoryPlan`], the [`layout::Layout`] of arena and pool.
+//! May import: `backend` (its address types and capabilities), `graph`, `stream`, `io`, `format`,
+//! `error`.
 
 pub mod layout;
-pub mod machine;
 mod size;
 
 use crate::backend::Backend;
@@ -23,8 +22,7 @@ use crate::io::model::ModelIndex;
 use layout::{Layout, LayoutInput, Q4Scratch};
 pub use size::{fmt_bytes, parse_size};
 
-/// Smallest ring slot nibble accepts: one page, the `O_DIRECT` alignment.
-pub const MIN_SLOT_BYTES: u64 = 4096;
+pub use crate::stream::ring::MIN_SLOT_BYTES;
 
 /// What the user allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

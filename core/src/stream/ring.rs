@@ -7,7 +7,9 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::error::{Error, Result};
 use crate::io::source::{HostSlot, SlotBuffer};
-use crate::plan::MIN_SLOT_BYTES;
+
+/// Smallest ring slot nibble accepts: one page, the `O_DIRECT` alignment.
+pub const MIN_SLOT_BYTES: u64 = 4096;
 
 /// Signals when the device has finished reading a slot (a copy engine's event, a queue
 /// submission's completion). The CPU backend reads slots in place and needs none.

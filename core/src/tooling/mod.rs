@@ -2,6 +2,7 @@
 //! layouts (benchmarks, tests, the demo) and the entry points the fuzz targets share. Product
 //! code in this crate does not import it.
 //!
+//! Owns: synthetic models and fuzzing entry points.
 //! May import: `format`, `io`, `error`.
 
 pub mod fuzzing;

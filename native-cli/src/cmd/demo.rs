@@ -159,7 +159,7 @@ fn bar(done: usize, total: usize) -> String {
 }
 
 fn phase_peak() -> u64 {
-    nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0)
+    nibble_core::io::machine::peak_rss_bytes().unwrap_or(0)
 }
 
 impl crate::backends::WithBackend for Demo<'_> {
@@ -204,7 +204,7 @@ impl crate::backends::WithBackend for Demo<'_> {
         }
 
         // Phase 1: the prompt through the text encoder.
-        nibble_core::plan::machine::reset_peak_rss();
+        nibble_core::io::machine::reset_peak_rss();
         let t1 = Instant::now();
         let mut dec = Decoder::from_graph(lg, encoder, backend, opts)?;
         let ids = prompt_ids(&o.prompt, t_len);
@@ -235,8 +235,8 @@ impl crate::backends::WithBackend for Demo<'_> {
         inputs.pooled = pooled;
 
         // Phase 2: denoising, every step one pass over the streamed blocks.
-        let baseline = nibble_core::plan::machine::rss_bytes().unwrap_or(0);
-        nibble_core::plan::machine::reset_peak_rss();
+        let baseline = nibble_core::io::machine::rss_bytes().unwrap_or(0);
+        nibble_core::io::machine::reset_peak_rss();
         let resumed = match &o.resume {
             Some(d) => Some(
                 Checkpoint::load(d)?

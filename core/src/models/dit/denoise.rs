@@ -368,7 +368,7 @@ impl<B: Backend> Denoiser<B> {
             step: self.next,
             wall: t0.elapsed(),
             stats,
-            rss_bytes: crate::plan::machine::rss_bytes().unwrap_or(0),
+            rss_bytes: crate::io::machine::rss_bytes().unwrap_or(0),
         })
     }
 

@@ -85,7 +85,7 @@ pub fn run(b: &OffloadArgs) -> Result<()> {
     let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
     let limit = match b.resident_limit {
         Some(s) => s,
-        None => nibble_core::plan::machine::available_memory_bytes().unwrap_or(0) * 6 / 10,
+        None => nibble_core::io::machine::available_memory_bytes().unwrap_or(0) * 6 / 10,
     };
     let need = model.file_bytes() * 2;
     let exe = std::env::current_exe().context("locating the nibble binary")?;

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use nibble_core::io::file::{FileReadMode, FileSource};
+use nibble_core::io::machine::rss_bytes;
 use nibble_core::io::source::{RangeSource, ThreadedSource};
 use nibble_core::plan::fmt_bytes;
-use nibble_core::plan::machine::rss_bytes;
 use nibble_core::stream::prefetch::{chunk_schedule, Prefetcher};
 use nibble_core::stream::ring::{HostAllocator, StagingRing};
 use serde_json::json;

@@ -10,7 +10,7 @@ use nibble_core::models::dit::{schedule, Checkpoint, DenoiseStep, Denoiser, DitI
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, resident_budget, RunArgs};
 
 /// Reads inputs named like the fixture's (`hidden_states`, `encoder_hidden_states`, ...).
 pub fn read_inputs(path: &std::path::Path, cfg: &DitConfig) -> Result<DitInputs> {
@@ -160,7 +160,7 @@ pub(super) fn run<B: Backend>(
     let ran = rows.len().max(1) as f64;
     if o.json {
         let v = json!({"steps": rows, "summary": {"total_ms": total * 1e3, "ms_per_step": total * 1e3 / ran,
-            "rss_max_bytes": nibble_core::plan::machine::peak_rss_bytes(),
+            "rss_max_bytes": nibble_core::io::machine::peak_rss_bytes(),
             "plan": {"peak_device_bytes": den.executor().plan().peak_device_bytes,
                      "peak_host_bytes": den.executor().plan().peak_host_bytes}}});
         crate::output::write_stdout(&format!("{v}\n"))?;

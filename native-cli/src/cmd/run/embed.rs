@@ -11,7 +11,7 @@ use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, resident_budget, RunArgs};
 
 /// Embeds `o.prompt` (or `o.text.prompt_ids`) and prints the vector.
 pub(super) fn run<B: Backend>(
@@ -62,7 +62,7 @@ pub(super) fn run<B: Backend>(
     let t = Instant::now();
     let (embedding, stats) = enc.embed(&ids, &pooling)?;
     let wall = t.elapsed().as_secs_f64();
-    let rss_max = nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0);
+    let rss_max = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
     let mode = match pooling.mode {
         PoolingMode::Mean => "mean",
         PoolingMode::Cls => "cls",

@@ -16,7 +16,7 @@ use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, resident_budget, RunArgs};
 
 pub(super) fn run<B: Backend>(
     o: &RunArgs,
@@ -114,7 +114,7 @@ pub(super) fn run<B: Backend>(
             }
             chose.extend_from_slice(&l[l.len() - vocab..]);
         }
-        rss_per_token.push(nibble_core::plan::machine::rss_bytes().unwrap_or(0));
+        rss_per_token.push(nibble_core::io::machine::rss_bytes().unwrap_or(0));
         if !o.json {
             let piece = match &tokenizer {
                 Some(tok) => stream.push(tok, t.id)?,
@@ -127,7 +127,7 @@ pub(super) fn run<B: Backend>(
     let generated = gen.tokens().to_vec();
     let prefill_tok_s = prompt_ids.len() as f64 / prefill_s.max(1e-9);
     let decode_tok_s = decode_steps as f64 / decode_s.max(1e-9);
-    let rss_max = nibble_core::plan::machine::peak_rss_bytes().unwrap_or(0);
+    let rss_max = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
     if let Some(path) = &o.llm.logits_out {
         use nibble_core::format::dtype::{f32_to_bytes, Dtype};
         let n = generated.len() as u64;

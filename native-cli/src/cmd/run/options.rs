@@ -1,0 +1,160 @@
+//! The options of `nibble run` and what every model kind derives from them: the executor options
+//! and the all-resident default budget.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use nibble_core::backend::Backend;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
+use nibble_core::plan::Budgets;
+
+use crate::args::{BackendArg, FileModeArg, MemoryArgs};
+
+/// Options of `nibble run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Model folder, `.safetensors` file, or http(s) URL of either.
+    #[arg(long)]
+    pub model: String,
+    /// Backend that runs the ops.
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: BackendArg,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+    /// How local files are read.
+    #[arg(long, value_enum, default_value_t)]
+    pub file_mode: FileModeArg,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Time every op and print the slowest op kinds at the end.
+    #[arg(long)]
+    pub profile: bool,
+    /// Seed of sampling (language models) and of random inputs (DiTs).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub text: TextArgs,
+    #[command(flatten)]
+    pub llm: LlmArgs,
+    #[command(flatten)]
+    pub dit: DitArgs,
+}
+
+/// The prompt of a language model or an encoder.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Language models and encoders")]
+pub struct TextArgs {
+    /// Prompt text (tokenized with the model's tokenizer.json).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Send the prompt as a user message through the model's chat template.
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
+    /// Prompt token ids, comma separated (for models without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Vec<u32>,
+}
+
+/// Token generation.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Language models")]
+pub struct LlmArgs {
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Keep generating after an end-of-sequence token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sample among the most likely tokens holding this probability (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Write float32 logits (`logits` [prompt, vocab], `step_logits` [n, vocab]).
+    #[arg(long, value_name = "FILE")]
+    pub logits_out: Option<PathBuf>,
+}
+
+/// Denoising with a Flux-style DiT.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "DiTs")]
+pub struct DitArgs {
+    /// Denoising steps.
+    #[arg(long, default_value_t = 28)]
+    pub steps: usize,
+    /// Inputs (hidden_states, encoder_hidden_states, pooled_projections, guidance, img_ids,
+    /// txt_ids); random from --seed otherwise.
+    #[arg(long, value_name = "FILE")]
+    pub inputs: Option<PathBuf>,
+    /// Latent grid height in tokens (random inputs).
+    #[arg(long, default_value_t = 4)]
+    pub height: usize,
+    /// Latent grid width in tokens (random inputs).
+    #[arg(long, default_value_t = 4)]
+    pub width: usize,
+    /// Text tokens (random inputs).
+    #[arg(long, default_value_t = 8)]
+    pub text_len: usize,
+    /// Guidance scale (random inputs).
+    #[arg(long, default_value_t = 3.5)]
+    pub guidance: f32,
+    /// Static schedule shift (1: none).
+    #[arg(long, default_value_t = 1.0)]
+    pub shift: f64,
+    /// Resolution-dependent shift, as Flux uses.
+    #[arg(long)]
+    pub dynamic_shift: bool,
+    /// Write the final latent (`latent`, float32).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// PNG of the final latent's first three channels.
+    #[arg(long, value_name = "FILE")]
+    pub preview: Option<PathBuf>,
+    /// Write the latent and step index into this folder after every step (atomically).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    /// Continue from the last complete checkpoint in this folder (its inputs and schedule; the
+    /// final latent equals an uninterrupted run's).
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+/// The executor options of a run: the device budget given (`default_budget()` without one), the
+/// ring.
+pub(crate) fn exec_options(
+    m: &MemoryArgs,
+    default_budget: impl FnOnce() -> Result<u64>,
+) -> Result<ExecOptions> {
+    let device_bytes = match m.device_budget {
+        Some(b) => b,
+        None => default_budget()?,
+    };
+    Ok(ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: m.slots,
+            slot_bytes: m.slot_size,
+        },
+        readers: 2,
+        stream_all: m.stream_all,
+        naive: false,
+    })
+}
+
+/// Everything resident: the device bytes the planner lays out with every group resident.
+pub(crate) fn resident_budget<B: Backend>(
+    graph: &nibble_core::graph::Graph,
+    model: &ModelIndex,
+    backend: &mut B,
+) -> Result<u64> {
+    Ok(nibble_core::plan::resident_device_bytes(
+        graph, model, backend,
+    )?)
+}
