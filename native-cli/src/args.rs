@@ -86,3 +86,24 @@ pub fn value_name<T: ValueEnum>(v: T) -> String {
         .map(|p| p.get_name().to_string())
         .unwrap_or_default()
 }
+
+/// A finite number (NaN and infinities are refused where the value is read).
+pub fn finite(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{s}: {e}"))?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{s} is not a finite number"))
+    }
+}
+
+/// A finite number as an f32.
+pub fn finite_f32(s: &str) -> Result<f32, String> {
+    let v = finite(s)?;
+    let f = v as f32;
+    if f.is_finite() {
+        Ok(f)
+    } else {
+        Err(format!("{s} is out of range"))
+    }
+}

@@ -714,3 +714,86 @@ fn run_embeds_a_sentence_like_sentence_transformers() {
         stderr(&o)
     );
 }
+
+/// Fault classes 6, 7 and 13 at the command line: absurd sizes, counts, empty shapes and
+/// non-finite numbers end with exit code 1 and a message, quickly, before anything large is
+/// allocated; never a panic or an abort.
+#[test]
+fn absurd_arguments_are_errors_not_panics_or_aborts() {
+    let llama = fixtures().join("tiny-llama-nf4/model");
+    let dit = fixtures().join("tiny-dit-nf4/model");
+    let (l, d) = (llama.to_str().expect("utf8"), dit.to_str().expect("utf8"));
+    let llm = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "run",
+            "--model",
+            l,
+            "--prompt-ids",
+            "1,2,3",
+            "--backend",
+            "cpu",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let den = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["run", "--model", d, "--backend", "cpu", "--steps", "2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let cases: Vec<Vec<String>> = vec![
+        llm(&["--slot-size", "16777216TiB"]),
+        llm(&["--slot-size", "1TiB"]),
+        llm(&["--slots", "18446744073709551615"]),
+        llm(&["--slots", "1000000000000"]),
+        llm(&["--max-tokens", "18446744073709551615"]),
+        llm(&["--temperature", "NaN"]),
+        llm(&["--top-p", "inf"]),
+        den(&["--steps", "18446744073709551615"]),
+        den(&["--text-len", "1000000000000"]),
+        den(&["--text-len", "0"]),
+        den(&["--height", "1000000", "--width", "1000000"]),
+        den(&["--shift", "0"]),
+        den(&["--shift", "NaN"]),
+        den(&["--guidance", "NaN"]),
+        vec![
+            "bench".into(),
+            "stream".into(),
+            "--model".into(),
+            l.into(),
+            "--consume-ms-per-mib".into(),
+            "1e300".into(),
+        ],
+        vec![
+            "bench".into(),
+            "stream".into(),
+            "--model".into(),
+            l.into(),
+            "--steps".into(),
+            "18446744073709551615".into(),
+        ],
+    ];
+    for args in cases {
+        let t0 = std::time::Instant::now();
+        let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let o = nibble(&refs);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("memory allocation"),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains("error"), "{args:?}: {err}");
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "{args:?} took {:?}",
+            t0.elapsed()
+        );
+    }
+}

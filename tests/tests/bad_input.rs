@@ -756,3 +756,116 @@ fn sentence_transformers_files_cannot_lead_outside_the_model_folder() {
         |m| Pooling::for_model(m).map(drop),
     );
 }
+
+/// Fault class 4: sizes from config.json are checked against what the file holds and against
+/// overflow before anything is allocated or looped over.
+#[test]
+fn config_sizes_no_file_backs_are_refused_at_once() {
+    use nibble_core::models::dit;
+    use nibble_core::models::llama::{self, LlamaShape};
+    let t0 = std::time::Instant::now();
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let llama_cases: Vec<(&str, Edit)> = vec![
+        (
+            "num_hidden_layers",
+            Box::new(|c| c["num_hidden_layers"] = 1_000_000_000_000_000_000u64.into()),
+        ),
+        (
+            "num_hidden_layers",
+            Box::new(|c| c["num_hidden_layers"] = 1_000_000_000_000_000u64.into()),
+        ),
+        (
+            "num_hidden_layers",
+            Box::new(|c| c["num_hidden_layers"] = 3.into()),
+        ),
+        (
+            "head_dim",
+            Box::new(|c| c["head_dim"] = ((1u64 << 62) + 8).into()),
+        ),
+        (
+            "vocab_size",
+            Box::new(|c| c["vocab_size"] = (1u64 << 40).into()),
+        ),
+    ];
+    for (field, edit) in llama_cases {
+        let d = edited_copy("tiny-llama-nf4/model", "config.json", edit);
+        config_error(&d, "config.json", field, |m| {
+            llama::build(m, LlamaShape::generate(2, 2)).map(drop)
+        });
+    }
+    let dit_cases: Vec<(&str, Edit)> = vec![
+        (
+            "axes_dims_rope",
+            Box::new(|c| {
+                c["axes_dims_rope"] = serde_json::json!([1u64 << 63, 1u64 << 63, 16]);
+            }),
+        ),
+        (
+            "num_layers",
+            Box::new(|c| c["num_layers"] = 1_000_000_000_000_000_000u64.into()),
+        ),
+        (
+            "num_single_layers",
+            Box::new(|c| c["num_single_layers"] = 1000.into()),
+        ),
+    ];
+    for (field, edit) in dit_cases {
+        let d = edited_copy("tiny-dit-nf4/model", "config.json", edit);
+        config_error(&d, "config.json", field, |m| dit::build(m, 4, 2).map(drop));
+    }
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "refused at once, not after looping: {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Fault class 5: a quant-state component declared far larger than its weight needs (a sparse
+/// file of 64 GiB) is refused from the header, before anything is allocated; and no tensor is
+/// read whole when it is larger than the memory available.
+#[test]
+fn huge_declared_components_are_refused_before_allocation() {
+    let d = tmp();
+    let p = d.path().join("q.safetensors");
+    let mut entries = quant_entries(false);
+    let huge: u64 = 64 << 30;
+    // absmax declared as 16 Gi f32 (64 GiB), placed last so that the file can be sparse.
+    let i = entries
+        .iter()
+        .position(|e| e.0.ends_with(".absmax"))
+        .expect("absmax");
+    let absmax = entries.remove(i);
+    let (mut header, data) = header_and_data(&entries);
+    let start = data.len() as u64;
+    let obj = header
+        .trim_end()
+        .strip_suffix('}')
+        .expect("a JSON object")
+        .to_string();
+    header = format!(
+        "{obj},\"{}\":{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{start},{}]}}}}",
+        absmax.0,
+        huge / 4,
+        start + huge
+    );
+    write_raw(&p, &header, &data);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .expect("open");
+    f.set_len(8 + header.len() as u64 + start + huge)
+        .expect("sparse file");
+    let model = ModelIndex::open(&p).expect("the container itself is valid");
+    let k = model.q4_weights().expect("keys")[0].clone();
+    match model.quant_state(&k) {
+        Err(Error::Quant {
+            problem: QuantProblem::WrongCount { component, .. },
+            ..
+        }) => assert_eq!(component, "absmax"),
+        other => panic!("expected a wrong absmax count, got {other:?}"),
+    }
+    let e = model
+        .read_bytes(model.require(&absmax.0).expect("entry"))
+        .expect_err("64 GiB");
+    assert!(e.to_string().contains("available"), "{e}");
+}

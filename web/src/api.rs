@@ -497,7 +497,7 @@ impl Nibble {
                 .unwrap_or(4)
                 .max(1) as usize;
             let shift = opts_v.get("shift").and_then(Value::as_f64).unwrap_or(1.0);
-            let sigmas = schedule(steps, shift, false, inputs.image_tokens());
+            let sigmas = schedule(steps, shift, false, inputs.image_tokens()).map_err(js_err)?;
             let graph = Denoiser::<WgpuBackend>::graph_for(&index, &inputs).map_err(js_err)?;
             // The device leaves the state only now that nothing before the run can be refused.
             let mut backend = backend_of(&state).await?;
@@ -681,5 +681,5 @@ fn dit_inputs(
     let t = opts.get("textTokens").and_then(Value::as_u64).unwrap_or(8) as usize;
     let seed = opts.get("seed").and_then(Value::as_u64).unwrap_or(0);
     let g = opts.get("guidance").and_then(Value::as_f64).unwrap_or(3.5) as f32;
-    Ok(DitInputs::random(&cfg, h, w, t, g, seed))
+    DitInputs::random(&cfg, h, w, t, g, seed).map_err(js_err)
 }

@@ -37,10 +37,21 @@ pub fn field_error(file: &str, field: &str, msg: impl std::fmt::Display) -> Erro
     }
 }
 
-/// A size that must be at least 1, as a `usize`.
+/// The largest size a config field may give (2^31): beyond any real model, and small enough that
+/// the products of two sizes cannot overflow.
+pub const MAX_SIZE: u64 = 1 << 31;
+
+/// A size that must be at least 1 and at most [`MAX_SIZE`], as a `usize`.
 pub fn positive(file: &str, field: &str, v: u64) -> Result<usize> {
     if v == 0 {
         return Err(field_error(file, field, "must be at least 1"));
+    }
+    if v > MAX_SIZE {
+        return Err(field_error(
+            file,
+            field,
+            format!("{v} is larger than any model nibble runs (at most {MAX_SIZE})"),
+        ));
     }
     usize::try_from(v).map_err(|_| field_error(file, field, format!("{v} is too large")))
 }

@@ -70,6 +70,8 @@ pub struct Graph {
     pub(crate) q4: Vec<Q4Decl>,
     pub(crate) groups: Vec<String>,
     pub(crate) programs: Vec<Program>,
+    /// The first value declared with a shape no run can hold.
+    pub(crate) invalid: Option<String>,
 }
 
 impl Default for Graph {
@@ -88,6 +90,7 @@ impl Default for Graph {
                 inputs: Vec::new(),
                 outputs: Vec::new(),
             }],
+            invalid: None,
         }
     }
 }
@@ -155,6 +158,11 @@ impl Graph {
     }
 
     fn value(&mut self, info: ValueInfo, source: Source) -> ValueId {
+        if self.invalid.is_none() {
+            if let Err(e) = info.check() {
+                self.invalid = Some(e.to_string());
+            }
+        }
         self.values.push(info);
         self.sources.push(source);
         self.def_node.push(None);
@@ -188,6 +196,11 @@ impl Graph {
 
     /// A 4-bit model weight (`tensor` is its base name, e.g. `model.layers.0.mlp.up_proj.weight`).
     pub fn q4_weight(&mut self, group: usize, tensor: &str, info: Q4Info) -> WeightId {
+        if self.invalid.is_none() {
+            if let Err(e) = ValueInfo::f32(&info.shape).check() {
+                self.invalid = Some(format!("{tensor}: {e}"));
+            }
+        }
         self.q4.push(Q4Decl {
             tensor: tensor.to_string(),
             group,
@@ -204,6 +217,7 @@ impl Graph {
         inputs: &[ValueId],
         weight: Option<WeightId>,
     ) -> Result<ValueId> {
+        self.check()?;
         let prog = self.current();
         let pstart = self.programs[prog].start;
         for v in inputs {
@@ -235,6 +249,8 @@ impl Graph {
             })
             .transpose()?;
         let info = infer(&op, &infos, q4)?;
+        info.check()
+            .map_err(|e| Error::Invalid(format!("{}: {e}", op.name())))?;
         let out = match op.in_place_input() {
             Some(i) => {
                 let target = inputs[i];
@@ -260,6 +276,15 @@ impl Graph {
         });
         self.programs[prog].end = self.nodes.len();
         Ok(out)
+    }
+
+    /// Fails when a value was declared with a shape no run can hold (see [`ValueInfo::check`]);
+    /// [`Graph::op`] and the planner call it, so a builder's later steps never see such a value.
+    pub fn check(&self) -> Result<()> {
+        match &self.invalid {
+            Some(e) => Err(Error::Invalid(e.clone())),
+            None => Ok(()),
+        }
     }
 
     /// Marks a value as an output of the current program, read back after each step.

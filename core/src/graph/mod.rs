@@ -13,4 +13,4 @@ mod tensor;
 pub(crate) use builder::Source;
 pub use builder::{Graph, Node, ValueId, WeightId};
 pub use ops::{bf16_input_allowed, infer, OpKind, RopeMode};
-pub use tensor::{ElemType, HostData, HostTensor, Q4Info, ValueInfo};
+pub use tensor::{ElemType, HostData, HostTensor, Q4Info, ValueInfo, MAX_ELEMENTS};

@@ -18,6 +18,14 @@ pub enum ElemType {
     BF16,
 }
 
+/// The most elements one value may have (2^40: 4 TiB of f32, more than any device holds); larger
+/// shapes come from sizes no real model has, and are refused before anything is allocated.
+pub const MAX_ELEMENTS: usize = if usize::BITS >= 64 {
+    (1u64 << 40) as usize
+} else {
+    1 << 30
+};
+
 /// Shape and type of a value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValueInfo {
@@ -36,8 +44,31 @@ impl ValueInfo {
         }
     }
     /// Number of elements.
+    /// Number of elements (saturating: an overflowing shape counts as `usize::MAX`, which no
+    /// graph accepts, see [`ValueInfo::check`]).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Refuses a shape no run can hold: an empty dimension, or more than [`MAX_ELEMENTS`]
+    /// elements (a product that overflows included).
+    pub fn check(&self) -> Result<()> {
+        if self.shape.contains(&0) {
+            return Err(Error::Invalid(format!(
+                "a value of shape {:?} has an empty dimension",
+                self.shape
+            )));
+        }
+        if self.numel() > MAX_ELEMENTS {
+            return Err(Error::Invalid(format!(
+                "a value of shape {:?} has more than {MAX_ELEMENTS} elements",
+                self.shape
+            )));
+        }
+        Ok(())
     }
     /// Arena words it takes.
     pub fn words(&self) -> usize {

@@ -1,4 +1,26 @@
-//! Process memory figures (Linux `/proc`; `None` elsewhere).
+//! What the machine has: memory available, this process's RSS (Linux `/proc`; `None`
+//! elsewhere), and the check every allocation sized by an input goes through first.
+
+use crate::error::{Error, Result};
+
+/// Refuses to allocate `bytes` for `what` when they are more than the memory available (where
+/// the machine says how much that is): a size read from a file or the command line must not
+/// abort the process on a failed allocation.
+pub fn check_alloc(bytes: u64, what: &str) -> Result<()> {
+    if let Some(avail) = available_memory_bytes() {
+        if bytes > avail {
+            return Err(Error::Invalid(format!(
+                "{what} needs {bytes} bytes, more than the {avail} bytes of memory available"
+            )));
+        }
+    }
+    if usize::try_from(bytes).is_err() {
+        return Err(Error::Invalid(format!(
+            "{what} needs {bytes} bytes, more than this machine can address"
+        )));
+    }
+    Ok(())
+}
 
 /// Resident set size now, in bytes.
 pub fn rss_bytes() -> Option<u64> {

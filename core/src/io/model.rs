@@ -96,6 +96,9 @@ pub const SHARD_INDEX_NAMES: [&str; 2] = [
 pub const SINGLE_FILE_NAMES: [&str; 2] =
     ["model.safetensors", "diffusion_pytorch_model.safetensors"];
 
+/// The largest quant-state JSON nibble reads (one is a few hundred bytes).
+const QUANT_STATE_JSON_LIMIT: u64 = 64 << 10;
+
 /// The most one quant-state read fetches (adjacent small tensors are read together).
 const MAX_RUN: u64 = 16 << 20;
 
@@ -428,9 +431,11 @@ impl ModelIndex {
             let _ = self.quant_json.set(HashMap::new());
             return Ok(());
         };
+        // One that is too large to be a quant-state JSON is left out: reading it alone says so.
         let mut wanted: Vec<&TensorEntry> = keys
             .iter()
             .filter_map(|k| self.get(&k.quant_state))
+            .filter(|e| e.len <= QUANT_STATE_JSON_LIMIT)
             .collect();
         wanted.sort_by_key(|e| (e.shard, e.offset));
         let mut runs: Vec<Vec<&TensorEntry>> = Vec::new();
@@ -489,6 +494,15 @@ impl ModelIndex {
     /// entries of its components (dtypes, element counts, packed bytes), without reading them.
     pub fn quant_state_json(&self, keys: &Bnb4bitKeys) -> Result<QuantStateJson> {
         let e = self.require(&keys.quant_state)?;
+        if e.len > QUANT_STATE_JSON_LIMIT {
+            return Err(Error::Model {
+                file: self.shard_name(e.shard).to_string(),
+                msg: format!(
+                    "{}: {} bytes, larger than any quant-state JSON ({QUANT_STATE_JSON_LIMIT})",
+                    e.name, e.len
+                ),
+            });
+        }
         let bytes = match self.quant_jsons()?.get(&keys.quant_state) {
             Some(b) => b.clone(),
             None => self.read_bytes(e)?,
@@ -512,6 +526,9 @@ impl ModelIndex {
     /// Reads and validates the quant state of one weight (the small tensors only; the packed
     /// data is checked against the index, not read).
     pub fn quant_state(&self, keys: &Bnb4bitKeys) -> Result<QuantState> {
+        // The components' header entries are checked against the JSON before any is read: a
+        // component declared larger than the weight needs is refused, not allocated.
+        self.quant_state_json(keys)?;
         let read = |name: &str| -> Result<(Vec<u8>, &TensorEntry)> {
             let e = self.require(name)?;
             Ok((self.read_bytes(e)?, e))
@@ -594,6 +611,10 @@ impl ModelIndex {
             tensor: entry.name.clone(),
             shape: entry.shape.clone(),
         })?;
+        crate::io::machine::check_alloc(
+            entry.len,
+            &format!("reading {} of {}", entry.name, self.shard_name(entry.shard)),
+        )?;
         let mut buf = vec![0u8; len];
         self.source
             .read_exact_at(entry.shard, entry.offset, &mut buf, &entry.name)?;

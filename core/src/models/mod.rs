@@ -106,6 +106,26 @@ impl W {
     }
 }
 
+/// Checks that the model holds block `prefix` (some tensor named `prefix.*`) before the graph
+/// declares it: a block count in config.json is checked against the file as the graph is built,
+/// so that a count no file backs (1e18 layers) fails at the first missing block instead of
+/// running on.
+pub(crate) fn require_block(
+    model: &ModelIndex,
+    prefix: &str,
+    field: &str,
+    count: usize,
+) -> Result<()> {
+    let dotted = format!("{prefix}.");
+    if model.tensors().any(|t| t.name.starts_with(&dotted)) {
+        return Ok(());
+    }
+    Err(crate::Error::Model {
+        file: model.locate("config.json"),
+        msg: format!("{field} is {count}, but the model has no tensor of {prefix}"),
+    })
+}
+
 /// The same data in another shape.
 pub(crate) fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> Result<ValueId> {
     g.op(

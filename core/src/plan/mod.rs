@@ -210,6 +210,7 @@ impl Planner {
     /// Every tensor the graph reads is checked against the model's index here (names, shapes,
     /// dtypes, quant states), before any weight byte is read.
     pub fn new(graph: Graph, model: &ModelIndex, rules: Rules) -> Result<Self> {
+        graph.check()?;
         if let Some(c) = &model.config {
             QuantizationConfig::of_config(&model.locate("config.json"), c)?;
         }
@@ -373,6 +374,14 @@ impl Planner {
                 MIN_SLOT_BYTES
             )));
         }
+        crate::io::machine::check_alloc(
+            budgets.ring_slots.saturating_mul(budgets.slot_bytes),
+            &format!(
+                "a staging ring of {} slots x {}",
+                budgets.ring_slots,
+                fmt_bytes(budgets.slot_bytes)
+            ),
+        )?;
         let n = self.graph.groups.len();
         let mut resident = vec![false; n];
         let mut lay = self.layout(&resident)?;

@@ -37,7 +37,8 @@ pub fn parse_size(s: &str) -> Result<u64> {
         u => return Err(Error::Invalid(format!("size '{s}': unknown unit '{u}'"))),
     };
     let bytes = v * mult as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+    // 2^64 itself rounds to u64::MAX as f64: refuse it too.
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
         return Err(Error::Invalid(format!("size '{s}' is out of range")));
     }
     Ok(bytes.round() as u64)

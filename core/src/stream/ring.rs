@@ -80,6 +80,11 @@ impl StagingRing {
                 "ring slot of {slot_bytes} bytes is smaller than one chunk ({MIN_SLOT_BYTES} bytes)"
             )));
         }
+        let total = (slots as u64).saturating_mul(slot_bytes as u64);
+        crate::io::machine::check_alloc(
+            total,
+            &format!("a staging ring of {slots} slots x {slot_bytes} bytes"),
+        )?;
         let mut free = Vec::with_capacity(slots);
         for i in (0..slots).rev() {
             free.push((

@@ -190,7 +190,7 @@ impl crate::backends::WithBackend for Demo<'_> {
         let lg = llama::build(encoder, lshape)?;
         let enc_plan = Executor::plan_only(&lg.graph, encoder, &mut backend, opts)
             .context("planning the text-encoder phase")?;
-        let placeholder = DitInputs::random(&dcfg, o.height, o.width, t_len, 3.5, o.seed);
+        let placeholder = DitInputs::random(&dcfg, o.height, o.width, t_len, 3.5, o.seed)?;
         let dit_graph = Denoiser::<B>::graph_for(dit, &placeholder)?;
         let dit_plan = Executor::plan_only(&dit_graph, dit, &mut backend, opts)
             .context("planning the DiT phase")?;
@@ -244,7 +244,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             ),
             None => None,
         };
-        let sigmas = schedule(o.steps, 1.0, true, inputs.image_tokens());
+        let sigmas = schedule(o.steps, 1.0, true, inputs.image_tokens())?;
         let mut den = Denoiser::with_ring(dit, backend, inputs, sigmas, opts, ring)?;
         if let Some(c) = &resumed {
             den.restore(c)?;

@@ -142,6 +142,10 @@ pub fn dequant(a: &DequantArgs) -> Result<()> {
     let mut w = SafetensorsWriter::create(out, specs, &pt_metadata())?;
     for (i, (k, s)) in chosen.iter().zip(&states).enumerate() {
         let packed = model.read_bytes(model.require(&k.base)?)?;
+        nibble_core::io::machine::check_alloc(
+            (s.numel() as u64).saturating_mul(4),
+            &format!("dequantizing {}", k.base),
+        )?;
         let mut values = vec![0f32; s.numel()];
         s.dequantize(&packed, &mut values)?;
         w.write_tensor(&k.base, &f32_to_bytes(&values))?;

@@ -14,7 +14,7 @@ use crate::graph::{ElemType, OpKind, ValueInfo};
 use crate::graph::{Graph, ValueId};
 use crate::io::model::ModelIndex;
 use crate::models::bert::BertConfig;
-use crate::models::{reshape, swap01, W};
+use crate::models::{require_block, reshape, swap01, W};
 
 /// The prefix of the encoder's tensor names: none for a saved `BertModel`, `bert.` for a model
 /// with a head (`BertForMaskedLM`, ...).
@@ -91,6 +91,7 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<BertGraph> {
     let mut x = g.op(ln.clone(), &[x, ln_w, ln_b], None)?;
     for l in 0..cfg.layers {
         let lp = format!("{p}encoder.layer.{l}");
+        require_block(model, &lp, "num_hidden_layers", cfg.layers)?;
         let grp = g.group(&lp);
         let mut w = |name: &str, out: usize, inp: usize| {
             W::load(&mut g, model, grp, &format!("{lp}.{name}"), out, inp)

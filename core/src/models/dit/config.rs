@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::format::json::{field_error, positive, typed};
+use crate::format::json::{field_error, positive, typed, MAX_SIZE};
 use crate::io::model::ModelIndex;
 
 /// The model's hyper-parameters.
@@ -109,9 +109,18 @@ impl DitConfig {
             "num_attention_heads",
             f.num_attention_heads.unwrap_or(24),
         )?;
-        heads.checked_mul(head_dim).ok_or_else(|| {
-            field_error(file, "num_attention_heads", "heads x head_dim overflows")
-        })?;
+        // The blocks' widest linear is 12 x the model width (adaLN's 6 x in two streams).
+        if heads
+            .checked_mul(head_dim)
+            .and_then(|d| d.checked_mul(12))
+            .is_none_or(|w| w as u64 > MAX_SIZE)
+        {
+            return Err(field_error(
+                file,
+                "num_attention_heads",
+                format!("{heads} heads x {head_dim} is larger than any model nibble runs"),
+            ));
+        }
         Ok(DitConfig {
             in_channels,
             out_channels,
@@ -231,7 +240,7 @@ mod tests {
         let cfg =
             DitConfig::from_json("config.json", &config(serde_json::json!({"patch_size": 2})))
                 .expect("config");
-        let inputs = crate::models::dit::DitInputs::random(&cfg, 2, 2, 3, 3.5, 0);
+        let inputs = crate::models::dit::DitInputs::random(&cfg, 2, 2, 3, 3.5, 0).expect("inputs");
         let e = inputs
             .check(&cfg)
             .expect_err("64 values per token for 16 channels");

@@ -45,7 +45,9 @@ pub fn gaussian_like(n: usize, seed: u64) -> Vec<f32> {
 }
 
 impl DitInputs {
-    /// Random inputs from `seed` for a `height x width` latent grid and `text_len` text tokens.
+    /// Random inputs from `seed` for a `height x width` latent grid and `text_len` text tokens
+    /// (each at least 1; sizes whose values would not fit in memory are refused before
+    /// anything is allocated).
     pub fn random(
         cfg: &DitConfig,
         height: usize,
@@ -53,9 +55,29 @@ impl DitInputs {
         text_len: usize,
         guidance: f32,
         seed: u64,
-    ) -> Self {
-        let n = height * width;
-        DitInputs {
+    ) -> Result<Self> {
+        if height == 0 || width == 0 || text_len == 0 {
+            return Err(Error::Invalid(format!(
+                "a latent of {height} x {width} tokens and {text_len} text tokens: each must be \
+                 at least 1"
+            )));
+        }
+        if !guidance.is_finite() {
+            return Err(Error::Invalid(format!("guidance {guidance} is not finite")));
+        }
+        let n = height
+            .checked_mul(width)
+            .filter(|&n| n <= crate::graph::MAX_ELEMENTS)
+            .ok_or_else(|| Error::Invalid(format!("a latent of {height} x {width} tokens")))?;
+        let floats = [n * cfg.in_channels, text_len * cfg.joint_dim, n * 3]
+            .iter()
+            .try_fold(0u64, |a, &b| a.checked_add(b as u64))
+            .and_then(|f| f.checked_mul(4));
+        crate::io::machine::check_alloc(
+            floats.unwrap_or(u64::MAX),
+            &format!("inputs for {height} x {width} latent tokens and {text_len} text tokens"),
+        )?;
+        Ok(DitInputs {
             x0: gaussian_like(n * cfg.in_channels, seed),
             context: gaussian_like(text_len * cfg.joint_dim, seed + 1),
             pooled: gaussian_like(cfg.pooled_dim, seed + 2),
@@ -64,7 +86,7 @@ impl DitInputs {
                 .flat_map(|i| [0.0, (i / width) as f32, (i % width) as f32])
                 .collect(),
             txt_ids: vec![0.0; text_len * 3],
-        }
+        })
     }
 
     /// Inputs from tensors named like diffusers' pipeline arguments and the fixtures':
@@ -173,9 +195,23 @@ impl<B: Backend> std::fmt::Debug for Denoiser<B> {
     }
 }
 
-/// The schedule of `steps` steps: static shift, or Flux's resolution-dependent one.
-pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) -> Vec<f32> {
-    FlowMatchEuler {
+/// The most denoising steps a run takes.
+pub const MAX_STEPS: usize = 100_000;
+
+/// The schedule of `steps` steps (1 to [`MAX_STEPS`]): static `shift` (finite, positive), or
+/// Flux's resolution-dependent one.
+pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) -> Result<Vec<f32>> {
+    if steps == 0 || steps > MAX_STEPS {
+        return Err(Error::Invalid(format!(
+            "{steps} denoising steps: between 1 and {MAX_STEPS}"
+        )));
+    }
+    if !(shift.is_finite() && shift > 0.0) {
+        return Err(Error::Invalid(format!(
+            "schedule shift {shift} is not a finite positive number"
+        )));
+    }
+    Ok(FlowMatchEuler {
         num_train_timesteps: 1000,
         shift: if dynamic {
             Shift::Dynamic(flux_mu(image_tokens))
@@ -183,7 +219,7 @@ pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) ->
             Shift::Static(shift)
         },
     }
-    .sigmas(steps)
+    .sigmas(steps))
 }
 
 impl<B: Backend> Denoiser<B> {

@@ -9,6 +9,7 @@ use crate::graph::{Graph, ValueId};
 use crate::graph::{OpKind, Q4Info, RopeMode, ValueInfo};
 use crate::io::model::ModelIndex;
 use crate::models::dit::DitConfig;
+use crate::models::require_block;
 
 /// Inputs in order: latent tokens `[N, in]`, text tokens `[T, joint]`, pooled `[pooled]`,
 /// timestep `[1]` (already x1000), guidance `[1]` (already x1000; only when the model has a
@@ -237,6 +238,7 @@ pub fn build(model: &ModelIndex, n: usize, t: usize) -> Result<DitGraph> {
 
     for i in 0..cfg.double_blocks {
         let pre = format!("transformer_blocks.{i}");
+        require_block(model, &pre, "num_layers", cfg.double_blocks)?;
         let grp = b.g.group(&pre);
         let m = b.linear(grp, &format!("{pre}.norm1.linear"), temb_act, 6 * d, d)?;
         let mc = b.linear(
@@ -326,6 +328,7 @@ pub fn build(model: &ModelIndex, n: usize, t: usize) -> Result<DitGraph> {
     let mut hs = b.op(OpKind::Concat { axis: 0 }, &[ctx, x])?;
     for i in 0..cfg.single_blocks {
         let pre = format!("single_transformer_blocks.{i}");
+        require_block(model, &pre, "num_single_layers", cfg.single_blocks)?;
         let grp = b.g.group(&pre);
         let m = b.linear(grp, &format!("{pre}.norm.linear"), temb_act, 3 * d, d)?;
         let ch: Vec<ValueId> = (0..3).map(|j| b.chunk(m, j, d)).collect::<Result<_>>()?;

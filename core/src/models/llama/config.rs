@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::format::json::{field_error, positive, positive_f32, typed, TokenIds};
+use crate::format::json::{field_error, positive, positive_f32, typed, TokenIds, MAX_SIZE};
 use crate::io::model::ModelIndex;
 
 /// The `model_type`s whose decoders this graph computes.
@@ -256,6 +256,18 @@ impl LlamaConfig {
                 ))
             }
         };
+        for (field, n) in [
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+        ] {
+            if n.checked_mul(head_dim).is_none_or(|w| w as u64 > MAX_SIZE) {
+                return Err(field_error(
+                    file,
+                    field,
+                    format!("{n} heads x head_dim {head_dim} is larger than any model nibble runs"),
+                ));
+            }
+        }
         if head_dim % 2 != 0 {
             return Err(field_error(
                 file,

@@ -15,7 +15,7 @@ use crate::graph::{ElemType, OpKind, RopeMode, ValueInfo};
 use crate::graph::{Graph, ValueId};
 use crate::io::model::ModelIndex;
 use crate::models::llama::LlamaConfig;
-use crate::models::{reshape, swap01, W};
+use crate::models::{require_block, reshape, swap01, W};
 
 /// What the graph is built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,9 +114,10 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
     let weight = |g: &mut Graph, grp: usize, name: &str, out: usize, inp: usize| {
         W::load(g, model, grp, name, out, inp)
     };
-    let mut layers = Vec::with_capacity(cfg.layers);
+    let mut layers = Vec::new();
     for l in 0..cfg.layers {
         let p = format!("model.layers.{l}");
+        require_block(model, &p, "num_hidden_layers", cfg.layers)?;
         let grp = g.group(&p);
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");

@@ -110,11 +110,11 @@ pub struct StreamArgs {
     /// Bytes per slot.
     #[arg(long = "slot-size", value_parser = crate::args::size_usize, default_value = "16MiB", value_name = "SIZE")]
     pub slot_bytes: usize,
-    /// Passes over all weights.
-    #[arg(long, default_value_t = 3)]
+    /// Passes over all weights (1 to 100000).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub steps: u64,
-    /// Simulated compute per MiB consumed, in ms.
-    #[arg(long, default_value_t = 0.0)]
+    /// Simulated compute per MiB consumed, in ms (0 to 10000).
+    #[arg(long, default_value_t = 0.0, value_parser = consume_ms)]
     pub consume_ms_per_mib: f64,
     /// Reader threads (parallel connections for a URL).
     #[arg(long, default_value_t = 2)]
@@ -129,4 +129,14 @@ pub struct StreamArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Milliseconds of simulated compute per MiB: finite, 0 to 10000.
+fn consume_ms(s: &str) -> Result<f64, String> {
+    let v = crate::args::finite(s)?;
+    if (0.0..=10_000.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s}: between 0 and 10000 ms per MiB"))
+    }
 }

@@ -29,8 +29,8 @@ impl crate::backends::WithBackend for OneMode<'_> {
         let b = self.b;
         let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
         let cfg = DitConfig::of(&model)?;
-        let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0);
-        let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens());
+        let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0)?;
+        let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens())?;
         let device_bytes = match self.mode {
             "resident" => u64::MAX / 4,
             _ => b.device_budget,

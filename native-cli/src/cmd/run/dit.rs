@@ -104,11 +104,11 @@ pub(super) fn run<B: Backend>(
     let inputs = match (&resumed, &d.inputs) {
         (Some(c), _) => c.inputs.clone(),
         (None, Some(p)) => read_inputs(p, &cfg)?,
-        (None, None) => DitInputs::random(&cfg, d.height, d.width, d.text_len, d.guidance, o.seed),
+        (None, None) => DitInputs::random(&cfg, d.height, d.width, d.text_len, d.guidance, o.seed)?,
     };
     let sigmas = match &resumed {
         Some(c) => c.sigmas.clone(),
-        None => schedule(d.steps, d.shift, d.dynamic_shift, inputs.image_tokens()),
+        None => schedule(d.steps, d.shift, d.dynamic_shift, inputs.image_tokens())?,
     };
     if resumed.is_none() && d.steps == 0 {
         bail!("--steps must be at least 1");

@@ -46,7 +46,7 @@ pub(super) fn run<B: Backend>(
     if o.llm.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let capacity = prompt_ids.len() + o.llm.max_tokens;
+    let capacity = prompt_ids.len().saturating_add(o.llm.max_tokens);
     if capacity > cfg.max_positions {
         bail!(
             "prompt ({}) + --max-tokens ({}) exceed the model's {} positions",

@@ -69,13 +69,13 @@ pub struct LlmArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::args::finite_f32)]
     pub temperature: f32,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Sample among the most likely tokens holding this probability (1: all).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::args::finite_f32)]
     pub top_p: f32,
     /// Write float32 logits (`logits` [prompt, vocab], `step_logits` [n, vocab]).
     #[arg(long, value_name = "FILE")]
@@ -103,10 +103,10 @@ pub struct DitArgs {
     #[arg(long, default_value_t = 8)]
     pub text_len: usize,
     /// Guidance scale (random inputs).
-    #[arg(long, default_value_t = 3.5)]
+    #[arg(long, default_value_t = 3.5, value_parser = crate::args::finite_f32)]
     pub guidance: f32,
     /// Static schedule shift (1: none).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::args::finite)]
     pub shift: f64,
     /// Resolution-dependent shift, as Flux uses.
     #[arg(long)]
