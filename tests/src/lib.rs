@@ -2,6 +2,7 @@
 //! tensors, and the named comparisons (bit-exact with -0.0 == +0.0, error relative to max).
 
 pub mod build;
+pub mod gguf;
 pub mod http_server;
 
 use std::path::{Path, PathBuf};

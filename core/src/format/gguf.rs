@@ -22,8 +22,29 @@ pub enum Value {
     Bool(bool),
     /// UTF-8 string.
     Str(String),
-    /// Array of values.
+    /// An array of numbers as stored: element type (GGUF's code) and little-endian bytes, so that
+    /// an array takes the memory its bytes take in the file (not 32 bytes per element).
+    Numbers {
+        /// GGUF value type of the elements (0..=7, 10..=12).
+        ty: u32,
+        /// The elements' bytes.
+        raw: Vec<u8>,
+    },
+    /// An array of strings.
+    Strings(Vec<String>),
+    /// An array of arrays.
     Array(Vec<Value>),
+}
+
+/// Bytes per element of a GGUF numeric value type.
+fn number_size(ty: u32) -> Option<u64> {
+    match ty {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
 }
 
 impl Value {
@@ -51,12 +72,42 @@ impl Value {
             _ => None,
         }
     }
-    /// As an array.
-    pub fn as_array(&self) -> Option<&[Value]> {
+    /// As an array of strings.
+    pub fn as_strs(&self) -> Option<&[String]> {
         match self {
-            Value::Array(a) => Some(a),
+            Value::Strings(a) => Some(a),
             _ => None,
         }
+    }
+
+    /// As an array of unsigned integers (each element of a numeric array that is one).
+    pub fn as_u64s(&self) -> Option<Vec<u64>> {
+        let Value::Numbers { ty, raw } = self else {
+            return None;
+        };
+        let size = number_size(*ty)? as usize;
+        raw.chunks_exact(size)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a[..size].copy_from_slice(c);
+                let v = u64::from_le_bytes(a);
+                match ty {
+                    0 | 2 | 4 | 7 | 10 => Some(v),
+                    // Signed: negative values are not unsigned integers.
+                    1 => Some(c[0] as i8 as i64)
+                        .filter(|x| *x >= 0)
+                        .map(|x| x as u64),
+                    3 => Some(i16::from_le_bytes([c[0], c[1]]) as i64)
+                        .filter(|x| *x >= 0)
+                        .map(|x| x as u64),
+                    5 => Some(i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                        .filter(|x| *x >= 0)
+                        .map(|x| x as u64),
+                    11 => Some(v as i64).filter(|x| *x >= 0).map(|x| x as u64),
+                    _ => None,
+                }
+            })
+            .collect()
     }
     /// As a bool.
     pub fn as_bool(&self) -> Option<bool> {
@@ -244,11 +295,28 @@ impl<R: Read> Reader<R> {
                 if n > self.len {
                     return Err(self.bad(&format!("{key}: array of {n} values")));
                 }
-                let mut v = Vec::with_capacity(n.min(1 << 20) as usize);
-                for _ in 0..n {
-                    v.push(self.value(et, key, depth + 1)?);
+                if let Some(size) = number_size(et) {
+                    let bytes = n
+                        .checked_mul(size)
+                        .ok_or_else(|| self.bad(&format!("{key}: array of {n} values")))?;
+                    Value::Numbers {
+                        ty: et,
+                        raw: self.bytes(bytes, key)?,
+                    }
+                } else if et == 8 {
+                    // Each string takes at least its 8-byte length in the file.
+                    let mut v = Vec::with_capacity(n.min(self.len / 8) as usize);
+                    for _ in 0..n {
+                        v.push(self.string(key)?);
+                    }
+                    Value::Strings(v)
+                } else {
+                    let mut v = Vec::with_capacity(n.min(self.len / 16) as usize);
+                    for _ in 0..n {
+                        v.push(self.value(et, key, depth + 1)?);
+                    }
+                    Value::Array(v)
                 }
-                Value::Array(v)
             }
             10 => Value::U64(self.u64(key)?),
             11 => Value::I64(self.u64(key)? as i64),

@@ -14,7 +14,7 @@ use serde_json::{json, Value as Json};
 
 use crate::error::{Error, Result};
 use crate::format::bnb::{FloatDtype, QuantType};
-use crate::format::gguf::{GgufFile, GgufTensor, Value};
+use crate::format::gguf::{GgufFile, GgufTensor};
 use crate::format::quantize::{
     quant_state_for, quantize_4bit, state_tensor_specs, QuantizeOptions,
 };
@@ -108,12 +108,40 @@ fn hparams(g: &GgufFile, file: &str) -> Result<Hparams> {
             ))
         }
     };
+    let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
+    let ffn = need("feed_forward_length")?;
+    let layers = need("block_count")?;
+    let size_ok = |v: u64| (1..=1u64 << 31).contains(&v);
+    for (k, v) in [
+        ("embedding_length", hidden),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv_heads),
+        ("attention.key_length (the head width)", head_dim),
+        ("feed_forward_length", ffn),
+        ("block_count", layers),
+    ] {
+        if !size_ok(v) {
+            return Err(bad(
+                file,
+                format!("{arch}.{k} is {v}: not a size a model has"),
+            ));
+        }
+    }
+    if heads % kv_heads != 0 || head_dim % 2 != 0 {
+        return Err(bad(
+            file,
+            format!(
+                "{heads} attention heads over {kv_heads} key/value heads of width {head_dim}: \
+                 the heads must group and the width be even"
+            ),
+        ));
+    }
     Ok(Hparams {
         hidden,
-        ffn: need("feed_forward_length")?,
-        layers: need("block_count")?,
+        ffn,
+        layers,
         heads,
-        kv_heads: u("attention.head_count_kv").unwrap_or(heads),
+        kv_heads,
         head_dim,
         ctx: u("context_length").unwrap_or(2048),
         rms_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
@@ -121,6 +149,64 @@ fn hparams(g: &GgufFile, file: &str) -> Result<Hparams> {
         rope_scaling,
         arch,
     })
+}
+
+/// Checks a tensor's shape against the hyper-parameters before anything uses it (the Q/K
+/// un-permutation, the quantizer): a 1-D projection, rows that the heads do not divide, a layer
+/// past `block_count` are errors naming the tensor.
+fn check_shape(file: &str, t: &GgufTensor, hf: &str, hp: &Hparams, g: &GgufFile) -> Result<()> {
+    let (h, q, kv, f) = (
+        hp.hidden,
+        hp.heads * hp.head_dim,
+        hp.kv_heads * hp.head_dim,
+        hp.ffn,
+    );
+    let vocab = g
+        .tensor("token_embd.weight")
+        .map(|e| e.shape().first().copied().unwrap_or(0))
+        .unwrap_or(0);
+    let module = hf
+        .trim_end_matches(".weight")
+        .trim_end_matches(".bias")
+        .rsplit('.')
+        .next()
+        .unwrap_or("");
+    let bias = hf.ends_with(".bias");
+    let want: Vec<u64> = match (module, bias) {
+        ("embed_tokens" | "lm_head", _) => vec![vocab.max(1), h],
+        ("norm" | "input_layernorm" | "post_attention_layernorm", _) => vec![h],
+        ("q_proj", false) => vec![q, h],
+        ("k_proj" | "v_proj", false) => vec![kv, h],
+        ("q_proj", true) => vec![q],
+        ("k_proj" | "v_proj", true) => vec![kv],
+        ("o_proj", false) => vec![h, q],
+        ("gate_proj" | "up_proj", false) => vec![f, h],
+        ("down_proj", false) => vec![h, f],
+        _ => t.shape(),
+    };
+    if t.shape() != want {
+        return Err(bad(
+            file,
+            format!(
+                "tensor '{}' has shape {:?}, the hyper-parameters say {want:?}",
+                t.name,
+                t.shape()
+            ),
+        ));
+    }
+    if let Some(layer) = hf
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|l| l.parse::<u64>().ok())
+    {
+        if layer >= hp.layers {
+            return Err(bad(
+                file,
+                format!("tensor '{}' is in layer {layer} of {}", t.name, hp.layers),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The transformers name of a GGUF tensor, and whether it is a linear layer's weight.
@@ -237,6 +323,7 @@ pub fn convert(
                 format!("tensor '{}' has no transformers name", t.name),
             )
         })?;
+        check_shape(&file, t, &name, &hp, &g)?;
         let unpermute_heads = if hp.arch == "llama" && t.name.ends_with(".weight") {
             if t.name.ends_with("attn_q.weight") {
                 Some(hp.heads as usize)
@@ -256,6 +343,21 @@ pub fn convert(
         });
     }
     plans.sort_by(|a, b| a.name.cmp(&b.name));
+    // Everything that can refuse the file is checked before the first byte is written.
+    let tok = tokenizer(&g, &file)?;
+    let emb = g
+        .tensor("token_embd.weight")
+        .ok_or_else(|| bad(&file, "no token_embd.weight"))?;
+    if tok.vocab_size as u64 != emb.shape()[0] {
+        return Err(bad(
+            &file,
+            format!(
+                "the tokenizer has {} tokens, the embedding table {} rows",
+                tok.vocab_size,
+                emb.shape()[0]
+            ),
+        ));
+    }
     let tied = g.tensor("output.weight").is_none();
     let qopts = QuantizeOptions {
         quant_type: opts.quant_type,
@@ -310,9 +412,7 @@ pub fn convert(
         .map_err(|e| Error::io(st_path.display().to_string(), e))?
         .len();
 
-    // Tokenizer and configs.
-    let tok = tokenizer(&g, &file)?;
-    let vocab_size = tok.vocab_size;
+    // Configs.
     let write = |name: &str, v: &Json| -> Result<()> {
         let p = out.join(name);
         let text = serde_json::to_string_pretty(v).map_err(|e| Error::Invalid(e.to_string()))?;
@@ -322,9 +422,6 @@ pub fn convert(
         "qwen2" => ("qwen2", "Qwen2ForCausalLM"),
         _ => ("llama", "LlamaForCausalLM"),
     };
-    let emb = g
-        .tensor("token_embd.weight")
-        .ok_or_else(|| bad(&file, "no token_embd.weight"))?;
     let mut config = json!({
         "architectures": [archs],
         "model_type": model_type,
@@ -368,15 +465,6 @@ pub fn convert(
     }
     if let Some(p) = tok.pad {
         config["pad_token_id"] = json!(p);
-    }
-    if vocab_size as u64 != emb.shape()[0] {
-        return Err(bad(
-            &file,
-            format!(
-                "the tokenizer has {vocab_size} tokens, the embedding table {} rows",
-                emb.shape()[0]
-            ),
-        ));
     }
     write("config.json", &config)?;
     let mut gen = json!({});
@@ -429,30 +517,23 @@ fn tokenizer(g: &GgufFile, file: &str) -> Result<Tok> {
             format!("tokenizer.ggml.model '{model}' is not supported (gpt2-style byte-level BPE)"),
         ));
     }
-    let arr = |k: &str| -> Result<&[Value]> {
+    let strs = |k: &str| -> Result<Vec<&str>> {
         g.get(k)
-            .and_then(|v| v.as_array())
-            .ok_or_else(|| bad(file, format!("no {k}")))
+            .and_then(|v| v.as_strs())
+            .map(|a| a.iter().map(String::as_str).collect())
+            .ok_or_else(|| bad(file, format!("no {k} (an array of strings)")))
     };
-    let tokens: Vec<&str> = arr("tokenizer.ggml.tokens")?
-        .iter()
-        .map(|v| {
-            v.as_str()
-                .ok_or_else(|| bad(file, "a token is not a string"))
-        })
-        .collect::<Result<_>>()?;
-    let types: Vec<u64> = g
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
-        .unwrap_or_default();
-    let merges: Vec<&str> = arr("tokenizer.ggml.merges")?
-        .iter()
-        .map(|v| {
-            v.as_str()
-                .ok_or_else(|| bad(file, "a merge is not a string"))
-        })
-        .collect::<Result<_>>()?;
+    let tokens = strs("tokenizer.ggml.tokens")?;
+    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+        None => Vec::new(),
+        Some(v) => v.as_u64s().ok_or_else(|| {
+            bad(
+                file,
+                "tokenizer.ggml.token_type is not an array of integers",
+            )
+        })?,
+    };
+    let merges = strs("tokenizer.ggml.merges")?;
     let id = |k: &str| g.get(k).and_then(|v| v.as_u64());
     let (bos, eos, pad) = (
         id("tokenizer.ggml.bos_token_id"),
