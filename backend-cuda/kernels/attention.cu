@@ -28,6 +28,9 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
     unsigned int last_i = min(tq, blockIdx.x * QPB + QPB) - 1;
     unsigned int block_limit = causal ? min(tk, last_i + tk - tq + 1) : tk;
     float m = -3.0e38f, l = 0.f;
+    // A score that is NaN or infinite (an overflow) makes the row NaN: fmaxf skips NaN, and
+    // l > 0 below would turn it into zeros that look like a masked row.
+    bool bad = false;
     for (unsigned int j0 = 0; j0 < block_limit; j0 += TILE_K) {
         for (unsigned int t = threadIdx.x; t < TILE_K * MAX_D; t += blockDim.x) {
             unsigned int jj = t / MAX_D, e = t % MAX_D;
@@ -45,6 +48,7 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
             for (int r = 0; r < 4; r++) dot += qr[r] * ks[jj][lane + 32 * r];
             for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
             float s = dot * scale;
+            bad = bad || !isfinite(s);
             float mn = fmaxf(m, s);
             float corr = expf(m - mn), w = expf(s - mn);
             l = l * corr + w;
@@ -58,7 +62,9 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             unsigned int e = lane + 32 * r;
-            if (e < d) out[((size_t)h * tq + i) * d + e] = l > 0.f ? acc[r] / l : 0.f;
+            if (e < d)
+                out[((size_t)h * tq + i) * d + e] =
+                    bad ? __int_as_float(0x7fc00000) : (l > 0.f ? acc[r] / l : 0.f);
         }
     }
 }

@@ -24,12 +24,16 @@ fn attention(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgro
     for (var c = 0u; c < p.d; c++) { acc[c] = 0.0; }
     var m = -3.0e38;
     var l = 0.0;
+    // A score that is NaN or infinite (an overflow) makes the row NaN: max() may skip NaN, and
+    // l > 0 below would turn it into zeros that look like a masked row.
+    var bad = false;
     for (var j = 0u; j < limit; j++) {
         if (p.has_mask != 0u && key_mask[j] == 0.0) { continue; }
         let kb = (kh * p.tk + j) * p.d;
         var dot = 0.0;
         for (var e = 0u; e < p.d; e++) { dot += q[qb + e] * k[kb + e]; }
         let s = dot * p.scale;
+        bad = bad || (bitcast<u32>(s) & 0x7f800000u) == 0x7f800000u;
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let w = exp(s - m_new);
@@ -37,5 +41,9 @@ fn attention(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgro
         for (var c = 0u; c < p.d; c++) { acc[c] = acc[c] * corr + w * v[kb + c]; }
         m = m_new;
     }
-    for (var c = 0u; c < p.d; c++) { out[qb + c] = select(0.0, acc[c] / l, l > 0.0); }
+    // A NaN made at run time (a constant NaN is a shader error).
+    let nan = bitcast<f32>(0x7fc00000u | (p.d & 0u));
+    for (var c = 0u; c < p.d; c++) {
+        out[qb + c] = select(select(0.0, acc[c] / l, l > 0.0), nan, bad);
+    }
 }

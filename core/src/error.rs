@@ -255,6 +255,37 @@ pub enum Error {
     /// Invalid arguments to an operation (shapes that do not fit, bad options).
     #[error("{0}")]
     Invalid(String),
+    /// A weight or a result that is NaN or infinite: the model's file or constants produce
+    /// garbage, and anything printed from it would look plausible.
+    #[error("{what}: element {index} is {value}, not a finite number")]
+    NonFinite {
+        /// The tensor, and where in the run (step, position).
+        what: String,
+        /// The first element that is not finite.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
+}
+
+/// `Ok` when every value is finite, else [`Error::NonFinite`] for the first one that is not;
+/// `what` names the tensor and the step (built only on error).
+pub fn check_finite(values: &[f32], what: impl FnOnce() -> String) -> Result<()> {
+    // A sum of `x * 0` is NaN exactly when some `x` is NaN or infinite: one vectorisable pass.
+    let any_bad = values
+        .chunks(4096)
+        .any(|c| c.iter().fold(0f32, |a, &x| a + x * 0.0) != 0.0);
+    if !any_bad {
+        return Ok(());
+    }
+    match values.iter().position(|x| !x.is_finite()) {
+        Some(index) => Err(Error::NonFinite {
+            what: what(),
+            index,
+            value: values[index],
+        }),
+        None => Ok(()),
+    }
 }
 
 impl Error {

@@ -720,3 +720,59 @@ fn dense_weights_over_the_binding_limit_are_split() {
             .unwrap_or_else(|e| panic!("{}: {e}", op.name()));
     }
 }
+
+/// Attention whose scores overflow (or are NaN) gives NaN rows on every backend, never zeros
+/// that look like a fully masked row: the run's output check then stops with an error instead
+/// of printing tokens from garbage (fault class 12).
+#[test]
+fn attention_scores_that_overflow_are_nan_rows_on_every_backend() {
+    let op = OpKind::Attention {
+        causal: true,
+        scale: 0.25,
+        key_mask: false,
+    };
+    // Head 0: scores of +-1e60 (infinite in f32); head 1: NaN queries; head 2: finite.
+    let (tq, tk, d) = (3, 5, 8);
+    let mut qv = random_values(3 * tq * d, 90);
+    qv[..tq * d].iter_mut().for_each(|x| *x *= 1e30);
+    qv[tq * d..2 * tq * d]
+        .iter_mut()
+        .for_each(|x| *x = f32::NAN);
+    let mut kv = random_values(3 * tk * d, 91);
+    kv[..tk * d].iter_mut().for_each(|x| *x *= 1e30);
+    let q = HostTensor::f32(&[3, tq, d], qv).expect("q");
+    let k = HostTensor::f32(&[3, tk, d], kv).expect("k");
+    let v = t(&[3, tk, d], 92);
+    let inputs = [&q, &k, &v];
+    let check = |label: &str, out: &HostTensor| {
+        let o = out.as_f32();
+        for (h, rows) in o.chunks(tq * d).enumerate() {
+            if h < 2 {
+                assert!(
+                    rows.iter().all(|x| x.is_nan()),
+                    "{label}: head {h} should be NaN, got {rows:?}"
+                );
+            } else {
+                assert!(rows.iter().all(|x| x.is_finite()), "{label}: head {h}");
+            }
+        }
+    };
+    check(
+        "cpu_ref",
+        &cpu_ref::run(&op, &inputs, None).expect("cpu_ref"),
+    );
+    let mut fast = nibble_core::backend::cpu::CpuBackend::new();
+    check(
+        "cpu",
+        &run_on_backend(&mut fast, &op, &inputs, None).expect("cpu"),
+    );
+    if let Some(mut b) = wgpu_or_absent("attention overflow") {
+        check("wgpu", &b.run(&op, &inputs, None).expect("wgpu"));
+    }
+    if let Some(mut b) = cuda_or_absent("attention overflow") {
+        check(
+            "cuda",
+            &run_on_backend(&mut b, &op, &inputs, None).expect("cuda"),
+        );
+    }
+}

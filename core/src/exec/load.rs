@@ -80,6 +80,7 @@ impl<B: Backend> Executor<B> {
         mut lent: Option<&mut Vec<u64>>,
     ) -> Result<Vec<Box<dyn Fence>>> {
         let mut fences = Vec::new();
+        let verify = !self.finite_seen[spec.group];
         for part in &spec.parts {
             let bytes = data
                 .get(part.chunk_offset..part.chunk_offset + part.len)
@@ -117,15 +118,25 @@ impl<B: Backend> Executor<B> {
                         _ => fences.push(self.backend.upload(at + part.tensor_offset, bytes)?),
                     }
                 }
-                Some(Role::QuantMap(w)) => fences.push(
-                    self.backend
-                        .upload(self.lay.views[w].code.offset + part.tensor_offset, bytes)?,
-                ),
+                Some(Role::QuantMap(w)) => {
+                    if verify {
+                        finite_f32_bytes(bytes, &part.tensor)?;
+                    }
+                    fences.push(
+                        self.backend
+                            .upload(self.lay.views[w].code.offset + part.tensor_offset, bytes)?,
+                    )
+                }
                 Some(Role::Absmax(w)) => put(&self.scratch[w].absmax)?,
                 Some(Role::NestedAbsmax(w)) => put(&self.scratch[w].nested_absmax)?,
                 Some(Role::NestedMap(w)) => put(&self.scratch[w].nested_map)?,
                 Some(Role::QuantState) | None => {}
-                Some(Role::Dense(v, dtype)) => self.write_dense(v, dtype, part, bytes)?,
+                Some(Role::Dense(v, dtype)) => {
+                    self.write_dense(v, dtype, part, bytes)?;
+                    if verify {
+                        finite_stored(bytes, dtype, &part.tensor)?;
+                    }
+                }
             }
         }
         Ok(fences)
@@ -336,6 +347,7 @@ impl<B: Backend> Executor<B> {
 
     /// After a group's bytes arrived: undoes double quantization into the pool.
     fn finish_group(&mut self, g: usize) -> Result<()> {
+        let verify = !self.finite_seen[g];
         // Double quantization undone on the host, bit-exactly, into the pool as f32 (the formula
         // of `QuantState::from_parts`; the quant state was checked when the run was planned).
         for wi in 0..self.graph.q4.len() {
@@ -413,14 +425,26 @@ impl<B: Backend> Executor<B> {
                     );
                 }
             }
-            let r = if is_host {
-                Ok(())
+            let r = if verify {
+                let out: &[u8] = match self.backend.host_memory() {
+                    Some(h) => h.pool_mut(region)?,
+                    None => &buf,
+                };
+                finite_f32_bytes(&out[..nblocks * 4], &format!("{what} (its absmax)"))
             } else {
-                self.backend.upload(region.offset, &buf).map(drop)
+                Ok(())
             };
+            let r = r.and_then(|()| {
+                if is_host {
+                    Ok(())
+                } else {
+                    self.backend.upload(region.offset, &buf).map(drop)
+                }
+            });
             self.absmax_bytes = buf;
             r?;
         }
+        self.finite_seen[g] = true;
         Ok(())
     }
 
@@ -463,4 +487,35 @@ fn stream_ended(g: usize) -> Error {
         "the weight stream ended before group {g} was loaded (more steps than the stream was \
          limited to)"
     ))
+}
+
+/// A weight's stored values (f32, f16, bf16 little-endian) are finite, else an error naming it.
+fn finite_stored(bytes: &[u8], dtype: Dtype, tensor: &str) -> Result<()> {
+    // All exponent bits set is infinity or NaN in each format.
+    let bad = match dtype {
+        Dtype::F32 => return finite_f32_bytes(bytes, tensor),
+        Dtype::F16 => |w: u16| w & 0x7c00 == 0x7c00,
+        Dtype::BF16 => |w: u16| w & 0x7f80 == 0x7f80,
+        _ => return Ok(()),
+    };
+    let words = bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]));
+    if !words.clone().any(bad) {
+        return Ok(());
+    }
+    let mut vals = vec![0f32; bytes.len() / 2];
+    if widen_into(&bytes[..vals.len() * 2], dtype, &mut vals) {
+        crate::error::check_finite(&vals, || format!("weight '{tensor}' as stored in the file"))?;
+    }
+    Ok(())
+}
+
+/// f32 bytes are finite numbers, else an error naming `tensor`.
+fn finite_f32_bytes(bytes: &[u8], tensor: &str) -> Result<()> {
+    let vals: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    crate::error::check_finite(&vals, || format!("weight '{tensor}' as stored in the file"))
 }

@@ -98,6 +98,9 @@ pub struct Executor<B: Backend> {
     held: Vec<Held>,
     /// Bytes lent in place during the current step.
     in_place_bytes: u64,
+    /// Per group: its weights were seen finite when it was first loaded (dense values, quant
+    /// maps, absmax after double quantization is undone); later loads skip the check.
+    finite_seen: Vec<bool>,
 }
 
 impl<B: Backend> std::fmt::Debug for Executor<B> {
@@ -243,6 +246,7 @@ impl<B: Backend> Executor<B> {
             streamed_group,
             group_last,
             held: Vec::new(),
+            finite_seen: vec![false; n_groups],
             in_place_bytes: 0,
         };
         ex.reset_state()?;

@@ -451,6 +451,7 @@ fn attention(
                 tk
             };
             let mut m = f32::NEG_INFINITY;
+            let mut finite = true;
             for j in 0..limit {
                 if mask.is_some_and(|mk| mk[j] == 0.0) {
                     scores[j] = f32::NEG_INFINITY;
@@ -458,11 +459,18 @@ fn attention(
                 }
                 let s = dot(qrow, &k[(kh * tk + j) * d..(kh * tk + j + 1) * d]) * scale;
                 scores[j] = s;
+                finite &= s.is_finite();
                 m = m.max(s);
             }
             acc.iter_mut().for_each(|a| *a = 0.0);
             // SAFETY: row `row` of the output belongs to this task only.
             let orow = unsafe { o.range(row * d, d) };
+            if !finite {
+                // A score that overflowed or is NaN: the row is garbage and must stay visibly
+                // so (max() skips NaN, and all-NaN scores would look like all keys masked).
+                orow.iter_mut().for_each(|x| *x = f32::NAN);
+                continue;
+            }
             if m == f32::NEG_INFINITY {
                 orow.iter_mut().for_each(|x| *x = 0.0);
                 continue;

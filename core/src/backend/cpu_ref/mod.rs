@@ -242,6 +242,16 @@ pub fn run(op: &OpKind, inputs: &[&HostTensor], q4: Option<Q4Ref<'_>>) -> Result
                     }
                     let m = scores.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
                     let orow = &mut o[(h * tq + i) * d..][..d];
+                    // Scores are f64 here; a product that would overflow f32 is garbage as it
+                    // is on every backend, and NaN must not read as "every key masked".
+                    // (-inf is a masked key.)
+                    let garbage = |s: f64| {
+                        s.is_nan() || s > f32::MAX as f64 || s < f32::MIN as f64 && s.is_finite()
+                    };
+                    if scores.iter().any(|&s| garbage(s)) {
+                        orow.iter_mut().for_each(|x| *x = f32::NAN);
+                        continue;
+                    }
                     if m == f64::NEG_INFINITY {
                         continue; // every key masked: output zeros
                     }

@@ -97,12 +97,15 @@ impl<B: crate::backend::Backend> Encoder<B> {
             .next()
             .ok_or_else(|| Error::Invalid("the encoder graph has no output".into()))?
             .into_f32();
+        crate::error::check_finite(&states, || "the encoder's hidden states".to_string())?;
         Ok((states, mask, stats))
     }
 
     /// The sentence embedding of `ids` with `pooling`.
     pub fn embed(&mut self, ids: &[u32], pooling: &Pooling) -> Result<(Vec<f32>, ExecStats)> {
         let (states, mask, stats) = self.forward(ids, None)?;
-        Ok((pooling.pool(&states, &mask, self.config.hidden), stats))
+        let v = pooling.pool(&states, &mask, self.config.hidden);
+        crate::error::check_finite(&v, || "the sentence embedding".to_string())?;
+        Ok((v, stats))
     }
 }

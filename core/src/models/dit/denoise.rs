@@ -398,7 +398,12 @@ impl<B: Backend> Denoiser<B> {
         let v = out
             .first()
             .ok_or_else(|| Error::Invalid("the DiT graph has no output".into()))?;
+        let n = self.steps();
+        crate::error::check_finite(v.as_f32(), || {
+            format!("step {} of {n}: the model's output (velocity)", i + 1)
+        })?;
         FlowMatchEuler::step(&mut self.x, v.as_f32(), self.sigmas[i], self.sigmas[i + 1]);
+        crate::error::check_finite(&self.x, || format!("step {} of {n}: the latent", i + 1))?;
         self.next += 1;
         Ok(DenoiseStep {
             step: self.next,

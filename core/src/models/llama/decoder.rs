@@ -130,7 +130,7 @@ impl<B: crate::backend::Backend> Decoder<B> {
         let inputs = self.prefill_inputs(ids)?;
         let (out, stats) = self.ex.step_program(self.prefill, &inputs)?;
         self.prefilled();
-        Ok((first_f32(out), stats))
+        Ok((self.checked(first_f32(out), None)?, stats))
     }
 
     /// [`Decoder::prefill`] on an event loop (the browser).
@@ -141,7 +141,7 @@ impl<B: crate::backend::Backend> Decoder<B> {
         let inputs = self.prefill_inputs(ids)?;
         let (out, stats) = self.ex.step_program_async(self.prefill, &inputs).await?;
         self.prefilled();
-        Ok((first_f32(out), stats))
+        Ok((self.checked(first_f32(out), None)?, stats))
     }
 
     fn prefill_inputs(&self, ids: &[u32]) -> Result<[crate::graph::HostTensor; 4]> {
@@ -177,7 +177,7 @@ impl<B: crate::backend::Backend> Decoder<B> {
         let (p, inputs) = self.decode_inputs(id)?;
         let (out, stats) = self.ex.step_program(p, &inputs)?;
         self.pos += 1;
-        Ok((first_f32(out), stats))
+        Ok((self.checked(first_f32(out), Some(self.pos - 1))?, stats))
     }
 
     /// [`Decoder::decode`] on an event loop (the browser).
@@ -185,7 +185,19 @@ impl<B: crate::backend::Backend> Decoder<B> {
         let (p, inputs) = self.decode_inputs(id)?;
         let (out, stats) = self.ex.step_program_async(p, &inputs).await?;
         self.pos += 1;
-        Ok((first_f32(out), stats))
+        Ok((self.checked(first_f32(out), Some(self.pos - 1))?, stats))
+    }
+
+    /// `out` if every value is finite, else an error naming the position (`None`: the prompt).
+    fn checked(&self, out: Vec<f32>, pos: Option<usize>) -> Result<Vec<f32>> {
+        crate::error::check_finite(&out, || match pos {
+            Some(p) => format!("the model's output (logits) for the token at position {p}"),
+            None => format!(
+                "the model's output (logits) for the {}-token prompt",
+                self.shape.prompt
+            ),
+        })?;
+        Ok(out)
     }
 
     /// The decode program and its inputs for `id` at the next position (marks the position
