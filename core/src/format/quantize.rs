@@ -214,6 +214,11 @@ fn check_input(values: &[f32], shape: &[u64], opts: QuantizeOptions) -> Result<(
             values.len()
         )));
     }
+    if values.is_empty() {
+        return Err(Error::Invalid(format!(
+            "quantize: shape {shape:?} has no elements; a 4-bit weight needs at least one"
+        )));
+    }
     let bs = opts.blocksize;
     if !bs.is_power_of_two() || !(MIN_BLOCKSIZE..=MAX_BLOCKSIZE).contains(&bs) {
         return Err(Error::Invalid(format!(
@@ -264,12 +269,25 @@ pub fn quant_state_for(
     opts: QuantizeOptions,
 ) -> Result<QuantStateJson> {
     check_input(values, shape, opts)?;
-    Ok(state_json(
+    checked_state(state_json(
         shape,
         dtype,
         opts,
         &block_absmax(values, opts.blocksize as usize),
     ))
+}
+
+/// A quant state that a reader can load back: the double-quantization offset (a mean of the
+/// absmax, which overflows f32 for weights near its limit) must be finite.
+fn checked_state(json: QuantStateJson) -> Result<QuantStateJson> {
+    match &json.nested {
+        Some(n) if !n.offset_f32().is_finite() => Err(Error::Invalid(format!(
+            "quantize: the mean of the block absmax is {} (the weights are too large for \
+             double quantization in f32); quantize without double quantization",
+            n.offset_f32()
+        ))),
+        _ => Ok(json),
+    }
 }
 
 /// Quantizes `values` (the weight flattened row-major, already widened to f32 from `dtype`).
@@ -301,7 +319,7 @@ pub fn quantize_4bit(
         // bitsandbytes pads with 0.0 before packing: the spare low nibble holds the code of 0.
         *packed.last_mut().expect("odd length is non-empty") |= search.code(0.0);
     }
-    let json = state_json(shape, dtype, opts, &absmax);
+    let json = checked_state(state_json(shape, dtype, opts, &absmax))?;
     let absmax = match &json.nested {
         Some(n) => {
             let offset = n.offset_f32();

@@ -187,6 +187,11 @@ impl TextTokenizer {
             msg: "no chat_template: this model has no chat format (drop --chat)".into(),
         })?;
         let mut env = minijinja::Environment::new();
+        // A template is code from the model folder: it runs on a budget of instructions and of
+        // output, so that nested loops or a loop that prints are an error, not a hang or an
+        // abort. Real templates take a few thousand instructions per message.
+        let text_bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+        env.set_fuel(Some(TEMPLATE_FUEL + 64 * text_bytes as u64));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -204,13 +209,60 @@ impl TextTokenizer {
         let t = env
             .get_template("chat")
             .map_err(|e| err("chat template", e))?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
-        })
-        .map_err(|e| err("chat template", e))
+        let mut out = Limited {
+            buf: Vec::new(),
+            limit: TEMPLATE_OUTPUT + 4 * text_bytes,
+        };
+        t.render_to_write(
+            minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone().unwrap_or_default(),
+                eos_token => self.eos_token.clone().unwrap_or_default(),
+            },
+            &mut out,
+        )
+        .map_err(|e| {
+            let e = match e.kind() {
+                minijinja::ErrorKind::OutOfFuel => format!(
+                    "{e}: the template ran more than {} instructions for {} messages",
+                    TEMPLATE_FUEL + 64 * text_bytes as u64,
+                    messages.len()
+                ),
+                minijinja::ErrorKind::WriteFailure => format!(
+                    "the template wrote more than {} bytes for {} messages",
+                    out.limit,
+                    messages.len()
+                ),
+                _ => e.to_string(),
+            };
+            err("chat template", e)
+        })?;
+        String::from_utf8(out.buf).map_err(|_| err("chat template", "output is not UTF-8"))
+    }
+}
+
+/// Instructions a chat template may run beyond 64 per byte of the messages.
+const TEMPLATE_FUEL: u64 = 10_000_000;
+/// Bytes a chat template may write beyond 4 per byte of the messages.
+const TEMPLATE_OUTPUT: usize = 1 << 20;
+
+/// A writer that refuses to grow past `limit` bytes.
+struct Limited {
+    buf: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for Limited {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > self.limit {
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

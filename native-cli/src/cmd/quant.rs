@@ -196,7 +196,9 @@ pub fn quantize(a: &QuantizeArgs) -> Result<()> {
         .map(|k| k.base)
         .collect();
     let selected = |name: &str, dtype: Dtype, shape: &[u64]| {
+        // An empty weight has nothing to quantize: it is copied as it is.
         shape.len() == 2
+            && shape.iter().all(|&d| d > 0)
             && FloatDtype::from_safetensors(dtype).is_some()
             && !already.iter().any(|b| b == name)
             && !is_quant_component(name)
