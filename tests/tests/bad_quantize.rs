@@ -43,21 +43,22 @@ fn weights_near_the_f32_limit_are_refused_for_double_quant_and_round_trip_withou
     let q = quantize_4bit(&values, &shape, FloatDtype::F32, opts(false)).expect("quantize");
     let dir = tempfile::tempdir().expect("tmp");
     let path = dir.path().join("w.safetensors");
-    let tensors: Vec<_> = q
-        .tensors("w.weight")
-        .into_iter()
-        .map(|(n, d, s, b)| (n, d, s, b))
-        .collect();
+    let tensors = q.tensors("w.weight");
     nibble_core::format::writer::write_safetensors(&path, &tensors, &Default::default())
         .expect("write");
     let m = ModelIndex::open(&path).expect("the written file opens");
     let keys = m.q4_weights().expect("4-bit")[0].clone();
     let state = m.quant_state(&keys).expect("its quant state loads");
-    let packed = m.read_bytes(m.require("w.weight").expect("w")).expect("read");
+    let packed = m
+        .read_bytes(m.require("w.weight").expect("w"))
+        .expect("read");
     let mut out = vec![0f32; state.numel()];
     state.dequantize_ref(&packed, &mut out).expect("dequantize");
     // NF4's widest gap between levels is 0.30 of the block's absmax (3e38 here).
     for (i, (o, v)) in out.iter().zip(&values).enumerate() {
-        assert!(o.is_finite() && (o - v).abs() <= 0.16 * 3e38, "{i}: {o} for {v}");
+        assert!(
+            o.is_finite() && (o - v).abs() <= 0.16 * 3e38,
+            "{i}: {o} for {v}"
+        );
     }
 }

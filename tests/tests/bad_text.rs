@@ -26,7 +26,10 @@ fn a_template_that_never_ends_runs_out_of_fuel() {
         "hi",
     );
     let e = r.expect_err("nested loops of 10^10 iterations");
-    assert!(e.contains("chat template") && e.contains("instructions"), "{e}");
+    assert!(
+        e.contains("chat template") && e.contains("instructions"),
+        "{e}"
+    );
     assert!(took.as_secs() < 30, "took {took:?}");
 }
 

@@ -20,6 +20,15 @@ use crate::format::quantize::{
 };
 use crate::format::writer::{SafetensorsWriter, TensorSpec};
 
+/// The files `convert` writes into its output folder.
+pub const OUTPUT_FILES: [&str; 5] = [
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
 /// How to convert.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvertOptions {
@@ -481,16 +490,7 @@ pub fn convert(
         tensors: plans.len(),
         quantized,
         bytes,
-        files: [
-            "model.safetensors",
-            "config.json",
-            "generation_config.json",
-            "tokenizer.json",
-            "tokenizer_config.json",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect(),
+        files: OUTPUT_FILES.iter().map(|s| s.to_string()).collect(),
     })
 }
 

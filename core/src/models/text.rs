@@ -213,7 +213,7 @@ impl TextTokenizer {
             buf: Vec::new(),
             limit: TEMPLATE_OUTPUT + 4 * text_bytes,
         };
-        t.render_to_write(
+        t.render_captured_to(
             minijinja::context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
@@ -222,6 +222,7 @@ impl TextTokenizer {
             },
             &mut out,
         )
+        .map(drop)
         .map_err(|e| {
             let e = match e.kind() {
                 minijinja::ErrorKind::OutOfFuel => format!(

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use crate::output::paths::{check_output, Reads};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nibble_core::format::bnb::{
@@ -105,6 +106,11 @@ fn pt_metadata() -> BTreeMap<String, String> {
 /// Dequantizes the named (or all) 4-bit weights into an F32 safetensors file.
 pub fn dequant(a: &DequantArgs) -> Result<()> {
     let (path, names, all, out) = (a.path.as_str(), &a.tensors, a.all, a.out.as_path());
+    let reads = Reads {
+        model: path,
+        files: vec![],
+    };
+    check_output(out, "--out", &reads)?;
     let model = ModelIndex::open_path_or_url(path, Default::default())?;
     let weights = model.q4_weights().map(<[_]>::to_vec)?;
     let chosen: Vec<&Bnb4bitKeys> = if all {
@@ -173,6 +179,11 @@ pub fn quantize(a: &QuantizeArgs) -> Result<()> {
         a.double_quant,
     );
     let (include, exclude) = (a.include.as_str(), a.exclude.as_str());
+    let reads = Reads {
+        model: input,
+        files: vec![],
+    };
+    check_output(out, "--out", &reads)?;
     let include = Regex::new(include).with_context(|| format!("--include '{include}'"))?;
     let exclude = if exclude.is_empty() {
         None
@@ -268,7 +279,14 @@ pub fn convert(a: &ConvertArgs) -> Result<()> {
         a.double_quant,
         a.dtype.as_str(),
     );
-    use nibble_core::format::gguf_convert::{convert, ConvertOptions};
+    use nibble_core::format::gguf_convert::{convert, ConvertOptions, OUTPUT_FILES};
+    let reads = Reads {
+        model: "",
+        files: vec![gguf],
+    };
+    for name in OUTPUT_FILES {
+        check_output(&out.join(name), "--out", &reads)?;
+    }
     let dtype = match dtype {
         "bf16" | "bfloat16" => FloatDtype::BF16,
         "f16" | "float16" => FloatDtype::F16,

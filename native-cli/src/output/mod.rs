@@ -26,3 +26,4 @@ pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
 }
 
 pub mod chart;
+pub mod paths;

@@ -74,6 +74,14 @@ fn col(rows: &serde_json::Value, k: &str) -> Vec<f64> {
 
 /// Runs the benchmark (or, with `mode`, one of its modes).
 pub fn run(b: &OffloadArgs) -> Result<()> {
+    let stem = b.chart.clone().unwrap_or_else(|| "nibble-offload".into());
+    let reads = crate::output::paths::Reads {
+        model: &b.model,
+        files: vec![],
+    };
+    for ext in ["svg", "png"] {
+        crate::output::paths::check_output(&stem.with_extension(ext), "--chart", &reads)?;
+    }
     if let Some(mode) = &b.mode {
         let v = crate::backends::select(b.backend)?.run(OneMode { b, mode })?;
         return crate::output::write_stdout(&format!("{v}\n"));
@@ -201,7 +209,6 @@ pub fn run(b: &OffloadArgs) -> Result<()> {
                 .collect(),
         });
     }
-    let stem = b.chart.clone().unwrap_or_else(|| "nibble-offload".into());
     let (svg, png) = crate::output::chart::write(
         &stem,
         &format!(

@@ -17,6 +17,7 @@ pub use options::RunArgs;
 
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
 pub fn run(o: &RunArgs) -> Result<()> {
+    check_outputs(o)?;
     let model = ModelIndex::open_path_or_url(&o.model, o.file_mode.into())?;
     let Some(k) = model.config.as_ref().and_then(ModelKind::of_config) else {
         bail!(
@@ -50,4 +51,29 @@ impl crate::backends::WithBackend for Dispatch<'_> {
             ModelKind::Dit => dit::run(self.o, self.model, backend, label),
         }
     }
+}
+
+/// Every file `run` writes is checked against what it reads before the model is opened.
+fn check_outputs(o: &RunArgs) -> Result<()> {
+    use crate::output::paths::{check_output, Reads};
+    let inputs: Vec<&std::path::Path> = o.dit.inputs.iter().map(|p| p.as_path()).collect();
+    let mut with_resume = inputs.clone();
+    with_resume.extend(o.dit.resume.as_deref());
+    let outputs = [
+        ("--logits-out", o.llm.logits_out.as_deref(), &with_resume),
+        ("--out", o.dit.out.as_deref(), &with_resume),
+        ("--preview", o.dit.preview.as_deref(), &with_resume),
+        // Checkpointing over the checkpoint resumed from is how a long run is continued.
+        ("--checkpoint", o.dit.checkpoint.as_deref(), &inputs),
+    ];
+    for (flag, out, files) in outputs {
+        if let Some(out) = out {
+            let reads = Reads {
+                model: &o.model,
+                files: files.clone(),
+            };
+            check_output(out, flag, &reads)?;
+        }
+    }
+    Ok(())
 }

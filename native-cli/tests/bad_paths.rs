@@ -1,0 +1,181 @@
+//! Paths from the command line and from model folders (fault classes 15 and 18): an output
+//! that resolves to an input or into the model folder is refused before anything is written,
+//! and a shard that is not a regular file (a FIFO) is refused instead of blocking forever.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn nibble(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(args)
+        .output()
+        .expect("run nibble")
+}
+
+fn fixture(rel: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures")
+        .join(rel);
+    assert!(p.exists(), "shared fixture missing at {}", p.display());
+    p
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read dir") {
+        let e = e.expect("entry");
+        if e.path().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
+        }
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf8")
+}
+
+#[test]
+fn outputs_that_resolve_to_inputs_or_into_the_model_folder_are_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let m = tmp.path().join("m");
+    copy_dir(&fixture("tiny-llama-nf4/model"), &m);
+    let weights = m.join("model.safetensors");
+    let before = std::fs::read(&weights).expect("read");
+    let link = tmp.path().join("link.safetensors");
+    std::os::unix::fs::symlink(&weights, &link).expect("symlink");
+    let sneaky = tmp.path().join("x/../m/new.safetensors");
+    std::fs::create_dir(tmp.path().join("x")).expect("mkdir");
+    let run = |flag: &str, out: &Path| {
+        vec![
+            "run".to_string(),
+            "--model".into(),
+            s(&m).into(),
+            "--prompt-ids".into(),
+            "1,2".into(),
+            "--max-tokens".into(),
+            "1".into(),
+            "--backend".into(),
+            "cpu".into(),
+            flag.into(),
+            s(out).into(),
+        ]
+    };
+    let cases: Vec<Vec<String>> = vec![
+        ["dequant", s(&m), "--all", "-o", s(&weights)]
+            .map(String::from)
+            .to_vec(),
+        ["dequant", s(&weights), "--all", "-o", s(&link)]
+            .map(String::from)
+            .to_vec(),
+        ["quantize", s(&m), "-o", s(&sneaky)]
+            .map(String::from)
+            .to_vec(),
+        run("--logits-out", &weights),
+        run("--logits-out", &link),
+        run("--logits-out", &sneaky),
+    ];
+    for args in cases {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = nibble(&refs);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("being read"), "{args:?}: {err}");
+        assert_eq!(
+            std::fs::read(&weights).expect("read"),
+            before,
+            "{args:?} changed the model"
+        );
+        assert!(
+            !m.join("new.safetensors").exists(),
+            "{args:?} wrote into the model folder"
+        );
+    }
+
+    // The DiT's outputs against its inputs file and its model folder.
+    let d = tmp.path().join("dit");
+    copy_dir(&fixture("tiny-dit-nf4/model"), &d);
+    let inputs = tmp.path().join("inputs.safetensors");
+    std::fs::write(&inputs, b"not read before the check").expect("write");
+    for (flag, out) in [
+        ("--out", d.join("latent.safetensors")),
+        ("--preview", inputs.clone()),
+        ("--checkpoint", inputs.clone()),
+    ] {
+        let o = nibble(&[
+            "run",
+            "--model",
+            s(&d),
+            "--inputs",
+            s(&inputs),
+            "--steps",
+            "1",
+            flag,
+            s(&out),
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag}: {err}");
+        assert!(err.contains("being read"), "{flag}: {err}");
+    }
+
+    // Writing next to the model, outside its folder, still works.
+    let out = tmp.path().join("deq.safetensors");
+    let o = nibble(&["dequant", s(&m), "--all", "-o", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_shard_that_is_a_fifo_is_refused_not_waited_on() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let m = tmp.path().join("m");
+    copy_dir(&fixture("tiny-llama-nf4/model"), &m);
+    std::fs::remove_file(m.join("model.safetensors")).expect("rm");
+    let fifo = m.join("model.safetensors");
+    let ok = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo")
+        .success();
+    assert!(ok, "mkfifo failed");
+    for args in [
+        vec!["inspect", s(&m)],
+        vec!["inspect", s(&fifo)],
+        vec![
+            "run",
+            "--model",
+            s(&m),
+            "--prompt-ids",
+            "1,2",
+            "--backend",
+            "cpu",
+        ],
+    ] {
+        let t0 = std::time::Instant::now();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(&args)
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn");
+        // A blocked open would never return: give it 20 s, then fail the test.
+        let status = loop {
+            if let Some(st) = child.try_wait().expect("wait") {
+                break st;
+            }
+            if t0.elapsed().as_secs() > 20 {
+                let _ = child.kill();
+                panic!("{args:?} blocked on the FIFO");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .expect("stderr");
+        assert_eq!(status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("regular file"), "{args:?}: {err}");
+    }
+}
