@@ -28,6 +28,15 @@ pub enum Fault {
     Status(u16),
     /// Change the ETag after `n` requests.
     EtagChangesAfter(usize),
+    /// Send no ETag after `n` requests (a validator that vanishes).
+    EtagVanishesAfter(usize),
+    /// Send headers and half of every body of 2 bytes or more (none of a range that does not
+    /// start at 0: a resumed read), then keep the connection open and silent for a minute.
+    StallMidBody,
+    /// Answer ranges with a Content-Range that gives no total (`bytes a-b/*`).
+    NoTotal,
+    /// Answer ranges with a Content-Range whose total is not the file's length.
+    WrongTotal,
 }
 
 /// What the server saw.
@@ -149,14 +158,15 @@ fn serve_conn(
             s.requests
         };
         let fault_now = fault.lock().expect("fault").clone();
-        let etag = match fault_now {
-            Fault::EtagChangesAfter(k) if n > k => "\"v2\"",
-            _ => "\"v1\"",
+        let etag_header = match fault_now {
+            Fault::EtagChangesAfter(k) if n > k => "ETag: \"v2\"\r\n",
+            Fault::EtagVanishesAfter(k) if n > k => "",
+            _ => "ETag: \"v1\"\r\n",
         };
         let status_only = |out: &mut TcpStream, code: u16| {
             let _ = write!(
                 out,
-                "HTTP/1.1 {code} X\r\nContent-Length: 0\r\nETag: {etag}\r\n\r\n"
+                "HTTP/1.1 {code} X\r\nContent-Length: 0\r\n{etag_header}\r\n"
             );
         };
         match fault_now {
@@ -175,7 +185,17 @@ fn serve_conn(
             continue;
         };
         let len = data.len() as u64;
+        let resumed = range.is_some_and(|(a, _)| a > 0);
         let send = |out: &mut TcpStream, head: String, body: &[u8]| -> bool {
+            if fault_now == Fault::StallMidBody && body.len() >= 2 {
+                let _ = out.write_all(head.as_bytes());
+                if !resumed {
+                    let _ = out.write_all(&body[..body.len() / 2]);
+                }
+                let _ = out.flush();
+                std::thread::sleep(std::time::Duration::from_secs(60));
+                return false;
+            }
             let ok = out.write_all(head.as_bytes()).is_ok() && out.write_all(body).is_ok();
             let mut s = stats.lock().expect("stats");
             s.body_bytes += body.len() as u64;
@@ -197,13 +217,14 @@ fn serve_conn(
                     .ranges
                     .push((path.clone(), a, b));
                 let body = &data[a as usize..=b as usize];
-                let cr = if fault_now == Fault::WrongContentRange {
-                    format!("bytes {}-{}/{len}", a + 1, b)
-                } else {
-                    format!("bytes {a}-{b}/{len}")
+                let cr = match fault_now {
+                    Fault::WrongContentRange => format!("bytes {}-{}/{len}", a + 1, b),
+                    Fault::NoTotal => format!("bytes {a}-{b}/*"),
+                    Fault::WrongTotal => format!("bytes {a}-{b}/{}", len + 4096),
+                    _ => format!("bytes {a}-{b}/{len}"),
                 };
                 let head = format!(
-                    "HTTP/1.1 206 Partial Content\r\nContent-Range: {cr}\r\nContent-Length: {}\r\nETag: {etag}\r\nAccept-Ranges: bytes\r\n\r\n",
+                    "HTTP/1.1 206 Partial Content\r\nContent-Range: {cr}\r\nContent-Length: {}\r\n{etag_header}Accept-Ranges: bytes\r\n\r\n",
                     body.len()
                 );
                 let cut = match fault_now {
@@ -235,8 +256,7 @@ fn serve_conn(
                 }
             }
             _ => {
-                let head =
-                    format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nETag: {etag}\r\n\r\n");
+                let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n{etag_header}\r\n");
                 if !send(&mut out, head, data) {
                     return;
                 }

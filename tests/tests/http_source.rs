@@ -214,3 +214,72 @@ fn etag_change_during_a_run_is_an_error() {
         .expect_err("changed file");
     assert!(e.to_string().contains("changed during the run"), "{e}");
 }
+
+/// Options whose deadline is short: 1 s plus the body at 1 GiB/s.
+fn quick() -> HttpOptions {
+    HttpOptions {
+        retries: 1,
+        backoff: Duration::from_millis(5),
+        timeout: Duration::from_secs(1),
+        min_rate: 1 << 30,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_body_that_stalls_is_cut_off_by_the_request_deadline() {
+    // While opening (config.json, the header) and while reading a weight.
+    let (srv, _) = server(Fault::StallMidBody);
+    let t0 = std::time::Instant::now();
+    let e = ModelIndex::open_url(&format!("{}/model/model.safetensors", srv.base), quick())
+        .expect_err("a stalled body");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(e.to_string().contains("giving up"), "{e}");
+
+    let (srv, _) = server(Fault::None);
+    let m = ModelIndex::open_url(&format!("{}/model/model.safetensors", srv.base), quick())
+        .expect("open");
+    srv.set_fault(Fault::StallMidBody);
+    let t0 = std::time::Instant::now();
+    let e = m
+        .read_bytes(m.require("big.weight").expect("t"))
+        .expect_err("a stalled weight range");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(e.to_string().contains("giving up"), "{e}");
+}
+
+#[test]
+fn a_validator_that_vanishes_is_a_change() {
+    let (srv, _) = server(Fault::EtagVanishesAfter(2));
+    let m = ModelIndex::open_url(&format!("{}/model/model.safetensors", srv.base), opts())
+        .expect("open");
+    let e = m
+        .read_bytes(m.require("big.weight").expect("t"))
+        .expect_err("ETag gone");
+    assert!(e.to_string().contains("changed during the run"), "{e}");
+}
+
+#[test]
+fn a_folder_url_reports_the_server_fault_not_a_missing_file() {
+    for fault in [
+        Fault::IgnoreRange,
+        Fault::WrongContentRange,
+        Fault::NoTotal,
+        Fault::WrongTotal,
+    ] {
+        let (srv, _) = server(fault.clone());
+        let e = ModelIndex::open_url(&format!("{}/model", srv.base), opts())
+            .expect_err("a misbehaving server")
+            .to_string();
+        assert!(!e.contains("404"), "{fault:?}: {e}");
+        assert!(e.contains("model.safetensors"), "{fault:?}: {e}");
+    }
+}

@@ -1,8 +1,9 @@
 //! HTTP Range reads with the browser's `fetch`, checked the way the native HTTP source checks
 //! them (206, a `Content-Range` equal to what was asked, the exact byte count, an `ETag` that
 //! does not change during a run), retried with backoff on network errors, 5xx and requests
-//! that get no response within the timeout (30 s, like the native source's; see
-//! [`set_response_timeout_ms`]); and the [`ByteSource`] that fills staging-ring slots with them.
+//! whose response and body do not arrive within their deadline (30 s plus the body at 1 MiB/s,
+//! like the native source's; see [`set_response_timeout_ms`]); and the [`ByteSource`] that fills
+//! staging-ring slots with them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -93,9 +94,16 @@ fn global_fetch(req: &web_sys::Request) -> std::result::Result<js_sys::Promise, 
     }
 }
 
-/// How long a request waits for its response (status and headers) before it is aborted and
-/// tried again; the body is not timed (a large range on a slow link takes what it takes).
+/// The fixed part of a request's deadline: a request whose response and body have not arrived
+/// within this plus its body's bytes at [`MIN_RATE`] is aborted and tried again, so that a
+/// server that stops mid-body cannot hang the page (as the native client's deadline).
 static RESPONSE_TIMEOUT_MS: AtomicU32 = AtomicU32::new(30_000);
+
+/// The slowest transfer rate a body may take (bytes/s), as the native client's default.
+const MIN_RATE: u64 = 1 << 20;
+
+/// A side file read whole is given the deadline of this many bytes.
+const SIDE_FILE_BYTES: u64 = 16 << 20;
 
 /// Sets the response timeout of every later request (at least 1 ms).
 pub fn set_response_timeout_ms(ms: u32) {
@@ -139,13 +147,15 @@ pub async fn sleep_ms(ms: i32) {
 }
 
 enum Attempt {
-    Done(web_sys::Response),
+    /// The response, and its body when the status is 2xx.
+    Done(web_sys::Response, Option<js_sys::Uint8Array>),
     /// Worth another try (network error, 5xx, 408, 429).
     Retry(String),
     Fail(String),
 }
 
 async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
+    let body_bytes = range.map_or(SIDE_FILE_BYTES, |(a, b)| b + 1 - a);
     let init = web_sys::RequestInit::new();
     init.set_method("GET");
     init.set_cache(web_sys::RequestCache::NoStore);
@@ -159,8 +169,7 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         }
         init.set_headers(&headers);
     }
-    // No response within the timeout: abort, and try again. The timer is cleared once the
-    // response is in, so that it cannot abort the body.
+    // No response and body within the deadline: abort, and try again.
     let abort = match web_sys::AbortController::new() {
         Ok(c) => c,
         Err(e) => return Attempt::Fail(js_msg(&e)),
@@ -174,7 +183,8 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         Ok(p) => p,
         Err(e) => return Attempt::Fail(js_msg(&e)),
     };
-    let timeout_ms = response_timeout_ms();
+    let timeout_ms =
+        (response_timeout_ms() as u64 + body_bytes * 1000 / MIN_RATE).min(i32::MAX as u64) as u32;
     let on_timeout = {
         let abort = abort.clone();
         Closure::once_into_js(move || abort.abort())
@@ -183,35 +193,57 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         on_timeout.unchecked_ref(),
         timeout_ms.min(i32::MAX as u32) as i32,
     );
-    let outcome = JsFuture::from(promise).await;
+    let outcome = async {
+        let v = JsFuture::from(promise).await;
+        if v.is_err() && abort.signal().aborted() {
+            return Attempt::Retry(format!("no response within {timeout_ms} ms"));
+        }
+        let r = match v {
+            Ok(v) => match v.dyn_into::<web_sys::Response>() {
+                Ok(r) => r,
+                Err(_) => return Attempt::Fail("fetch did not return a Response".into()),
+            },
+            Err(e) => return Attempt::Retry(format!("network error: {}", js_msg(&e))),
+        };
+        if r.status() >= 500 || r.status() == 408 || r.status() == 429 {
+            return Attempt::Retry(format!("HTTP {}", r.status()));
+        }
+        if !(200..300).contains(&r.status()) {
+            return Attempt::Done(r, None);
+        }
+        // The body under the same deadline: the abort rejects a body that stalls.
+        let p = match r.array_buffer() {
+            Ok(p) => p,
+            Err(e) => return Attempt::Fail(format!("reading the body: {}", js_msg(&e))),
+        };
+        match JsFuture::from(p).await {
+            Ok(ab) => Attempt::Done(r, Some(js_sys::Uint8Array::new(&ab))),
+            Err(_) if abort.signal().aborted() => {
+                Attempt::Retry(format!("the body did not arrive within {timeout_ms} ms"))
+            }
+            Err(e) => Attempt::Retry(format!("reading the body: {}", js_msg(&e))),
+        }
+    }
+    .await;
     if let Some(t) = timer {
         clear_timer(t);
     }
-    if outcome.is_err() && abort.signal().aborted() {
-        return Attempt::Retry(format!("no response within {timeout_ms} ms"));
-    }
-    match outcome {
-        Ok(v) => match v.dyn_into::<web_sys::Response>() {
-            Ok(r) if r.status() >= 500 || r.status() == 408 || r.status() == 429 => {
-                Attempt::Retry(format!("HTTP {}", r.status()))
-            }
-            Ok(r) => Attempt::Done(r),
-            Err(_) => Attempt::Fail("fetch did not return a Response".into()),
-        },
-        Err(e) => Attempt::Retry(format!("network error: {}", js_msg(&e))),
-    }
+    outcome
 }
 
 const ATTEMPTS: u32 = 4;
 
-async fn fetch_with_retries(url: &str, range: Option<(u64, u64)>) -> Result<web_sys::Response> {
+async fn fetch_with_retries(
+    url: &str,
+    range: Option<(u64, u64)>,
+) -> Result<(web_sys::Response, Option<js_sys::Uint8Array>)> {
     let mut last = String::new();
     for k in 0..ATTEMPTS {
         if k > 0 {
             sleep_ms(100 << (2 * (k - 1))).await;
         }
         match attempt(url, range).await {
-            Attempt::Done(r) => return Ok(r),
+            Attempt::Done(r, body) => return Ok((r, body)),
             Attempt::Retry(m) => last = m,
             Attempt::Fail(m) => return Err(http_err(url, m)),
         }
@@ -222,14 +254,8 @@ async fn fetch_with_retries(url: &str, range: Option<(u64, u64)>) -> Result<web_
     ))
 }
 
-async fn body(url: &str, r: &web_sys::Response) -> Result<js_sys::Uint8Array> {
-    let p = r
-        .array_buffer()
-        .map_err(|e| http_err(url, format!("reading the body: {}", js_msg(&e))))?;
-    let ab = JsFuture::from(p)
-        .await
-        .map_err(|e| http_err(url, format!("reading the body: {}", js_msg(&e))))?;
-    Ok(js_sys::Uint8Array::new(&ab))
+fn body(url: &str, data: Option<js_sys::Uint8Array>) -> Result<js_sys::Uint8Array> {
+    data.ok_or_else(|| http_err(url, "a 2xx response without a body".into()))
 }
 
 fn header(r: &web_sys::Response, name: &str) -> Option<String> {
@@ -275,7 +301,7 @@ async fn range_request(
             });
         }
     };
-    let resp = match resp {
+    let (resp, data) = match resp {
         Ok(r) => r,
         Err(e) => {
             log(0, 0);
@@ -332,7 +358,7 @@ async fn range_request(
             _ => {}
         }
     }
-    let data = body(url, &resp).await?;
+    let data = body(url, data)?;
     let got = data.length() as u64;
     log(status, got);
     if got != len {
@@ -351,7 +377,7 @@ pub async fn fetch_small(
     url: &str,
     limit: u64,
 ) -> Result<Option<Vec<u8>>> {
-    let resp = fetch_with_retries(url, None).await?;
+    let (resp, data) = fetch_with_retries(url, None).await?;
     let status = resp.status();
     if status == 404 {
         if let Ok(mut t) = traffic.lock() {
@@ -368,7 +394,7 @@ pub async fn fetch_small(
     if !(200..300).contains(&status) {
         return Err(http_err(url, format!("HTTP {status}")));
     }
-    let data = body(url, &resp).await?;
+    let data = body(url, data)?;
     if let Ok(mut t) = traffic.lock() {
         t.requests.push(RequestLog {
             url: url.to_string(),

@@ -27,8 +27,13 @@ pub struct HttpOptions {
     pub retries: u32,
     /// First backoff; doubles per attempt without progress.
     pub backoff: Duration,
-    /// Connect / response timeout.
+    /// Connect / response timeout, and the fixed part of each request's deadline.
     pub timeout: Duration,
+    /// The slowest transfer rate (bytes/s) a body may take before its request is cut off and
+    /// retried from the last byte received: each request's deadline, which covers the whole
+    /// response (connect, headers and body), is `timeout + bytes / min_rate`, so that a server
+    /// that stops mid-body cannot hang a run.
+    pub min_rate: u64,
     /// Files up to this size may be read whole when a server ignores `Range` (0: never).
     pub allow_whole_file_below: u64,
     /// Idle keep-alive connections kept per host (one per reader thread is enough).
@@ -41,6 +46,7 @@ impl Default for HttpOptions {
             retries: 5,
             backoff: Duration::from_millis(100),
             timeout: Duration::from_secs(30),
+            min_rate: 1 << 20,
             allow_whole_file_below: 0,
             connections: 8,
         }
@@ -120,6 +126,12 @@ impl HttpClient {
             requests: AtomicU64::new(0),
             retries_done: AtomicU64::new(0),
         }
+    }
+
+    /// The deadline of a request whose body is `bytes` long (see [`HttpOptions::min_rate`]).
+    fn deadline(&self, bytes: u64) -> Duration {
+        let per_byte = Duration::from_secs_f64(1.0 / self.opts.min_rate.max(1) as f64);
+        self.opts.timeout + per_byte.saturating_mul(bytes.min(u32::MAX as u64) as u32)
     }
 
     /// Body bytes received so far (all requests).
@@ -214,7 +226,14 @@ impl HttpClient {
         let mut attempt = 0;
         loop {
             self.requests.fetch_add(1, Ordering::Relaxed);
-            let outcome = match self.agent.get(url).call() {
+            let outcome = match self
+                .agent
+                .get(url)
+                .config()
+                .timeout_global(Some(self.deadline(limit)))
+                .build()
+                .call()
+            {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
                     if status == 404 {
@@ -305,6 +324,9 @@ impl HttpClient {
                     .agent
                     .get(&url)
                     .header("Range", format!("bytes={start}-{end}"))
+                    .config()
+                    .timeout_global(Some(self.deadline(end + 1 - start)))
+                    .build()
                     .call()
                 {
                     Ok(r) => r,
