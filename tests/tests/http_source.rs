@@ -283,3 +283,44 @@ fn a_folder_url_reports_the_server_fault_not_a_missing_file() {
         assert!(e.contains("model.safetensors"), "{fault:?}: {e}");
     }
 }
+
+#[test]
+fn a_shard_index_cannot_name_a_file_outside_the_model_url() {
+    // A normalising server would serve `other/...` for a decoded `..%2f`: the name is refused
+    // before any request, encoded once or twice.
+    let file = model_file();
+    for name in [
+        "%2e%2e%2fother%2fmodel-00002-of-00002.safetensors",
+        "%252e%252e%252fother%252fmodel-00002-of-00002.safetensors",
+        "..%2Fother%2Fmodel-00002-of-00002.safetensors",
+    ] {
+        let index = format!(r#"{{"weight_map": {{"big.weight": "{name}"}}}}"#);
+        let mut files = HashMap::new();
+        files.insert(
+            "model/model.safetensors.index.json".to_string(),
+            index.into_bytes(),
+        );
+        files.insert(
+            "model/config.json".to_string(),
+            br#"{"model_type": "test"}"#.to_vec(),
+        );
+        files.insert(
+            "other/model-00002-of-00002.safetensors".to_string(),
+            file.clone(),
+        );
+        let srv = TestServer::start(files, Fault::None);
+        let e = ModelIndex::open_url(&format!("{}/model", srv.base), opts())
+            .expect_err("a shard outside the model URL")
+            .to_string();
+        assert!(e.contains("not a file in the folder"), "{name}: {e}");
+        let st = srv.stats();
+        assert_eq!(
+            st.bytes_by_path
+                .get("other/model-00002-of-00002.safetensors")
+                .copied()
+                .unwrap_or(0),
+            0,
+            "{name}: the file outside was read"
+        );
+    }
+}

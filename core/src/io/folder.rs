@@ -82,7 +82,16 @@ pub fn check_name(name: &str) -> Result<()> {
             "'{name}' does not name a file inside the model folder ({why})"
         )))
     };
-    for form in [name.to_string(), percent_decode(name)] {
+    // The name as written and as a server may decode it, once or again (`%252e` -> `%2e` -> `.`).
+    let mut forms = vec![name.to_string()];
+    while forms.len() < 4 {
+        let next = percent_decode(forms.last().map(String::as_str).unwrap_or(""));
+        if forms.contains(&next) {
+            break;
+        }
+        forms.push(next);
+    }
+    for form in forms {
         if form.is_empty() {
             return bad("empty");
         }
