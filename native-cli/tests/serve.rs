@@ -240,3 +240,167 @@ fn binds_loopback_unless_told_otherwise() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("[default: 127.0.0.1:8080]"), "{text}");
 }
+
+/// Sends `request` as it is and returns the status and the whole answer.
+fn raw_request(addr: &str, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.write_all(request.as_bytes()).expect("send");
+    let mut bytes = Vec::new();
+    let _ = s.read_to_end(&mut bytes);
+    let resp = String::from_utf8_lossy(&bytes).into_owned();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, resp)
+}
+
+/// Fault class 1: a folder's index file, a FIFO, anything the guard would refuse by name is
+/// refused however it is reached.
+#[test]
+fn index_files_and_special_files_are_guarded_too() {
+    let (root, outside) = fixture();
+    std::fs::create_dir(root.path().join("site")).expect("mkdir");
+    std::os::unix::fs::symlink(
+        outside.path().join("secret.txt"),
+        root.path().join("site/index.html"),
+    )
+    .expect("symlink");
+    std::fs::create_dir(root.path().join("page")).expect("mkdir");
+    std::fs::write(root.path().join("page/index.html"), b"<p>inside</p>").expect("w");
+    let ok = Command::new("mkfifo")
+        .arg(root.path().join("pipe.bin"))
+        .status()
+        .expect("mkfifo")
+        .success();
+    assert!(ok);
+    let srv = start(root.path());
+    for path in ["/site/", "/site/index.html", "/site", "/pipe.bin"] {
+        let (status, resp) = raw(&srv.addr, path);
+        assert_eq!(status, 403, "{path}: {resp}");
+        assert!(!resp.contains("TOP-SECRET"), "{path} leaked: {resp}");
+    }
+    let (status, resp) = raw(&srv.addr, "/page/");
+    assert_eq!(status, 200, "{resp}");
+    assert!(resp.contains("<p>inside</p>"));
+}
+
+/// Fault class 21: RFC 9110 If-Range and empty files, no protocol-relative redirect.
+#[test]
+fn if_range_empty_files_and_redirects_follow_the_rfc() {
+    let (root, _outside) = fixture();
+    std::fs::write(root.path().join("empty.bin"), b"").expect("w");
+    let srv = start(root.path());
+    let get = |extra: &str, path: &str| {
+        raw_request(
+            &srv.addr,
+            &format!("GET {path} HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n"),
+        )
+    };
+    let (_, full) = get("", "/data.bin");
+    let etag = full
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .starts_with("etag:")
+                .then(|| l[5..].trim().to_string())
+        })
+        .expect("an ETag");
+    let (s, r) = get(
+        &format!("Range: bytes=0-9\r\nIf-Range: {etag}\r\n"),
+        "/data.bin",
+    );
+    assert_eq!(s, 206, "If-Range with the current ETag: {r}");
+    let (s, r) = get("Range: bytes=0-9\r\nIf-Range: \"other\"\r\n", "/data.bin");
+    assert_eq!(
+        s, 200,
+        "If-Range with another ETag gets the whole file: {r}"
+    );
+    assert!(
+        r.to_ascii_lowercase().contains("content-length: 10000"),
+        "{r}"
+    );
+    let (s, _) = get(
+        "Range: bytes=0-9\r\nIf-Range: Thu, 01 Jan 1970 00:00:00 GMT\r\n",
+        "/data.bin",
+    );
+    assert_eq!(s, 200, "If-Range with another date");
+    let (s, r) = get("Range: bytes=0-\r\n", "/empty.bin");
+    assert!(s == 200 || s == 416, "empty file: {r}");
+    assert!(!r.contains("bytes 0-0/0"), "{r}");
+    for path in ["//sub", "///sub", "//sub?x=1"] {
+        let (s, r) = get("", path);
+        let location = r
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("location:"))
+            .map(|l| l[9..].trim().to_string());
+        assert!(
+            location
+                .as_deref()
+                .is_none_or(|l| l.starts_with('/') && !l.starts_with("//")),
+            "{path}: {s} {location:?}"
+        );
+    }
+}
+
+/// Fault class 21: a request that never finishes its headers is dropped, and idle sockets
+/// cannot stop the service, even under a 64-descriptor limit.
+#[test]
+fn slow_and_idle_clients_cannot_stop_the_service() {
+    let (root, _outside) = fixture();
+    let srv = start_with(
+        root.path(),
+        &["--header-timeout", "2", "--idle-timeout", "2"],
+    );
+    let mut s = TcpStream::connect(&srv.addr).expect("connect");
+    s.write_all(b"GET /data.bin HTTP/1.1\r\nHost: x\r\n")
+        .expect("half a request");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(15)))
+        .expect("timeout");
+    let t0 = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let n = s.read_to_end(&mut buf);
+    assert!(
+        n.is_ok() && t0.elapsed().as_secs() < 10,
+        "a half-sent request was not dropped: {n:?} after {:?}",
+        t0.elapsed()
+    );
+
+    // The same server started under `ulimit -n 64`, with 80 idle sockets open.
+    let bin = env!("CARGO_BIN_EXE_nibble");
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "ulimit -n 64 && exec '{bin}' serve '{}' --addr 127.0.0.1:0 --header-timeout 2 \
+                 --idle-timeout 2",
+                root.path().display()
+            ),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("first line");
+    let limited = Server {
+        child,
+        addr: line
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split('/').next())
+            .expect("address")
+            .to_string(),
+    };
+    let idle: Vec<TcpStream> = (0..80)
+        .filter_map(|_| TcpStream::connect(&limited.addr).ok())
+        .collect();
+    assert!(idle.len() >= 60, "only {} sockets opened", idle.len());
+    let t0 = std::time::Instant::now();
+    let (status, _) = raw(&limited.addr, "/sub/inner.txt");
+    assert_eq!(status, 200, "served after {:?}", t0.elapsed());
+    assert!(t0.elapsed().as_secs() < 20, "took {:?}", t0.elapsed());
+    drop(idle);
+}
