@@ -94,15 +94,15 @@ fn global_fetch(req: &web_sys::Request) -> std::result::Result<js_sys::Promise, 
     }
 }
 
-/// The fixed part of a request's deadline: a request whose response and body have not arrived
-/// within this plus its body's bytes at [`MIN_RATE`] is aborted and tried again, so that a
+/// How long a request waits for its response (status and headers); its body then has this
+/// plus its bytes at [`MIN_RATE`] before the request is aborted and tried again, so that a
 /// server that stops mid-body cannot hang the page (as the native client's deadline).
 static RESPONSE_TIMEOUT_MS: AtomicU32 = AtomicU32::new(30_000);
 
 /// The slowest transfer rate a body may take (bytes/s), as the native client's default.
 const MIN_RATE: u64 = 1 << 20;
 
-/// A side file read whole is given the deadline of this many bytes.
+/// A side file read whole without a `Content-Length` is given the deadline of this many bytes.
 const SIDE_FILE_BYTES: u64 = 16 << 20;
 
 /// Sets the response timeout of every later request (at least 1 ms).
@@ -154,8 +154,16 @@ enum Attempt {
     Fail(String),
 }
 
+/// Calls `abort` after `ms`; the handle for [`clear_timer`].
+fn abort_after(abort: &web_sys::AbortController, ms: u64) -> Option<i32> {
+    let on_timeout = {
+        let abort = abort.clone();
+        Closure::once_into_js(move || abort.abort())
+    };
+    set_timer(on_timeout.unchecked_ref(), ms.min(i32::MAX as u64) as i32)
+}
+
 async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
-    let body_bytes = range.map_or(SIDE_FILE_BYTES, |(a, b)| b + 1 - a);
     let init = web_sys::RequestInit::new();
     init.set_method("GET");
     init.set_cache(web_sys::RequestCache::NoStore);
@@ -169,7 +177,8 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         }
         init.set_headers(&headers);
     }
-    // No response and body within the deadline: abort, and try again.
+    // No response within the timeout, or no whole body within the timeout plus its bytes at
+    // MIN_RATE: abort, and try again.
     let abort = match web_sys::AbortController::new() {
         Ok(c) => c,
         Err(e) => return Attempt::Fail(js_msg(&e)),
@@ -183,52 +192,50 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
         Ok(p) => p,
         Err(e) => return Attempt::Fail(js_msg(&e)),
     };
-    let timeout_ms =
-        (response_timeout_ms() as u64 + body_bytes * 1000 / MIN_RATE).min(i32::MAX as u64) as u32;
-    let on_timeout = {
-        let abort = abort.clone();
-        Closure::once_into_js(move || abort.abort())
-    };
-    let timer = set_timer(
-        on_timeout.unchecked_ref(),
-        timeout_ms.min(i32::MAX as u32) as i32,
-    );
-    let outcome = async {
-        let v = JsFuture::from(promise).await;
-        if v.is_err() && abort.signal().aborted() {
-            return Attempt::Retry(format!("no response within {timeout_ms} ms"));
-        }
-        let r = match v {
-            Ok(v) => match v.dyn_into::<web_sys::Response>() {
-                Ok(r) => r,
-                Err(_) => return Attempt::Fail("fetch did not return a Response".into()),
-            },
-            Err(e) => return Attempt::Retry(format!("network error: {}", js_msg(&e))),
-        };
-        if r.status() >= 500 || r.status() == 408 || r.status() == 429 {
-            return Attempt::Retry(format!("HTTP {}", r.status()));
-        }
-        if !(200..300).contains(&r.status()) {
-            return Attempt::Done(r, None);
-        }
-        // The body under the same deadline: the abort rejects a body that stalls.
-        let p = match r.array_buffer() {
-            Ok(p) => p,
-            Err(e) => return Attempt::Fail(format!("reading the body: {}", js_msg(&e))),
-        };
-        match JsFuture::from(p).await {
-            Ok(ab) => Attempt::Done(r, Some(js_sys::Uint8Array::new(&ab))),
-            Err(_) if abort.signal().aborted() => {
-                Attempt::Retry(format!("the body did not arrive within {timeout_ms} ms"))
-            }
-            Err(e) => Attempt::Retry(format!("reading the body: {}", js_msg(&e))),
-        }
-    }
-    .await;
+    let response_ms = response_timeout_ms() as u64;
+    let timer = abort_after(&abort, response_ms);
+    let v = JsFuture::from(promise).await;
     if let Some(t) = timer {
         clear_timer(t);
     }
-    outcome
+    if v.is_err() && abort.signal().aborted() {
+        return Attempt::Retry(format!("no response within {response_ms} ms"));
+    }
+    let r = match v {
+        Ok(v) => match v.dyn_into::<web_sys::Response>() {
+            Ok(r) => r,
+            Err(_) => return Attempt::Fail("fetch did not return a Response".into()),
+        },
+        Err(e) => return Attempt::Retry(format!("network error: {}", js_msg(&e))),
+    };
+    if r.status() >= 500 || r.status() == 408 || r.status() == 429 {
+        return Attempt::Retry(format!("HTTP {}", r.status()));
+    }
+    if !(200..300).contains(&r.status()) {
+        return Attempt::Done(r, None);
+    }
+    let body_bytes = range.map(|(a, b)| b + 1 - a).unwrap_or_else(|| {
+        header(&r, "content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(SIDE_FILE_BYTES)
+    });
+    let body_ms = response_ms + body_bytes.saturating_mul(1000) / MIN_RATE;
+    let p = match r.array_buffer() {
+        Ok(p) => p,
+        Err(e) => return Attempt::Fail(format!("reading the body: {}", js_msg(&e))),
+    };
+    let timer = abort_after(&abort, body_ms);
+    let body = JsFuture::from(p).await;
+    if let Some(t) = timer {
+        clear_timer(t);
+    }
+    match body {
+        Ok(ab) => Attempt::Done(r, Some(js_sys::Uint8Array::new(&ab))),
+        Err(_) if abort.signal().aborted() => {
+            Attempt::Retry(format!("the body did not arrive within {body_ms} ms"))
+        }
+        Err(e) => Attempt::Retry(format!("reading the body: {}", js_msg(&e))),
+    }
 }
 
 const ATTEMPTS: u32 = 4;

@@ -1,0 +1,240 @@
+//! `scheduler/scheduler_config.json` of a diffusers Flux pipeline (FlowMatchEulerDiscreteScheduler)
+//! and the sigmas `FluxPipeline` asks it for: `np.linspace(1, 1/steps, steps)` as float32,
+//! shifted by the resolution-dependent `mu` (exponential or linear time shift) or statically,
+//! then a final 0; the model's timestep at step i is `sigmas[i] * num_train_timesteps` in f32.
+//! The arithmetic is numpy's float32 arithmetic, so the values are diffusers' to the bit.
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::format::json::typed;
+
+/// How `mu` shifts the sigmas (`time_shift_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeShift {
+    /// `e^mu / (e^mu + (1/t - 1))`.
+    Exponential,
+    /// `mu / (mu + (1/t - 1))`.
+    Linear,
+}
+
+/// The scheduler's settings that Flux sampling uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// `num_train_timesteps` (1000).
+    pub num_train_timesteps: u32,
+    /// `shift`, used when `use_dynamic_shifting` is false.
+    pub shift: f64,
+    /// `use_dynamic_shifting`: shift by `mu` from the image's token count.
+    pub use_dynamic_shifting: bool,
+    /// `base_shift`: `mu` at `base_image_seq_len` tokens.
+    pub base_shift: f64,
+    /// `max_shift`: `mu` at `max_image_seq_len` tokens.
+    pub max_shift: f64,
+    /// `base_image_seq_len`.
+    pub base_image_seq_len: u64,
+    /// `max_image_seq_len`.
+    pub max_image_seq_len: u64,
+    /// `time_shift_type`.
+    pub time_shift: TimeShift,
+}
+
+#[derive(Deserialize)]
+struct File {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    num_train_timesteps: Option<u32>,
+    shift: Option<f64>,
+    use_dynamic_shifting: Option<bool>,
+    base_shift: Option<f64>,
+    max_shift: Option<f64>,
+    base_image_seq_len: Option<u64>,
+    max_image_seq_len: Option<u64>,
+    time_shift_type: Option<String>,
+    invert_sigmas: Option<bool>,
+    stochastic_sampling: Option<bool>,
+    shift_terminal: Option<f64>,
+    use_karras_sigmas: Option<bool>,
+    use_exponential_sigmas: Option<bool>,
+    use_beta_sigmas: Option<bool>,
+}
+
+impl SchedulerConfig {
+    /// Reads the config (`file` names it in errors). Another scheduler class, or a setting this
+    /// sampler does not compute (inverted, stochastic, terminal-shifted, Karras / exponential /
+    /// beta sigmas), is refused naming the field.
+    pub fn from_json(file: &str, json: &serde_json::Value) -> Result<Self> {
+        let f: File = typed(file, json)?;
+        let bad = |field: &str, msg: &str| Error::Model {
+            file: file.to_string(),
+            msg: format!("{field}: {msg}"),
+        };
+        match f.class_name.as_deref() {
+            Some("FlowMatchEulerDiscreteScheduler") | None => {}
+            Some(other) => {
+                return Err(bad(
+                    "_class_name",
+                    &format!("{other} is not supported (FlowMatchEulerDiscreteScheduler)"),
+                ))
+            }
+        }
+        for (field, on) in [
+            ("invert_sigmas", f.invert_sigmas),
+            ("stochastic_sampling", f.stochastic_sampling),
+            ("use_karras_sigmas", f.use_karras_sigmas),
+            ("use_exponential_sigmas", f.use_exponential_sigmas),
+            ("use_beta_sigmas", f.use_beta_sigmas),
+        ] {
+            if on == Some(true) {
+                return Err(bad(field, "true is not supported"));
+            }
+        }
+        if f.shift_terminal.is_some() {
+            return Err(bad("shift_terminal", "is not supported"));
+        }
+        let time_shift = match f.time_shift_type.as_deref() {
+            Some("exponential") | None => TimeShift::Exponential,
+            Some("linear") => TimeShift::Linear,
+            Some(other) => return Err(bad("time_shift_type", &format!("'{other}'"))),
+        };
+        // diffusers' defaults.
+        let c = SchedulerConfig {
+            num_train_timesteps: f.num_train_timesteps.unwrap_or(1000),
+            shift: f.shift.unwrap_or(1.0),
+            use_dynamic_shifting: f.use_dynamic_shifting.unwrap_or(false),
+            base_shift: f.base_shift.unwrap_or(0.5),
+            max_shift: f.max_shift.unwrap_or(1.15),
+            base_image_seq_len: f.base_image_seq_len.unwrap_or(256),
+            max_image_seq_len: f.max_image_seq_len.unwrap_or(4096),
+            time_shift,
+        };
+        if !(1..=1_000_000).contains(&c.num_train_timesteps) {
+            return Err(bad("num_train_timesteps", "must be 1 to 1000000"));
+        }
+        for (field, v) in [
+            ("shift", c.shift),
+            ("base_shift", c.base_shift),
+            ("max_shift", c.max_shift),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(field, &format!("{v} is not a finite positive number")));
+            }
+        }
+        if c.max_image_seq_len <= c.base_image_seq_len {
+            return Err(bad("max_image_seq_len", "must be above base_image_seq_len"));
+        }
+        Ok(c)
+    }
+
+    /// `mu` for `image_seq_len` latent tokens (diffusers' `calculate_shift`, f64).
+    pub fn mu(&self, image_seq_len: usize) -> f64 {
+        let m = (self.max_shift - self.base_shift)
+            / (self.max_image_seq_len as f64 - self.base_image_seq_len as f64);
+        let b = self.base_shift - m * self.base_image_seq_len as f64;
+        image_seq_len as f64 * m + b
+    }
+
+    /// The `steps + 1` sigmas `FluxPipeline` samples with (the last is 0), for `steps` from 1,
+    /// shifted by `mu` when the config shifts dynamically.
+    pub fn flux_sigmas(&self, steps: usize, mu: f64) -> Result<Vec<f32>> {
+        if steps == 0 {
+            return Err(Error::Invalid(
+                "at least one denoising step is needed".into(),
+            ));
+        }
+        if self.use_dynamic_shifting && self.time_shift == TimeShift::Linear && mu <= 0.0 {
+            return Err(Error::Invalid(format!("mu {mu} must be positive")));
+        }
+        // np.linspace(1.0, 1 / steps, steps) in f64, then astype(float32).
+        let (start, stop) = (1.0f64, 1.0 / steps as f64);
+        let lin: Vec<f32> = (0..steps)
+            .map(|i| {
+                if steps > 1 && i == steps - 1 {
+                    stop
+                } else if steps > 1 {
+                    i as f64 * ((stop - start) / (steps - 1) as f64) + start
+                } else {
+                    start
+                }
+            })
+            .map(|v| v as f32)
+            .collect();
+        // numpy float32 arithmetic: Python floats take part as float32.
+        let mut s: Vec<f32> = if self.use_dynamic_shifting {
+            let k = match self.time_shift {
+                TimeShift::Exponential => mu.exp() as f32,
+                TimeShift::Linear => mu as f32,
+            };
+            lin.iter().map(|&t| k / (k + (1.0 / t - 1.0))).collect()
+        } else {
+            let sh = self.shift as f32;
+            lin.iter()
+                .map(|&t| sh * t / (1.0 + (sh - 1.0) * t))
+                .collect()
+        };
+        s.push(0.0);
+        Ok(s)
+    }
+
+    /// The model's timestep for each sigma but the last (`sigma * num_train_timesteps`, f32).
+    pub fn timesteps(&self, sigmas: &[f32]) -> Vec<f32> {
+        let n = self.num_train_timesteps as f32;
+        sigmas[..sigmas.len().saturating_sub(1)]
+            .iter()
+            .map(|s| s * n)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(json: serde_json::Value) -> Result<SchedulerConfig> {
+        SchedulerConfig::from_json("scheduler_config.json", &json)
+    }
+
+    #[test]
+    fn flux_dev_settings_give_diffusers_sigmas() {
+        let c = cfg(serde_json::json!({
+            "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256,
+            "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+            "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": true
+        }))
+        .expect("config");
+        let mu = c.mu(64);
+        assert!((mu - 0.4675).abs() < 1e-12, "{mu}");
+        let s = c.flux_sigmas(4, mu).expect("sigmas");
+        assert_eq!(s.len(), 5);
+        assert_eq!((s[0], s[4]), (1.0, 0.0));
+        assert!((s[1] - 0.827_228_67).abs() < 1e-7, "{s:?}");
+        assert!((s[3] - 0.347_258_4).abs() < 1e-7, "{s:?}");
+    }
+
+    #[test]
+    fn schedulers_nibble_does_not_compute_are_refused() {
+        for (j, field) in [
+            (
+                serde_json::json!({"_class_name": "EulerDiscreteScheduler"}),
+                "_class_name",
+            ),
+            (
+                serde_json::json!({"use_karras_sigmas": true}),
+                "use_karras_sigmas",
+            ),
+            (serde_json::json!({"shift_terminal": 0.1}), "shift_terminal"),
+            (serde_json::json!({"shift": -1.0}), "shift"),
+            (
+                serde_json::json!({"time_shift_type": "cubic"}),
+                "time_shift_type",
+            ),
+            (
+                serde_json::json!({"num_train_timesteps": "1000"}),
+                "num_train_timesteps",
+            ),
+        ] {
+            let e = cfg(j).expect_err(field).to_string();
+            assert!(e.contains(field), "{field}: {e}");
+        }
+    }
+}
