@@ -19,7 +19,7 @@ use nibble_core::io::source::{SlotBuffer, SlotMemory};
 use nibble_core::stream::ring::{Fence, SlotAllocator};
 
 /// Every kernel: (file and entry-point name, CUDA C source).
-pub const KERNELS: [(&str, &str); 25] = [
+pub const KERNELS: [(&str, &str); 26] = [
     (
         "adaln_modulate",
         include_str!("../kernels/adaln_modulate.cu"),
@@ -44,6 +44,7 @@ pub const KERNELS: [(&str, &str); 25] = [
     ("rope", include_str!("../kernels/rope.cu")),
     ("scale", include_str!("../kernels/scale.cu")),
     ("silu", include_str!("../kernels/silu.cu")),
+    ("quick_gelu", include_str!("../kernels/quick_gelu.cu")),
     ("slice", include_str!("../kernels/slice.cu")),
     ("softmax", include_str!("../kernels/softmax.cu")),
     (

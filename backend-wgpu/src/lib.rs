@@ -25,7 +25,7 @@ use dispatch::{DUMMY_SLOTS, DUMMY_STRIDE, UNIFORM_SLOTS};
 use readback::words;
 
 /// Every kernel: (op name, WGSL source).
-pub const SHADERS: [(&str, &str); 24] = [
+pub const SHADERS: [(&str, &str); 25] = [
     (
         "adaln_modulate",
         include_str!("../shaders/adaln_modulate.wgsl"),
@@ -53,6 +53,7 @@ pub const SHADERS: [(&str, &str); 24] = [
     ("rope", include_str!("../shaders/rope.wgsl")),
     ("scale", include_str!("../shaders/scale.wgsl")),
     ("silu", include_str!("../shaders/silu.wgsl")),
+    ("quick_gelu", include_str!("../shaders/quick_gelu.wgsl")),
     ("slice", include_str!("../shaders/slice.wgsl")),
     ("softmax", include_str!("../shaders/softmax.wgsl")),
     (

@@ -43,7 +43,9 @@ fn tolerance(op: &OpKind) -> Tolerance {
         OpKind::RmsNorm { .. } | OpKind::LayerNorm { .. } | OpKind::Softmax => {
             Tolerance::RelToMax(1e-5)
         }
-        OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh => Tolerance::RelToMax(1e-5),
+        OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh | OpKind::QuickGelu => {
+            Tolerance::RelToMax(1e-5)
+        }
         OpKind::Rope { .. } | OpKind::Attention { .. } => Tolerance::RelToMax(1e-5),
         OpKind::CacheWrite => Tolerance::Exact,
         OpKind::TimestepEmbedding { .. } => Tolerance::Abs(2e-4),
@@ -219,7 +221,11 @@ fn cases(op: &OpKind) -> Vec<Case> {
             c("37x53 + 37x53", vec![t(&[37, 53], 15), t(&[37, 53], 16)]),
             c("37x53 + [53]", vec![t(&[37, 53], 17), t(&[53], 18)]),
         ],
-        OpKind::Scale { .. } | OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh => {
+        OpKind::Scale { .. }
+        | OpKind::Silu
+        | OpKind::Gelu
+        | OpKind::GeluTanh
+        | OpKind::QuickGelu => {
             let mut x = t(&[41, 67], 19);
             if let nibble_core::graph::HostData::F32(v) = &mut x.data {
                 v.iter_mut().for_each(|a| *a *= 6.0);
@@ -331,6 +337,7 @@ fn ops() -> Vec<OpKind> {
             affine: false,
         },
         OpKind::Silu,
+        OpKind::QuickGelu,
         OpKind::Gelu,
         OpKind::GeluTanh,
         OpKind::Softmax,

@@ -104,6 +104,7 @@ pub fn call(
         OpKind::Silu => ("silu", vec![n as u32], n),
         OpKind::Gelu => ("gelu", vec![n as u32], n),
         OpKind::GeluTanh => ("gelu_tanh", vec![n as u32], n),
+        OpKind::QuickGelu => ("quick_gelu", vec![n as u32], n),
         OpKind::Reshape { .. } => ("reshape", vec![n as u32], n),
         OpKind::RmsNorm { eps } => (
             "rms_norm",

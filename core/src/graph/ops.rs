@@ -61,6 +61,8 @@ pub enum OpKind {
     Gelu,
     /// GELU, tanh approximation.
     GeluTanh,
+    /// CLIP's `quick_gelu`: `x * sigmoid(1.702 x)`.
+    QuickGelu,
     /// Softmax over the last dim.
     Softmax,
     /// Rotary embedding of `x[T,H,D]` with `cos[T,D/2]`, `sin[T,D/2]`.
@@ -141,6 +143,7 @@ impl OpKind {
             OpKind::Silu => "silu",
             OpKind::Gelu => "gelu",
             OpKind::GeluTanh => "gelu_tanh",
+            OpKind::QuickGelu => "quick_gelu",
             OpKind::Softmax => "softmax",
             OpKind::Rope { .. } => "rope",
             OpKind::Attention { .. } => "attention",
@@ -306,9 +309,12 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
             }
             x.to_vec()
         }
-        OpKind::Scale { .. } | OpKind::Silu | OpKind::Gelu | OpKind::GeluTanh | OpKind::Softmax => {
-            s(0).to_vec()
-        }
+        OpKind::Scale { .. }
+        | OpKind::Silu
+        | OpKind::Gelu
+        | OpKind::GeluTanh
+        | OpKind::QuickGelu
+        | OpKind::Softmax => s(0).to_vec(),
         OpKind::Rope { .. } => {
             let x = s(0);
             if x.len() != 3 || x[2] % 2 != 0 {

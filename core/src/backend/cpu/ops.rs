@@ -169,6 +169,11 @@ impl CpuBackend {
                     *o = x / (1.0 + (-x).exp());
                 }
             }
+            OpKind::QuickGelu => {
+                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
+                    *o = x / (1.0 + (-1.702 * x).exp());
+                }
+            }
             OpKind::Gelu => {
                 for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
                     let v = x as f64;

@@ -165,6 +165,10 @@ pub fn run(op: &OpKind, inputs: &[&HostTensor], q4: Option<Q4Ref<'_>>) -> Result
             .iter()
             .map(|&v| (v as f64 / (1.0 + (-(v as f64)).exp())) as f32)
             .collect(),
+        OpKind::QuickGelu => x(0)
+            .iter()
+            .map(|&v| (v as f64 / (1.0 + (-1.702 * v as f64).exp())) as f32)
+            .collect(),
         OpKind::Gelu => x(0)
             .iter()
             .map(|&v| (0.5 * v as f64 * (1.0 + erf(v as f64 / std::f64::consts::SQRT_2))) as f32)

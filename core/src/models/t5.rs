@@ -1,0 +1,315 @@
+//! T5's encoder (transformers' `T5EncoderModel`, Flux's `text_encoder_2/`, 4-bit or dense) on the
+//! core graph: the shared token embedding, then per block a pre-norm (RMS-style T5 LayerNorm)
+//! self-attention without score scaling, whose scores get the bucketed relative position bias
+//! of the first block (bidirectional buckets: half for each direction, exact below
+//! `num_buckets / 4`, logarithmic up to `max_distance`), and a pre-norm gated-GELU feed-forward
+//! (`gelu_new(wi_0 x) * wi_1 x`, then `wo`), each with a residual; the final norm. No attention
+//! mask: `FluxPipeline` encodes the padded ids without one, so padding is attended to as it is
+//! there. The bias is an embedding lookup of bucket ids computed on the host.
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::format::json::{positive, positive_f32, typed};
+use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
+use crate::io::model::ModelIndex;
+use crate::models::{require_block, reshape, swap01, W};
+
+/// What the graph needs of `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct T5Config {
+    /// `d_model`.
+    pub d_model: usize,
+    /// `d_kv` (width of one head).
+    pub d_kv: usize,
+    /// `d_ff`.
+    pub d_ff: usize,
+    /// `num_layers`.
+    pub layers: usize,
+    /// `num_heads`.
+    pub heads: usize,
+    /// `vocab_size`.
+    pub vocab: usize,
+    /// `relative_attention_num_buckets`.
+    pub buckets: usize,
+    /// `relative_attention_max_distance`.
+    pub max_distance: usize,
+    /// `layer_norm_epsilon`.
+    pub eps: f32,
+}
+
+#[derive(Deserialize)]
+struct File {
+    d_model: u64,
+    d_kv: u64,
+    d_ff: u64,
+    num_layers: u64,
+    num_heads: u64,
+    vocab_size: u64,
+    relative_attention_num_buckets: Option<u64>,
+    relative_attention_max_distance: Option<u64>,
+    layer_norm_epsilon: Option<f64>,
+    feed_forward_proj: Option<String>,
+    is_decoder: Option<bool>,
+}
+
+impl T5Config {
+    /// From the model's `config.json`. Only the gated-GELU feed-forward (T5 v1.1, as Flux
+    /// uses) of an encoder is computed; anything else is refused naming the field.
+    pub fn of(model: &ModelIndex) -> Result<Self> {
+        let file = model.locate("config.json");
+        let json = model.config.as_ref().ok_or_else(|| Error::Model {
+            file: file.clone(),
+            msg: "no config.json".into(),
+        })?;
+        let f: File = typed(&file, json)?;
+        let bad = |msg: String| Error::Model {
+            file: file.clone(),
+            msg,
+        };
+        match f.feed_forward_proj.as_deref() {
+            Some("gated-gelu") => {}
+            other => {
+                return Err(bad(format!(
+                    "feed_forward_proj {other:?} is not supported (gated-gelu)"
+                )))
+            }
+        }
+        if f.is_decoder == Some(true) {
+            return Err(bad("is_decoder: only T5's encoder is computed".into()));
+        }
+        Ok(T5Config {
+            d_model: positive(&file, "d_model", f.d_model)?,
+            d_kv: positive(&file, "d_kv", f.d_kv)?,
+            d_ff: positive(&file, "d_ff", f.d_ff)?,
+            layers: positive(&file, "num_layers", f.num_layers)?,
+            heads: positive(&file, "num_heads", f.num_heads)?,
+            vocab: positive(&file, "vocab_size", f.vocab_size)?,
+            buckets: positive(
+                &file,
+                "relative_attention_num_buckets",
+                f.relative_attention_num_buckets.unwrap_or(32),
+            )?,
+            max_distance: positive(
+                &file,
+                "relative_attention_max_distance",
+                f.relative_attention_max_distance.unwrap_or(128),
+            )?,
+            eps: positive_f32(
+                &file,
+                "layer_norm_epsilon",
+                f.layer_norm_epsilon.unwrap_or(1e-6),
+            )?,
+        })
+    }
+}
+
+/// transformers' `T5Attention._relative_position_bucket` (bidirectional) of `key - query`.
+pub fn relative_bucket(relative: i64, buckets: usize, max_distance: usize) -> u32 {
+    let half = (buckets / 2) as i64;
+    let mut bucket = if relative > 0 { half } else { 0 };
+    let n = relative.abs();
+    let max_exact = half / 2;
+    if n < max_exact {
+        bucket += n;
+    } else {
+        // As torch computes it: log(n / max_exact) in float32, divided by the Python double
+        // log(max_distance / max_exact) (taken as float32), times (half - max_exact),
+        // truncated, capped at half - 1.
+        let denom = (max_distance as f64 / max_exact as f64).ln() as f32;
+        let r = (n as f32 / max_exact as f32).ln() / denom * (half - max_exact) as f32;
+        let large = (max_exact + r as i64).min(half - 1);
+        bucket += large;
+    }
+    bucket as u32
+}
+
+/// The bucket of every (query, key) pair of `t` tokens, row-major `[t, t]`.
+pub fn bucket_ids(t: usize, buckets: usize, max_distance: usize) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(t * t);
+    for i in 0..t {
+        for j in 0..t {
+            ids.push(relative_bucket(j as i64 - i as i64, buckets, max_distance));
+        }
+    }
+    ids
+}
+
+/// The encoder's graph for `seq_len` tokens: inputs `ids [T]` and `buckets [T*T]` (u32, see
+/// [`bucket_ids`]), output the final hidden state `[T, d_model]`.
+pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
+    let cfg = T5Config::of(model)?;
+    if seq_len == 0 || seq_len > 1 << 16 {
+        return Err(Error::Invalid(format!("T5 graph: {seq_len} tokens")));
+    }
+    let (d, t, nh, hd) = (cfg.d_model, seq_len, cfg.heads, cfg.d_kv);
+    let inner = nh * hd;
+    let table = ["shared.weight", "encoder.embed_tokens.weight"]
+        .into_iter()
+        .find(|n| model.get(n).is_some())
+        .ok_or_else(|| Error::Model {
+            file: model.root.clone(),
+            msg: "no shared.weight: not a T5 checkpoint".into(),
+        })?;
+    let mut g = Graph::new();
+    let emb = g.group("shared");
+    let table = g.dense_weight(emb, table, &[cfg.vocab, d]);
+    let ids = g.input(ValueInfo {
+        shape: vec![t],
+        elem: ElemType::U32,
+    });
+    let bucket_in = g.input(ValueInfo {
+        shape: vec![t * t],
+        elem: ElemType::U32,
+    });
+    let mut x = g.op(OpKind::Embedding, &[ids, table], None)?;
+    let rms = OpKind::RmsNorm { eps: cfg.eps };
+    let mut bias = None;
+    for l in 0..cfg.layers {
+        let lp = format!("encoder.block.{l}");
+        require_block(model, &lp, "num_layers", cfg.layers)?;
+        let grp = g.group(&lp);
+        let mut w = |name: &str, out: usize, inp: usize| {
+            W::load(&mut g, model, grp, &format!("{lp}.{name}"), out, inp)
+        };
+        let q = w("layer.0.SelfAttention.q.weight", inner, d)?;
+        let k = w("layer.0.SelfAttention.k.weight", inner, d)?;
+        let v = w("layer.0.SelfAttention.v.weight", inner, d)?;
+        let o = w("layer.0.SelfAttention.o.weight", d, inner)?;
+        let wi0 = w("layer.1.DenseReluDense.wi_0.weight", cfg.d_ff, d)?;
+        let wi1 = w("layer.1.DenseReluDense.wi_1.weight", cfg.d_ff, d)?;
+        let wo = w("layer.1.DenseReluDense.wo.weight", d, cfg.d_ff)?;
+        let n0 = g.dense_weight(grp, &format!("{lp}.layer.0.layer_norm.weight"), &[d]);
+        let n1 = g.dense_weight(grp, &format!("{lp}.layer.1.layer_norm.weight"), &[d]);
+        if bias.is_none() {
+            // The first block owns the relative position bias; later blocks reuse its value.
+            let name = format!("{lp}.layer.0.SelfAttention.relative_attention_bias.weight");
+            let rel = g.dense_weight(grp, &name, &[cfg.buckets, nh]);
+            let b = g.op(OpKind::Embedding, &[bucket_in, rel], None)?; // [t*t, nh]
+            let b = reshape(&mut g, b, &[t, t, nh])?;
+            let b = g.op(
+                OpKind::Permute {
+                    perm: vec![2, 0, 1],
+                },
+                &[b],
+                None,
+            )?; // [nh, t, t]
+            bias = Some(b);
+        }
+        let bias = bias.ok_or_else(|| Error::Invalid("no position bias".into()))?;
+        let y = g.op(rms.clone(), &[x, n0], None)?;
+        let mut heads = |w: W| -> Result<_> {
+            let z = w.apply(&mut g, y)?;
+            let z = reshape(&mut g, z, &[t, nh, hd])?;
+            swap01(&mut g, z)
+        };
+        let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
+        // scores = q kᵀ + bias (T5 does not scale), softmax, times v.
+        let s = g.op(OpKind::MatMul { transpose_b: true }, &[q, k], None)?;
+        let s = g.op(OpKind::Add, &[s, bias], None)?;
+        let p = g.op(OpKind::Softmax, &[s], None)?;
+        let a = g.op(OpKind::MatMul { transpose_b: false }, &[p, v], None)?;
+        let a = swap01(&mut g, a)?;
+        let a = reshape(&mut g, a, &[t, inner])?;
+        let a = o.apply(&mut g, a)?;
+        x = g.op(OpKind::Add, &[x, a], None)?;
+        let y = g.op(rms.clone(), &[x, n1], None)?;
+        let gate = wi0.apply(&mut g, y)?;
+        let gate = g.op(OpKind::GeluTanh, &[gate], None)?;
+        let lin = wi1.apply(&mut g, y)?;
+        let m = g.op(OpKind::Mul, &[gate, lin], None)?;
+        let m = wo.apply(&mut g, m)?;
+        x = g.op(OpKind::Add, &[x, m], None)?;
+    }
+    let fin = g.group("encoder.final_layer_norm");
+    let fw = g.dense_weight(fin, "encoder.final_layer_norm.weight", &[d]);
+    let x = g.op(rms, &[x, fw], None)?;
+    g.output(x);
+    Ok((g, cfg))
+}
+
+/// A T5 encoder ready to run on a backend.
+pub struct T5Encoder<B: crate::backend::Backend> {
+    ex: Executor<B>,
+    config: T5Config,
+    seq_len: usize,
+}
+
+impl<B: crate::backend::Backend> std::fmt::Debug for T5Encoder<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("T5Encoder")
+            .field("seq_len", &self.seq_len)
+            .finish()
+    }
+}
+
+impl<B: crate::backend::Backend> T5Encoder<B> {
+    /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
+    pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
+        let (graph, config) = build(model, seq_len)?;
+        let ex = Executor::new(graph, model, backend, opts)?;
+        Ok(T5Encoder {
+            ex,
+            config,
+            seq_len,
+        })
+    }
+
+    /// The executor (its plan, its backend).
+    pub fn executor(&self) -> &Executor<B> {
+        &self.ex
+    }
+
+    /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`, padded).
+    pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
+        let t = self.seq_len;
+        if ids.len() != t {
+            return Err(Error::Invalid(format!(
+                "{} token ids for a T5 graph built for {t}",
+                ids.len()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.config.vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab
+            )));
+        }
+        let inputs = [
+            HostTensor::u32(&[t], ids.to_vec())?,
+            HostTensor::u32(
+                &[t * t],
+                bucket_ids(t, self.config.buckets, self.config.max_distance),
+            )?,
+        ];
+        let (out, stats) = self.ex.step(&inputs)?;
+        let states = out
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Invalid("the T5 graph has no output".into()))?
+            .into_f32();
+        crate::error::check_finite(&states, || "T5's hidden states".to_string())?;
+        Ok((states, stats))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_transformers() {
+        // num_buckets 32, max_distance 128: 0 -> 0; -1 -> 1; +1 -> 17; -7 -> 7; -8 -> 8 (log
+        // part starts at max_exact 8); far keys cap at 15 / 31.
+        assert_eq!(relative_bucket(0, 32, 128), 0);
+        assert_eq!(relative_bucket(-1, 32, 128), 1);
+        assert_eq!(relative_bucket(1, 32, 128), 17);
+        assert_eq!(relative_bucket(-7, 32, 128), 7);
+        assert_eq!(relative_bucket(-8, 32, 128), 8);
+        assert_eq!(relative_bucket(-1000, 32, 128), 15);
+        assert_eq!(relative_bucket(1000, 32, 128), 31);
+        // log(16/8)/log(16) * 8 = 2: 8 + 2 = 10.
+        assert_eq!(relative_bucket(-16, 32, 128), 10);
+    }
+}

@@ -1,0 +1,119 @@
+//! The Flux pipeline's text encoders against the tiny-flux-pipeline fixture (what diffusers'
+//! `FluxPipeline` computed in float32 on the dequantized weights): CLIP's pooled output and T5's
+//! prompt embeddings from the fixture's token ids, within 1e-5 x max, on cpu_ref, cpu and wgpu,
+//! with every weight resident and with every group streamed through a small ring.
+
+use nibble_core::backend::cpu_ref::CpuRefBackend;
+use nibble_core::backend::Backend;
+use nibble_core::exec::ExecOptions;
+use nibble_core::graph::Graph;
+use nibble_core::io::model::ModelIndex;
+use nibble_core::models::clip::{self, ClipText};
+use nibble_core::models::t5::{self, T5Encoder};
+use nibble_core::plan::Budgets;
+use nibble_tests::*;
+
+const TOL: f64 = 1e-5;
+
+fn component(name: &str) -> ModelIndex {
+    ModelIndex::open(&fixture(&format!("tiny-flux-pipeline/pipeline/{name}")))
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn expected() -> Expected {
+    Expected::open(&fixture("tiny-flux-pipeline/expected.safetensors"))
+}
+
+fn ids(e: &Expected, name: &str) -> Vec<u32> {
+    e.bytes(name)
+        .unwrap_or_else(|| panic!("{name}"))
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+        .collect()
+}
+
+fn opts(graph: &Graph, m: &ModelIndex, streamed: bool, b: &mut impl Backend) -> ExecOptions {
+    let device_bytes = if streamed {
+        nibble_core::plan::min_device_bytes(graph, m, b).expect("min budget")
+    } else {
+        1 << 30
+    };
+    ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: 2,
+            slot_bytes: 64 << 10,
+        },
+        readers: 2,
+        stream_all: streamed,
+        naive: false,
+    }
+}
+
+fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    let e = expected();
+    let (clip_m, t5_m) = (component("text_encoder"), component("text_encoder_2"));
+    for streamed in [false, true] {
+        for p in 0..2 {
+            let what = format!("{label} streamed={streamed} p{p}");
+            let clip_ids = ids(&e, &format!("p{p}.clip_input_ids"));
+            let mut b = make();
+            let (g, _) = clip::build(&clip_m, clip_ids.len()).expect("clip graph");
+            let o = opts(&g, &clip_m, streamed, &mut b);
+            let mut enc = ClipText::new(&clip_m, b, clip_ids.len(), o).expect("clip");
+            let (states, pooled, stats) = enc.forward(&clip_ids).expect("clip forward");
+            if streamed {
+                assert!(stats.stream.bytes > 0, "{what}: CLIP streamed");
+            }
+            let want = e
+                .f32(&format!("p{p}.clip_last_hidden_state"))
+                .expect("clip");
+            let err = max_err_rel_to_max(&states, &want);
+            assert!(err <= TOL, "{what}: CLIP hidden states error {err:e} x max");
+            println!("{what}: CLIP hidden states {err:.2e} x max");
+            let want = e
+                .f32(&format!("p{p}.pooled_prompt_embeds"))
+                .expect("pooled");
+            let err = max_err_rel_to_max(&pooled, &want);
+            assert!(
+                err <= TOL,
+                "{what}: pooled_prompt_embeds error {err:e} x max"
+            );
+            println!("{what}: pooled_prompt_embeds {err:.2e} x max");
+
+            let t5_ids = ids(&e, &format!("p{p}.t5_input_ids"));
+            let mut b = make();
+            let (g, _) = t5::build(&t5_m, t5_ids.len()).expect("t5 graph");
+            let o = opts(&g, &t5_m, streamed, &mut b);
+            let mut enc = T5Encoder::new(&t5_m, b, t5_ids.len(), o).expect("t5");
+            let (states, stats) = enc.forward(&t5_ids).expect("t5 forward");
+            if streamed {
+                assert!(stats.stream.bytes > 0, "{what}: T5 streamed");
+            }
+            let want = e
+                .f32(&format!("p{p}.prompt_embeds"))
+                .expect("prompt_embeds");
+            let err = max_err_rel_to_max(&states, &want);
+            assert!(err <= TOL, "{what}: prompt_embeds error {err:e} x max");
+            println!("{what}: prompt_embeds {err:.2e} x max");
+        }
+    }
+}
+
+#[test]
+fn clip_and_t5_on_cpu_ref() {
+    check(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn clip_and_t5_on_cpu() {
+    check(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn clip_and_t5_on_wgpu() {
+    if wgpu_or_absent("flux encoders").is_none() {
+        return;
+    }
+    check(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
