@@ -19,7 +19,7 @@ use nibble_core::io::source::{SlotBuffer, SlotMemory};
 use nibble_core::stream::ring::{Fence, SlotAllocator};
 
 /// Every kernel: (file and entry-point name, CUDA C source).
-pub const KERNELS: [(&str, &str); 26] = [
+pub const KERNELS: [(&str, &str); 29] = [
     (
         "adaln_modulate",
         include_str!("../kernels/adaln_modulate.cu"),
@@ -45,6 +45,9 @@ pub const KERNELS: [(&str, &str); 26] = [
     ("scale", include_str!("../kernels/scale.cu")),
     ("silu", include_str!("../kernels/silu.cu")),
     ("quick_gelu", include_str!("../kernels/quick_gelu.cu")),
+    ("conv2d", include_str!("../kernels/conv2d.cu")),
+    ("group_norm", include_str!("../kernels/group_norm.cu")),
+    ("upsample2x", include_str!("../kernels/upsample2x.cu")),
     ("slice", include_str!("../kernels/slice.cu")),
     ("softmax", include_str!("../kernels/softmax.cu")),
     (

@@ -25,7 +25,7 @@ use dispatch::{DUMMY_SLOTS, DUMMY_STRIDE, UNIFORM_SLOTS};
 use readback::words;
 
 /// Every kernel: (op name, WGSL source).
-pub const SHADERS: [(&str, &str); 25] = [
+pub const SHADERS: [(&str, &str); 28] = [
     (
         "adaln_modulate",
         include_str!("../shaders/adaln_modulate.wgsl"),
@@ -54,6 +54,9 @@ pub const SHADERS: [(&str, &str); 25] = [
     ("scale", include_str!("../shaders/scale.wgsl")),
     ("silu", include_str!("../shaders/silu.wgsl")),
     ("quick_gelu", include_str!("../shaders/quick_gelu.wgsl")),
+    ("conv2d", include_str!("../shaders/conv2d.wgsl")),
+    ("group_norm", include_str!("../shaders/group_norm.wgsl")),
+    ("upsample2x", include_str!("../shaders/upsample2x.wgsl")),
     ("slice", include_str!("../shaders/slice.wgsl")),
     ("softmax", include_str!("../shaders/softmax.wgsl")),
     (

@@ -49,6 +49,10 @@ fn tolerance(op: &OpKind) -> Tolerance {
         OpKind::Rope { .. } | OpKind::Attention { .. } => Tolerance::RelToMax(1e-5),
         OpKind::CacheWrite => Tolerance::Exact,
         OpKind::TimestepEmbedding { .. } => Tolerance::Abs(2e-4),
+        // Sums of C*k*k f32 products against the f64 reference.
+        OpKind::Conv2d { .. } => Tolerance::RelToMax(2e-5),
+        OpKind::GroupNorm { .. } => Tolerance::RelToMax(1e-5),
+        OpKind::Upsample2x => Tolerance::Exact,
     }
 }
 
@@ -312,6 +316,34 @@ fn cases(op: &OpKind) -> Vec<Case> {
             let ts = HostTensor::f32(&[4], vec![0.0, 1.0, 250.5, 999.0]).expect("t");
             vec![c("t in [0, 1000)", vec![ts])]
         }
+        OpKind::Conv2d { kernel, bias, .. } => {
+            let k = *kernel;
+            let mut inputs = vec![t(&[5, 7, 9], 60), t(&[6, 5, k, k], 61)];
+            if *bias {
+                inputs.push(t(&[6], 62));
+            }
+            // A wide image: more outputs than one band of im2col columns would hold in a
+            // small test, odd sizes, the padding on every edge.
+            let mut wide = vec![t(&[3, 40, 37], 63), t(&[4, 3, k, k], 64)];
+            if *bias {
+                wide.push(t(&[4], 65));
+            }
+            vec![
+                c(&format!("5x7x9 -> 6 channels, {k}x{k}"), inputs),
+                c(&format!("3x40x37 -> 4 channels, {k}x{k}"), wide),
+            ]
+        }
+        OpKind::GroupNorm { .. } => vec![
+            c(
+                "8 channels x 5x7 in 4 groups",
+                vec![t(&[8, 5, 7], 66), t(&[8], 67), t(&[8], 68)],
+            ),
+            c(
+                "32 channels x 300 in 4 groups",
+                vec![t(&[32, 300], 69), t(&[32], 70), t(&[32], 71)],
+            ),
+        ],
+        OpKind::Upsample2x => vec![c("3x4x5", vec![t(&[3, 4, 5], 72)])],
     }
 }
 
@@ -378,6 +410,21 @@ fn ops() -> Vec<OpKind> {
             scale: 1.0,
             max_period: 10000.0,
         },
+        OpKind::Conv2d {
+            kernel: 3,
+            pad: 1,
+            bias: true,
+        },
+        OpKind::Conv2d {
+            kernel: 1,
+            pad: 0,
+            bias: false,
+        },
+        OpKind::GroupNorm {
+            groups: 4,
+            eps: 1e-6,
+        },
+        OpKind::Upsample2x,
     ]
 }
 
@@ -453,6 +500,9 @@ fn op_label(op: &OpKind) -> String {
             causal, key_mask, ..
         } => format!("causal={causal}, key_mask={key_mask}"),
         OpKind::Concat { axis } => format!("axis={axis}"),
+        OpKind::Conv2d { kernel, pad, bias } => {
+            format!("{kernel}x{kernel}, pad={pad}, bias={bias}")
+        }
         _ => String::new(),
     };
     if opts.is_empty() {

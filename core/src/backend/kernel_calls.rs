@@ -50,6 +50,7 @@ pub fn operands(op: &OpKind, n_inputs: usize) -> Vec<Slot> {
             Slot::Input(2),
             opt(*key_mask, 3),
         ],
+        OpKind::Conv2d { bias, .. } => vec![Slot::Input(0), Slot::Input(1), opt(*bias, 2)],
         // In place: the cache is the output binding; only the new rows and the position are read.
         OpKind::CacheWrite => vec![Slot::Input(1), Slot::Input(2)],
         _ => (0..n_inputs).map(Slot::Input).collect(),
@@ -201,6 +202,37 @@ pub fn call(
             )
         }
         OpKind::AdaLnModulate => ("adaln_modulate", vec![n as u32, last(0)], n),
+        OpKind::Conv2d { kernel, pad, bias } => {
+            let x = &shapes[0];
+            (
+                "conv2d",
+                vec![
+                    x[0] as u32,
+                    x[1] as u32,
+                    x[2] as u32,
+                    out[0] as u32,
+                    out[1] as u32,
+                    out[2] as u32,
+                    *kernel as u32,
+                    *pad as u32,
+                    *bias as u32,
+                ],
+                n,
+            )
+        }
+        OpKind::GroupNorm { groups, eps } => {
+            let c = shapes[0][0];
+            let spatial = n / c.max(1);
+            (
+                "group_norm",
+                vec![c as u32, spatial as u32, *groups as u32, f(*eps)],
+                *groups,
+            )
+        }
+        OpKind::Upsample2x => {
+            let x = &shapes[0];
+            ("upsample2x", vec![x[0] as u32, x[1] as u32, x[2] as u32], n)
+        }
         OpKind::CacheWrite => {
             let (c, x) = (&shapes[0], &shapes[1]);
             let items = x[0] * x[1] * x[2];

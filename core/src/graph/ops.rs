@@ -112,6 +112,26 @@ pub enum OpKind {
     /// replaced by `x[H, T, D]`; `pos` is a runtime `u32[1]`. The output is the cache itself
     /// (input 0): kernels write only the new rows.
     CacheWrite,
+    /// 2-D convolution of one image `x[C, H, W]` with `w[O, C, k, k]` (+ `b[O]`), stride 1,
+    /// zero padding `pad` on each side: `[O, H + 2 pad - k + 1, W + 2 pad - k + 1]`.
+    Conv2d {
+        /// Kernel size k (square).
+        kernel: usize,
+        /// Zero padding per side.
+        pad: usize,
+        /// Whether a bias input follows.
+        bias: bool,
+    },
+    /// Group normalization of `x[C, ...]` over `groups` groups of channels (each group's
+    /// channels and positions together), then `* w[C] + b[C]`.
+    GroupNorm {
+        /// Number of groups (divides C).
+        groups: usize,
+        /// Epsilon.
+        eps: f32,
+    },
+    /// Nearest-neighbour 2x upsampling of `x[C, H, W]` to `[C, 2H, 2W]`.
+    Upsample2x,
     /// Sinusoidal timestep embedding of `t[B]` to `[B, dim]` (diffusers' `get_timestep_embedding`).
     TimestepEmbedding {
         /// Output width (even).
@@ -155,6 +175,9 @@ impl OpKind {
             OpKind::AdaLnModulate => "adaln_modulate",
             OpKind::CacheWrite => "cache_write",
             OpKind::TimestepEmbedding { .. } => "timestep_embedding",
+            OpKind::Conv2d { .. } => "conv2d",
+            OpKind::GroupNorm { .. } => "group_norm",
+            OpKind::Upsample2x => "upsample2x",
         }
     }
 
@@ -200,6 +223,8 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
         OpKind::LayerNorm { affine, .. } => 1 + 2 * *affine as usize,
         OpKind::Rope { .. } | OpKind::AdaLnModulate | OpKind::CacheWrite => 3,
         OpKind::Attention { key_mask, .. } => 3 + *key_mask as usize,
+        OpKind::Conv2d { bias, .. } => 2 + *bias as usize,
+        OpKind::GroupNorm { .. } => 3,
         _ => 1,
     };
     if inputs.len() != n_expected {
@@ -298,6 +323,50 @@ pub fn infer(op: &OpKind, inputs: &[&ValueInfo], q4: Option<&Q4Info>) -> Result<
                 }
             }
             x.to_vec()
+        }
+        OpKind::Conv2d { kernel, pad, bias } => {
+            let (x, w) = (s(0), s(1));
+            let k = *kernel;
+            if x.len() != 3 || w.len() != 4 || w[1] != x[0] || w[2] != k || w[3] != k || k == 0 {
+                return err(
+                    op,
+                    format!("expects x[C,H,W] and w[O,C,{k},{k}], got {x:?} and {w:?}"),
+                );
+            }
+            let (oh, ow) = (x[1] + 2 * pad, x[2] + 2 * pad);
+            if oh < k || ow < k {
+                return err(
+                    op,
+                    format!("a {k}x{k} kernel does not fit {x:?} padded by {pad}"),
+                );
+            }
+            if *bias && s(2) != [w[0]] {
+                return err(op, format!("bias is {:?}, expected [{}]", s(2), w[0]));
+            }
+            vec![w[0], oh - k + 1, ow - k + 1]
+        }
+        OpKind::GroupNorm { groups, .. } => {
+            let x = s(0);
+            let c = x.first().copied().unwrap_or(0);
+            if x.len() < 2 || *groups == 0 || c % groups != 0 {
+                return err(
+                    op,
+                    format!("x is {x:?}: expected [C, ...] with C a multiple of {groups} groups"),
+                );
+            }
+            for i in 1..3 {
+                if s(i) != [c] {
+                    return err(op, format!("input {i} is {:?}, expected [{c}]", s(i)));
+                }
+            }
+            x.to_vec()
+        }
+        OpKind::Upsample2x => {
+            let x = s(0);
+            if x.len() != 3 {
+                return err(op, format!("x is {x:?}, expected [C, H, W]"));
+            }
+            vec![x[0], 2 * x[1], 2 * x[2]]
         }
         OpKind::AdaLnModulate => {
             let x = s(0);

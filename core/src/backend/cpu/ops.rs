@@ -298,6 +298,36 @@ impl CpuBackend {
                         .copy_from_slice(&io.ins[1][hi * t * d..(hi + 1) * t * d]);
                 }
             }
+            OpKind::Conv2d { kernel, pad, bias } => {
+                let x = shape(0);
+                let mut cols = std::mem::take(&mut self.scratch);
+                super::image::conv2d(
+                    pool,
+                    io.ins[0],
+                    (x[0], x[1], x[2]),
+                    io.ins[1],
+                    shape(1)[0],
+                    (*kernel, *pad),
+                    bias.then(|| io.ins[2]),
+                    io.out,
+                    &mut cols,
+                );
+                self.scratch = cols;
+            }
+            OpKind::GroupNorm { groups, eps } => super::image::group_norm(
+                pool,
+                io.ins[0],
+                shape(0)[0],
+                *groups,
+                *eps,
+                io.ins[1],
+                io.ins[2],
+                io.out,
+            ),
+            OpKind::Upsample2x => {
+                let x = shape(0);
+                super::image::upsample2x(io.ins[0], (x[0], x[1], x[2]), io.out);
+            }
             OpKind::TimestepEmbedding {
                 dim,
                 flip_sin_to_cos,
@@ -380,7 +410,7 @@ fn permute(x: &[f32], ins: &[usize], perm: &[usize], out: &mut [f32]) {
 
 /// `out[M,N] = x[M,K] · w[N,K]^T (+ b)`, f32 tiles, columns split across threads.
 #[allow(clippy::too_many_arguments)]
-fn dense_linear(
+pub(super) fn dense_linear(
     pool: &ThreadPool,
     x: &[f32],
     m: usize,

@@ -165,6 +165,70 @@ pub fn run(op: &OpKind, inputs: &[&HostTensor], q4: Option<Q4Ref<'_>>) -> Result
             .iter()
             .map(|&v| (v as f64 / (1.0 + (-(v as f64)).exp())) as f32)
             .collect(),
+        OpKind::Conv2d { kernel, pad, bias } => {
+            let (xs, ws) = (shape(0), shape(1));
+            let (c, h, w) = (xs[0], xs[1], xs[2]);
+            let (o, k, p) = (ws[0], *kernel, *pad as isize);
+            let (oh, ow) = (out_info.shape[1], out_info.shape[2]);
+            let (xv, wv) = (x(0), x(1));
+            let mut out = vec![0f32; o * oh * ow];
+            for oc in 0..o {
+                for oy in 0..oh {
+                    for ox in 0..ow {
+                        let mut acc = if *bias { x(2)[oc] as f64 } else { 0.0 };
+                        for ic in 0..c {
+                            for ky in 0..k {
+                                let iy = oy as isize + ky as isize - p;
+                                if iy < 0 || iy >= h as isize {
+                                    continue;
+                                }
+                                for kx in 0..k {
+                                    let ix = ox as isize + kx as isize - p;
+                                    if ix < 0 || ix >= w as isize {
+                                        continue;
+                                    }
+                                    acc += xv[(ic * h + iy as usize) * w + ix as usize] as f64
+                                        * wv[((oc * c + ic) * k + ky) * k + kx] as f64;
+                                }
+                            }
+                        }
+                        out[(oc * oh + oy) * ow + ox] = acc as f32;
+                    }
+                }
+            }
+            out
+        }
+        OpKind::GroupNorm { groups, eps } => {
+            let v = x(0);
+            let c = shape(0)[0];
+            let per = v.len() / c;
+            let n = c / groups * per;
+            let mut out = vec![0f32; v.len()];
+            for gi in 0..*groups {
+                let part = &v[gi * n..(gi + 1) * n];
+                let mean = part.iter().map(|&a| a as f64).sum::<f64>() / n as f64;
+                let var = part.iter().map(|&a| (a as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+                let r = 1.0 / (var + *eps as f64).sqrt();
+                for (i, &a) in part.iter().enumerate() {
+                    let ch = gi * (c / groups) + i / per;
+                    out[gi * n + i] = ((a as f64 - mean) * r) as f32 * x(1)[ch] + x(2)[ch];
+                }
+            }
+            out
+        }
+        OpKind::Upsample2x => {
+            let (c, h, w) = (shape(0)[0], shape(0)[1], shape(0)[2]);
+            let v = x(0);
+            let mut out = vec![0f32; c * 4 * h * w];
+            for ch in 0..c {
+                for y in 0..2 * h {
+                    for xx in 0..2 * w {
+                        out[(ch * 2 * h + y) * 2 * w + xx] = v[(ch * h + y / 2) * w + xx / 2];
+                    }
+                }
+            }
+            out
+        }
         OpKind::QuickGelu => x(0)
             .iter()
             .map(|&v| (v as f64 / (1.0 + (-1.702 * v as f64).exp())) as f32)
