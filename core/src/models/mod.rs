@@ -1,8 +1,8 @@
 //! The models layer: each model kind in its own folder with its typed config, its graph and its
 //! runtime loop (Llama-family decoders with the token-generation loop and sampler, BERT encoders
 //! with sentence-transformers pooling, Flux-style DiTs with the denoising loop and the
-//! flow-matching schedule, CLIP's text model and T5's encoder, the Flux pipeline's scheduler,
-//! noise and latent packing), the helpers their graphs share, and text (tokenizers, chat
+//! flow-matching schedule, CLIP's text model, T5's encoder and the VAE decoder, the Flux
+//! pipeline's scheduler, noise and latent packing), the helpers their graphs share, and text (tokenizers, chat
 //! templates).
 //!
 //! Owns: what a model is and how a run of it proceeds, step by step.
@@ -16,6 +16,7 @@ pub mod llama;
 pub mod t5;
 #[cfg(feature = "text")]
 pub mod text;
+pub mod vae;
 
 use crate::error::Result;
 use crate::graph::{Graph, ValueId, WeightId};

@@ -1,7 +1,8 @@
-//! The Flux pipeline's text encoders against the tiny-flux-pipeline fixture (what diffusers'
+//! The Flux pipeline's components against the tiny-flux-pipeline fixture (what diffusers'
 //! `FluxPipeline` computed in float32 on the dequantized weights): CLIP's pooled output and T5's
-//! prompt embeddings from the fixture's token ids, within 1e-5 x max, on cpu_ref, cpu and wgpu,
-//! with every weight resident and with every group streamed through a small ring.
+//! prompt embeddings from the fixture's token ids (within 1e-5 x max), the VAE decoder's image
+//! from the fixture's decoder input (within 1e-4 x max, 8-bit pixels within 1), on cpu_ref, cpu
+//! and wgpu, with every weight resident and with every group streamed through a small ring.
 
 use nibble_core::backend::cpu_ref::CpuRefBackend;
 use nibble_core::backend::Backend;
@@ -116,4 +117,65 @@ fn clip_and_t5_on_wgpu() {
         return;
     }
     check(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
+
+/// The VAE decoder from the fixture's decoder input: the float image within 1e-4 x max of
+/// diffusers', and the 8-bit image every pixel within 1, at least 99% equal.
+fn check_vae<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::models::vae::{self, VaeDecoder};
+    let e = expected();
+    let m = component("vae");
+    for streamed in [false, true] {
+        for p in 0..2 {
+            let what = format!("{label} streamed={streamed} p{p}");
+            let z = e.f32(&format!("p{p}.vae_input")).expect("vae_input");
+            let (c, h, w) = (4, 16, 16);
+            assert_eq!(z.len(), c * h * w);
+            let mut b = make();
+            let (g, cfg) = vae::build(&m, h, w).expect("vae graph");
+            let o = opts(&g, &m, streamed, &mut b);
+            let mut dec = VaeDecoder::new(&m, b, h, w, o).expect("vae");
+            let (img, stats) = dec.decode(&z).expect("decode");
+            if streamed {
+                assert!(stats.stream.bytes > 0, "{what}: VAE streamed");
+            }
+            let want = e.f32(&format!("p{p}.image_f32")).expect("image_f32");
+            let err = max_err_rel_to_max(&img, &want);
+            assert!(err <= 1e-4, "{what}: image error {err:e} x max");
+            println!("{what}: VAE image {err:.2e} x max");
+            let f = cfg.scale_factor();
+            let rgb = vae::to_rgb8(&img, h * f, w * f).expect("rgb");
+            let want = e.bytes(&format!("p{p}.image_u8")).expect("image_u8");
+            let off = rgb.iter().zip(&want).filter(|(a, b)| a != b).count();
+            let far = rgb
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.abs_diff(**b) > 1)
+                .count();
+            assert_eq!(far, 0, "{what}: pixels more than 1 away");
+            assert!(
+                off * 100 <= rgb.len(),
+                "{what}: {off} of {} values differ",
+                rgb.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn vae_decoder_on_cpu_ref() {
+    check_vae(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn vae_decoder_on_cpu() {
+    check_vae(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn vae_decoder_on_wgpu() {
+    if wgpu_or_absent("vae").is_none() {
+        return;
+    }
+    check_vae(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }

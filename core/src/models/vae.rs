@@ -1,0 +1,407 @@
+//! The decoder of diffusers' `AutoencoderKL` (Flux's `vae/`) on the core graph: `conv_in`, the
+//! mid block (resnet, single-head spatial self-attention, resnet), the up blocks (each
+//! `layers_per_block + 1` resnets, all but the last ending in nearest 2x upsampling and a 3x3
+//! convolution), then group norm, SiLU and `conv_out`. Resnets are group norm, SiLU, 3x3
+//! convolution, twice, plus the input (through a 1x1 `conv_shortcut` where the channel count
+//! changes). Also the pipeline's two ends: latents to the decoder's input
+//! (`latents / scaling_factor + shift_factor`) and its output to 8-bit RGB as diffusers'
+//! `VaeImageProcessor` makes it.
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::format::json::{positive, typed};
+use crate::graph::{Graph, HostTensor, OpKind, ValueId, ValueInfo};
+use crate::io::model::ModelIndex;
+use crate::models::{reshape, W};
+
+/// What the decoder needs of `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VaeConfig {
+    /// `latent_channels`.
+    pub latent_channels: usize,
+    /// `out_channels` (3).
+    pub out_channels: usize,
+    /// `block_out_channels`.
+    pub block_out_channels: Vec<usize>,
+    /// `layers_per_block`.
+    pub layers_per_block: usize,
+    /// `norm_num_groups`.
+    pub norm_groups: usize,
+    /// `scaling_factor`.
+    pub scaling_factor: f32,
+    /// `shift_factor` (0 when absent).
+    pub shift_factor: f32,
+    /// `mid_block_add_attention`.
+    pub mid_attention: bool,
+}
+
+#[derive(Deserialize)]
+struct File {
+    #[serde(rename = "_class_name")]
+    class_name: Option<String>,
+    latent_channels: u64,
+    out_channels: Option<u64>,
+    block_out_channels: Vec<u64>,
+    layers_per_block: u64,
+    norm_num_groups: Option<u64>,
+    scaling_factor: f64,
+    shift_factor: Option<f64>,
+    use_post_quant_conv: Option<bool>,
+    mid_block_add_attention: Option<bool>,
+    up_block_types: Option<Vec<String>>,
+    act_fn: Option<String>,
+}
+
+impl VaeConfig {
+    /// From the VAE's `config.json`; a decoder nibble does not compute (post-quant
+    /// convolution, other block types or activations) is refused naming the field.
+    pub fn of(model: &ModelIndex) -> Result<Self> {
+        let file = model.locate("config.json");
+        let json = model.config.as_ref().ok_or_else(|| Error::Model {
+            file: file.clone(),
+            msg: "no config.json".into(),
+        })?;
+        let f: File = typed(&file, json)?;
+        let bad = |field: &str, msg: String| Error::Model {
+            file: file.clone(),
+            msg: format!("{field}: {msg}"),
+        };
+        if let Some(c) = f.class_name.as_deref().filter(|c| *c != "AutoencoderKL") {
+            return Err(bad(
+                "_class_name",
+                format!("{c} is not supported (AutoencoderKL)"),
+            ));
+        }
+        if f.use_post_quant_conv == Some(true) {
+            return Err(bad(
+                "use_post_quant_conv",
+                "true is not supported yet (Flux's VAE has none)".into(),
+            ));
+        }
+        if let Some(t) = f
+            .up_block_types
+            .iter()
+            .flatten()
+            .find(|t| *t != "UpDecoderBlock2D")
+        {
+            return Err(bad("up_block_types", format!("{t} is not supported")));
+        }
+        if let Some(a) = f.act_fn.as_deref().filter(|a| *a != "silu") {
+            return Err(bad("act_fn", format!("{a} is not supported (silu)")));
+        }
+        let chans = f
+            .block_out_channels
+            .iter()
+            .map(|&c| positive(&file, "block_out_channels", c))
+            .collect::<Result<Vec<_>>>()?;
+        if chans.is_empty() || chans.len() > 8 {
+            return Err(bad("block_out_channels", format!("{} blocks", chans.len())));
+        }
+        let norm_groups = positive(&file, "norm_num_groups", f.norm_num_groups.unwrap_or(32))?;
+        if let Some(c) = chans.iter().find(|&&c| c % norm_groups != 0) {
+            return Err(bad(
+                "norm_num_groups",
+                format!("{norm_groups} groups do not divide {c} channels"),
+            ));
+        }
+        let finite = |field: &str, v: f64| -> Result<f32> {
+            if v.is_finite() && v.abs() < 1e6 {
+                Ok(v as f32)
+            } else {
+                Err(bad(field, format!("{v} is not a usable number")))
+            }
+        };
+        let scaling_factor = finite("scaling_factor", f.scaling_factor)?;
+        if scaling_factor == 0.0 {
+            return Err(bad("scaling_factor", "0 divides by zero".into()));
+        }
+        Ok(VaeConfig {
+            latent_channels: positive(&file, "latent_channels", f.latent_channels)?,
+            out_channels: positive(&file, "out_channels", f.out_channels.unwrap_or(3))?,
+            layers_per_block: positive(&file, "layers_per_block", f.layers_per_block)?,
+            block_out_channels: chans,
+            norm_groups,
+            scaling_factor,
+            shift_factor: finite("shift_factor", f.shift_factor.unwrap_or(0.0))?,
+            mid_attention: f.mid_block_add_attention.unwrap_or(true),
+        })
+    }
+
+    /// Pixels per latent position along each side: `2^(blocks - 1)`.
+    pub fn scale_factor(&self) -> usize {
+        1 << (self.block_out_channels.len() - 1)
+    }
+}
+
+/// Builds the graph pieces with the weights of one group.
+struct Blocks<'a> {
+    g: Graph,
+    model: &'a ModelIndex,
+    groups: usize,
+}
+
+impl Blocks<'_> {
+    fn dense(&mut self, grp: usize, name: &str, shape: &[usize]) -> Result<ValueId> {
+        let e = self.model.require(name)?;
+        let want: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        if e.shape != want {
+            return Err(Error::Model {
+                file: self.model.root.clone(),
+                msg: format!("{name} is {:?}, the config says {shape:?}", e.shape),
+            });
+        }
+        Ok(self.g.dense_weight(grp, name, shape))
+    }
+
+    fn conv(
+        &mut self,
+        grp: usize,
+        name: &str,
+        x: ValueId,
+        cin: usize,
+        cout: usize,
+        k: usize,
+    ) -> Result<ValueId> {
+        let w = self.dense(grp, &format!("{name}.weight"), &[cout, cin, k, k])?;
+        let b = self.dense(grp, &format!("{name}.bias"), &[cout])?;
+        self.g.op(
+            OpKind::Conv2d {
+                kernel: k,
+                pad: k / 2,
+                bias: true,
+            },
+            &[x, w, b],
+            None,
+        )
+    }
+
+    fn norm(&mut self, grp: usize, name: &str, x: ValueId, c: usize) -> Result<ValueId> {
+        let w = self.dense(grp, &format!("{name}.weight"), &[c])?;
+        let b = self.dense(grp, &format!("{name}.bias"), &[c])?;
+        self.g.op(
+            OpKind::GroupNorm {
+                groups: self.groups,
+                eps: 1e-6,
+            },
+            &[x, w, b],
+            None,
+        )
+    }
+
+    fn resnet(
+        &mut self,
+        grp: usize,
+        p: &str,
+        x: ValueId,
+        cin: usize,
+        cout: usize,
+    ) -> Result<ValueId> {
+        let h = self.norm(grp, &format!("{p}.norm1"), x, cin)?;
+        let h = self.g.op(OpKind::Silu, &[h], None)?;
+        let h = self.conv(grp, &format!("{p}.conv1"), h, cin, cout, 3)?;
+        let h = self.norm(grp, &format!("{p}.norm2"), h, cout)?;
+        let h = self.g.op(OpKind::Silu, &[h], None)?;
+        let h = self.conv(grp, &format!("{p}.conv2"), h, cout, cout, 3)?;
+        let skip = if cin != cout {
+            self.conv(grp, &format!("{p}.conv_shortcut"), x, cin, cout, 1)?
+        } else {
+            x
+        };
+        self.g.op(OpKind::Add, &[skip, h], None)
+    }
+
+    /// `x · Wᵀ + b` with the `[c, c]` weight `name.weight` and its bias.
+    fn linear(&mut self, grp: usize, name: &str, x: ValueId, c: usize) -> Result<ValueId> {
+        let w = W::load(
+            &mut self.g,
+            self.model,
+            grp,
+            &format!("{name}.weight"),
+            c,
+            c,
+        )?;
+        w.apply(&mut self.g, x)
+    }
+
+    /// Single-head self-attention over the `h * w` positions, with a residual.
+    fn attention(
+        &mut self,
+        grp: usize,
+        p: &str,
+        x: ValueId,
+        c: usize,
+        hw: usize,
+    ) -> Result<ValueId> {
+        let y = self.norm(grp, &format!("{p}.group_norm"), x, c)?;
+        let y = reshape(&mut self.g, y, &[c, hw])?;
+        let y = self
+            .g
+            .op(OpKind::Permute { perm: vec![1, 0] }, &[y], None)?; // [hw, c]
+        let q = self.linear(grp, &format!("{p}.to_q"), y, c)?;
+        let k = self.linear(grp, &format!("{p}.to_k"), y, c)?;
+        let v = self.linear(grp, &format!("{p}.to_v"), y, c)?;
+        let (q, k, v) = (
+            reshape(&mut self.g, q, &[1, hw, c])?,
+            reshape(&mut self.g, k, &[1, hw, c])?,
+            reshape(&mut self.g, v, &[1, hw, c])?,
+        );
+        // Scores through matmul and softmax: the width (the channel count, 512 in Flux's VAE)
+        // is more than the fused attention kernels take.
+        let s = self
+            .g
+            .op(OpKind::MatMul { transpose_b: true }, &[q, k], None)?;
+        let s = self.g.op(
+            OpKind::Scale {
+                factor: 1.0 / (c as f32).sqrt(),
+            },
+            &[s],
+            None,
+        )?;
+        let a = self.g.op(OpKind::Softmax, &[s], None)?;
+        let a = self
+            .g
+            .op(OpKind::MatMul { transpose_b: false }, &[a, v], None)?;
+        let a = reshape(&mut self.g, a, &[hw, c])?;
+        let a = self.linear(grp, &format!("{p}.to_out.0"), a, c)?;
+        let a = self
+            .g
+            .op(OpKind::Permute { perm: vec![1, 0] }, &[a], None)?; // [c, hw]
+        let a = reshape(&mut self.g, a, &[c, hw])?;
+        let xs = reshape(&mut self.g, x, &[c, hw])?;
+        self.g.op(OpKind::Add, &[a, xs], None)
+    }
+}
+
+/// The decoder's graph for a `[latent_channels, h, w]` latent (one image): input that latent
+/// (already scaled and shifted), output the image `[out_channels, h * f, w * f]`.
+pub fn build(model: &ModelIndex, h: usize, w: usize) -> Result<(Graph, VaeConfig)> {
+    let cfg = VaeConfig::of(model)?;
+    if h == 0 || w == 0 || h > 1 << 12 || w > 1 << 12 {
+        return Err(Error::Invalid(format!("VAE graph: a {h} x {w} latent")));
+    }
+    let mut b = Blocks {
+        g: Graph::new(),
+        model,
+        groups: cfg.norm_groups,
+    };
+    let chans: Vec<usize> = cfg.block_out_channels.iter().rev().copied().collect();
+    let z = b.g.input(ValueInfo::f32(&[cfg.latent_channels, h, w]));
+    let grp = b.g.group("decoder.mid_block");
+    let mut x = b.conv(grp, "decoder.conv_in", z, cfg.latent_channels, chans[0], 3)?;
+    let c = chans[0];
+    x = b.resnet(grp, "decoder.mid_block.resnets.0", x, c, c)?;
+    if cfg.mid_attention {
+        x = b.attention(grp, "decoder.mid_block.attentions.0", x, c, h * w)?;
+        x = reshape(&mut b.g, x, &[c, h, w])?;
+    }
+    x = b.resnet(grp, "decoder.mid_block.resnets.1", x, c, c)?;
+    let (mut cur, mut hh, mut ww) = (c, h, w);
+    for (i, &out) in chans.iter().enumerate() {
+        let p = format!("decoder.up_blocks.{i}");
+        let grp = b.g.group(&p);
+        for j in 0..=cfg.layers_per_block {
+            x = b.resnet(grp, &format!("{p}.resnets.{j}"), x, cur, out)?;
+            cur = out;
+        }
+        if i + 1 < chans.len() {
+            x = b.g.op(OpKind::Upsample2x, &[x], None)?;
+            x = b.conv(grp, &format!("{p}.upsamplers.0.conv"), x, cur, cur, 3)?;
+            (hh, ww) = (hh * 2, ww * 2);
+        }
+    }
+    let grp = b.g.group("decoder.conv_out");
+    x = b.norm(grp, "decoder.conv_norm_out", x, cur)?;
+    x = b.g.op(OpKind::Silu, &[x], None)?;
+    x = b.conv(grp, "decoder.conv_out", x, cur, cfg.out_channels, 3)?;
+    let _ = (hh, ww);
+    b.g.output(x);
+    Ok((b.g, cfg))
+}
+
+/// The pipeline's decoder input from unpacked latents: `latents / scaling_factor +
+/// shift_factor` (f32, as diffusers computes it).
+pub fn decoder_input(latents: &[f32], cfg: &VaeConfig) -> Vec<f32> {
+    latents
+        .iter()
+        .map(|&v| v / cfg.scaling_factor + cfg.shift_factor)
+        .collect()
+}
+
+/// An image `[3, H, W]` in [-1, 1] to 8-bit RGB `[H, W, 3]` as `VaeImageProcessor` makes it:
+/// `(x / 2 + 0.5).clamp(0, 1)`, times 255, rounded half to even.
+pub fn to_rgb8(image: &[f32], h: usize, w: usize) -> Result<Vec<u8>> {
+    if image.len() != 3 * h * w {
+        return Err(Error::Invalid(format!(
+            "{} values are not a 3 x {h} x {w} image",
+            image.len()
+        )));
+    }
+    let mut out = vec![0u8; 3 * h * w];
+    for c in 0..3 {
+        for i in 0..h * w {
+            let v = (image[c * h * w + i] / 2.0 + 0.5).clamp(0.0, 1.0);
+            out[i * 3 + c] = (v * 255.0).round_ties_even() as u8;
+        }
+    }
+    Ok(out)
+}
+
+/// A VAE decoder ready to run on a backend.
+pub struct VaeDecoder<B: crate::backend::Backend> {
+    ex: Executor<B>,
+    config: VaeConfig,
+    shape: (usize, usize),
+}
+
+impl<B: crate::backend::Backend> std::fmt::Debug for VaeDecoder<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VaeDecoder")
+            .field("latent", &self.shape)
+            .finish()
+    }
+}
+
+impl<B: crate::backend::Backend> VaeDecoder<B> {
+    /// Builds the graph for an `h x w` latent, plans memory and loads the resident weights.
+    pub fn new(
+        model: &ModelIndex,
+        backend: B,
+        h: usize,
+        w: usize,
+        opts: ExecOptions,
+    ) -> Result<Self> {
+        let (graph, config) = build(model, h, w)?;
+        let ex = Executor::new(graph, model, backend, opts)?;
+        Ok(VaeDecoder {
+            ex,
+            config,
+            shape: (h, w),
+        })
+    }
+
+    /// The executor (its plan, its backend).
+    pub fn executor(&self) -> &Executor<B> {
+        &self.ex
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &VaeConfig {
+        &self.config
+    }
+
+    /// The image `[out_channels, h * f, w * f]` of a decoder input `[latent_channels, h, w]`.
+    pub fn decode(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
+        let (h, w) = self.shape;
+        let input = HostTensor::f32(&[self.config.latent_channels, h, w], z.to_vec())?;
+        let (out, stats) = self.ex.step(&[input])?;
+        let image = out
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Invalid("the VAE graph has no output".into()))?
+            .into_f32();
+        crate::error::check_finite(&image, || "the VAE's image".to_string())?;
+        Ok((image, stats))
+    }
+}
