@@ -179,3 +179,62 @@ fn vae_decoder_on_wgpu() {
     }
     check_vae(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// The transformer's denoising loop from the fixture's embeddings, initial latents and sigmas:
+/// the latents after every step within 1e-4 x max of diffusers'.
+fn check_denoise<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::models::dit::{self, Denoiser, DitInputs};
+    use nibble_core::models::flux::latent_image_ids;
+    let e = expected();
+    let m = component("transformer");
+    for streamed in [false, true] {
+        for p in 0..2 {
+            let what = format!("{label} streamed={streamed} p{p}");
+            let f = |n: &str| e.f32(&format!("p{p}.{n}")).unwrap_or_else(|| panic!("{n}"));
+            let inputs = DitInputs {
+                x0: f("initial_latents"),
+                context: f("prompt_embeds"),
+                pooled: f("pooled_prompt_embeds"),
+                guidance: f("guidance")[0],
+                img_ids: latent_image_ids(8, 8),
+                txt_ids: vec![0.0; 32 * 3],
+            };
+            assert_eq!(inputs.img_ids, f("latent_image_ids"));
+            let sigmas = f("sigmas");
+            let mut b = make();
+            let dg = dit::build(&m, inputs.image_tokens(), inputs.text_tokens()).expect("graph");
+            let o = opts(&dg.graph, &m, streamed, &mut b);
+            let mut d = Denoiser::new(&m, b, inputs, sigmas.clone(), o).expect("denoiser");
+            for k in 0..sigmas.len() - 1 {
+                let st = d.step().expect("step").expect("a step");
+                if streamed {
+                    assert!(st.stats.stream.bytes > 0, "{what}: streamed");
+                }
+                let want = f(&format!("latents_step{k}"));
+                let err = max_err_rel_to_max(d.latent(), &want);
+                assert!(err <= 1e-4, "{what}: step {k} latents error {err:e} x max");
+                println!("{what}: step {k} latents {err:.2e} x max");
+            }
+            let err = max_err_rel_to_max(d.latent(), &f("final_latents_packed"));
+            assert!(err <= 1e-4, "{what}: final latents error {err:e} x max");
+        }
+    }
+}
+
+#[test]
+fn denoising_on_cpu_ref() {
+    check_denoise(CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn denoising_on_cpu() {
+    check_denoise(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn denoising_on_wgpu() {
+    if wgpu_or_absent("denoising").is_none() {
+        return;
+    }
+    check_denoise(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
