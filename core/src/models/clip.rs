@@ -225,6 +225,11 @@ impl<B: crate::backend::Backend> ClipText<B> {
         &self.ex
     }
 
+    /// The backend back, its device memory released (for the next phase).
+    pub fn into_backend(self) -> B {
+        self.ex.into_parts().0
+    }
+
     /// The final hidden state `[seq_len, hidden]` of `ids` (exactly `seq_len` of them, padded
     /// as the tokenizer pads) and the pooled output `[hidden]`.
     pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, Vec<f32>, ExecStats)> {

@@ -261,6 +261,11 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
         &self.ex
     }
 
+    /// The backend back, its device memory released (for the next phase).
+    pub fn into_backend(self) -> B {
+        self.ex.into_parts().0
+    }
+
     /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`, padded).
     pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
         let t = self.seq_len;

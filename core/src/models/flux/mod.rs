@@ -1,9 +1,12 @@
 //! Text to image with a diffusers Flux pipeline folder, the pieces `FluxPipeline` computes
 //! around its models: the scheduler's sigmas ([`scheduler`]), torch-compatible initial noise
 //! ([`noise`]), the prompt's CLIP and T5 token ids (`tokens`, with the `text` feature), the
-//! 2x2 packing of latents into tokens and the tokens' position ids.
+//! 2x2 packing of latents into tokens and the tokens' position ids; and the whole text-to-image
+//! run of a pipeline folder (`pipeline`, with the `text` feature).
 
 pub mod noise;
+#[cfg(feature = "text")]
+pub mod pipeline;
 pub mod scheduler;
 #[cfg(feature = "text")]
 pub mod tokens;

@@ -104,7 +104,14 @@ pub(super) fn run<B: Backend>(
     let inputs = match (&resumed, &d.inputs) {
         (Some(c), _) => c.inputs.clone(),
         (None, Some(p)) => read_inputs(p, &cfg)?,
-        (None, None) => DitInputs::random(&cfg, d.height, d.width, d.text_len, d.guidance, o.seed)?,
+        (None, None) => DitInputs::random(
+            &cfg,
+            d.height.unwrap_or(4),
+            d.width.unwrap_or(4),
+            d.text_len,
+            d.guidance,
+            o.seed,
+        )?,
     };
     let sigmas = match &resumed {
         Some(c) => c.sigmas.clone(),

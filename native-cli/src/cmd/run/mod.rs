@@ -4,6 +4,7 @@
 
 mod dit;
 mod embed;
+mod flux;
 mod llm;
 mod options;
 
@@ -18,6 +19,9 @@ pub use options::RunArgs;
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
 pub fn run(o: &RunArgs) -> Result<()> {
     check_outputs(o)?;
+    if nibble_core::models::flux::pipeline::FluxPipeline::is_pipeline(&o.model) {
+        return flux::run(o);
+    }
     let model = ModelIndex::open_path_or_url(&o.model, o.file_mode.into())?;
     let Some(k) = model.config.as_ref().and_then(ModelKind::of_config) else {
         bail!(
@@ -56,13 +60,24 @@ impl crate::backends::WithBackend for Dispatch<'_> {
 /// Every file `run` writes is checked against what it reads before the model is opened.
 fn check_outputs(o: &RunArgs) -> Result<()> {
     use crate::output::paths::{check_output, Reads};
-    let inputs: Vec<&std::path::Path> = o.dit.inputs.iter().map(|p| p.as_path()).collect();
+    let inputs: Vec<&std::path::Path> = o
+        .dit
+        .inputs
+        .iter()
+        .chain(&o.dit.latents)
+        .map(|p| p.as_path())
+        .collect();
     let mut with_resume = inputs.clone();
     with_resume.extend(o.dit.resume.as_deref());
     let outputs = [
         ("--logits-out", o.llm.logits_out.as_deref(), &with_resume),
         ("--out", o.dit.out.as_deref(), &with_resume),
         ("--preview", o.dit.preview.as_deref(), &with_resume),
+        (
+            "--intermediates",
+            o.dit.intermediates.as_deref(),
+            &with_resume,
+        ),
         // Checkpointing over the checkpoint resumed from is how a long run is continued.
         ("--checkpoint", o.dit.checkpoint.as_deref(), &inputs),
     ];

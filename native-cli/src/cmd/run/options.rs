@@ -82,9 +82,9 @@ pub struct LlmArgs {
     pub logits_out: Option<PathBuf>,
 }
 
-/// Denoising with a Flux-style DiT.
+/// Denoising with a Flux-style DiT, alone or in a Flux pipeline folder.
 #[derive(Debug, Clone, Args)]
-#[command(next_help_heading = "DiTs")]
+#[command(next_help_heading = "DiTs and Flux pipelines")]
 pub struct DitArgs {
     /// Denoising steps.
     #[arg(long, default_value_t = 28)]
@@ -93,12 +93,30 @@ pub struct DitArgs {
     /// txt_ids); random from --seed otherwise.
     #[arg(long, value_name = "FILE")]
     pub inputs: Option<PathBuf>,
-    /// Latent grid height in tokens (random inputs).
-    #[arg(long, default_value_t = 4)]
-    pub height: usize,
-    /// Latent grid width in tokens (random inputs).
-    #[arg(long, default_value_t = 4)]
-    pub width: usize,
+    /// A pipeline's image height in pixels [default: 1024]; a lone DiT's latent grid height in
+    /// tokens (random inputs) [default: 4].
+    #[arg(long)]
+    pub height: Option<usize>,
+    /// A pipeline's image width in pixels [default: 1024]; a lone DiT's latent grid width in
+    /// tokens (random inputs) [default: 4].
+    #[arg(long)]
+    pub width: Option<usize>,
+    /// A pipeline's T5 tokens (diffusers' `max_sequence_length`).
+    #[arg(long, default_value_t = 512)]
+    pub max_sequence_length: usize,
+    /// A pipeline's initial latents (`latents` or `initial_latents`, packed [1, tokens,
+    /// 4 x channels] or [tokens, 4 x channels]) instead of noise from --seed.
+    #[arg(long, value_name = "FILE", conflicts_with = "inputs")]
+    pub latents: Option<PathBuf>,
+    /// Which of torch's CPU noise transforms --seed reproduces: its AVX2 kernel (x86-64
+    /// machines with AVX2, the usual case) or its scalar one (ARM, older x86).
+    #[arg(long, value_enum, default_value_t = NoiseArg::Avx2)]
+    pub torch_noise: NoiseArg,
+    /// A pipeline's intermediate tensors (float32): clip_input_ids, t5_input_ids,
+    /// pooled_prompt_embeds, prompt_embeds, initial_latents, sigmas, final_latents_packed,
+    /// vae_input, image_f32.
+    #[arg(long, value_name = "FILE")]
+    pub intermediates: Option<PathBuf>,
     /// Text tokens (random inputs).
     #[arg(long, default_value_t = 8)]
     pub text_len: usize,
@@ -111,7 +129,7 @@ pub struct DitArgs {
     /// Resolution-dependent shift, as Flux uses.
     #[arg(long)]
     pub dynamic_shift: bool,
-    /// Write the final latent (`latent`, float32).
+    /// A pipeline's image (PNG); a lone DiT's final latent (`latent`, float32 safetensors).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// PNG of the final latent's first three channels.
@@ -157,4 +175,13 @@ pub(crate) fn resident_budget<B: Backend>(
     Ok(nibble_core::plan::resident_device_bytes(
         graph, model, backend,
     )?)
+}
+
+/// Which of torch's noise transforms `--seed` reproduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NoiseArg {
+    /// torch's AVX2 kernel.
+    Avx2,
+    /// torch's scalar kernel (the C library's log, sin, cos).
+    Scalar,
 }

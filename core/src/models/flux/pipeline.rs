@@ -1,0 +1,518 @@
+//! A diffusers Flux pipeline folder run as `FluxPipeline.__call__` runs it: the prompt through
+//! CLIP (pooled) and T5 (per token), torch-compatible initial noise packed into 2x2 tokens, the
+//! flow-matching Euler loop of the transformer with the dynamic shift `mu`, unpacking, the VAE
+//! decoder on `latents / scaling_factor + shift_factor`, and 8-bit RGB. Each phase is planned
+//! before any weight byte of the run is read ([`FluxPipeline::plans`]); phases run one after
+//! another on one backend, each releasing its device memory before the next allocates.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::exec::{ExecOptions, Executor};
+use crate::graph::Graph;
+use crate::io::folder::{block_on, ModelFolder};
+use crate::io::model::ModelIndex;
+use crate::models::clip::{self, ClipText};
+use crate::models::dit::{self, Denoiser, DitInputs};
+use crate::models::flux::noise::NoiseMath;
+use crate::models::flux::scheduler::SchedulerConfig;
+use crate::models::flux::tokens::{ClipTokenizer, T5Tokenizer};
+use crate::models::flux::{latent_grid, latent_image_ids, unpack_latents};
+use crate::models::t5::{self, T5Encoder};
+use crate::models::vae::{self, VaeConfig, VaeDecoder};
+use crate::plan::MemoryPlan;
+
+/// The components a Flux pipeline folder must list in `model_index.json`, with the classes
+/// nibble computes.
+const COMPONENTS: [(&str, &[&str]); 7] = [
+    ("scheduler", &["FlowMatchEulerDiscreteScheduler"]),
+    ("text_encoder", &["CLIPTextModel"]),
+    ("tokenizer", &["CLIPTokenizer", "CLIPTokenizerFast"]),
+    ("text_encoder_2", &["T5EncoderModel"]),
+    ("tokenizer_2", &["T5TokenizerFast", "T5Tokenizer"]),
+    ("transformer", &["FluxTransformer2DModel"]),
+    ("vae", &["AutoencoderKL"]),
+];
+
+/// Small files are read whole up to this size.
+const SMALL: u64 = 64 << 20;
+
+/// An opened pipeline folder: configs, tokenizers and the four models' indexes (headers only;
+/// no weight byte is read until a phase runs).
+pub struct FluxPipeline {
+    /// The folder as given.
+    pub root: String,
+    /// The scheduler's settings.
+    pub scheduler: SchedulerConfig,
+    /// CLIP's tokenizer.
+    pub clip_tokenizer: ClipTokenizer,
+    /// T5's tokenizer.
+    pub t5_tokenizer: T5Tokenizer,
+    /// `text_encoder/`.
+    pub text_encoder: ModelIndex,
+    /// `text_encoder_2/`.
+    pub text_encoder_2: ModelIndex,
+    /// `transformer/`.
+    pub transformer: ModelIndex,
+    /// `vae/`.
+    pub vae: ModelIndex,
+}
+
+impl std::fmt::Debug for FluxPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FluxPipeline")
+            .field("root", &self.root)
+            .finish()
+    }
+}
+
+/// Checks `model_index.json`: a FluxPipeline with exactly the components nibble computes (the
+/// optional image encoder and feature extractor absent).
+pub fn check_model_index(file: &str, json: &serde_json::Value) -> Result<()> {
+    let bad = |msg: String| Error::Model {
+        file: file.to_string(),
+        msg,
+    };
+    let obj = json
+        .as_object()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    match obj.get("_class_name").and_then(|v| v.as_str()) {
+        Some("FluxPipeline") => {}
+        other => {
+            return Err(bad(format!(
+                "_class_name {other:?}: only FluxPipeline folders are run"
+            )))
+        }
+    }
+    for (name, classes) in COMPONENTS {
+        let class = obj
+            .get(name)
+            .and_then(|v| v.as_array())
+            .and_then(|a| a.get(1))
+            .and_then(|v| v.as_str());
+        match class {
+            Some(c) if classes.contains(&c) => {}
+            Some(c) => return Err(bad(format!("{name} is a {c}: not supported ({classes:?})"))),
+            None => return Err(bad(format!("no {name} component"))),
+        }
+    }
+    for (name, v) in obj {
+        let known = name.starts_with('_') || COMPONENTS.iter().any(|(n, _)| n == name);
+        let null = v.as_array().is_some_and(|a| a.iter().all(|x| x.is_null()));
+        if !known && !null {
+            return Err(bad(format!("component {name} ({v}) is not supported")));
+        }
+    }
+    Ok(())
+}
+
+fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
+    let bytes = block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Model {
+        file: folder.locate(name),
+        msg: e.to_string(),
+    })
+}
+
+fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
+    block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))
+}
+
+impl FluxPipeline {
+    /// Whether `root` (a folder or URL) holds a `model_index.json`.
+    #[cfg(feature = "native")]
+    pub fn is_pipeline(root: &str) -> bool {
+        if root.starts_with("http://") || root.starts_with("https://") {
+            let f =
+                crate::io::http::HttpFolder::new(root.trim_end_matches('/'), Default::default());
+            matches!(
+                block_on(f.read_small("model_index.json", SMALL)),
+                Ok(Some(_))
+            )
+        } else {
+            std::path::Path::new(root)
+                .join("model_index.json")
+                .is_file()
+        }
+    }
+
+    /// Opens a pipeline folder, locally or by URL: the configs and tokenizers are read and
+    /// checked, the models' headers indexed. Anything nibble does not compute is refused here,
+    /// before a weight byte is read.
+    #[cfg(feature = "native")]
+    pub fn open(root: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
+        let url = root.starts_with("http://") || root.starts_with("https://");
+        let root = root.trim_end_matches('/').to_string();
+        let folder: Arc<dyn ModelFolder> = if url {
+            Arc::new(crate::io::http::HttpFolder::new(&root, Default::default()))
+        } else {
+            Arc::new(crate::io::file::LocalFolder::new(
+                std::path::Path::new(&root),
+                mode,
+            )?)
+        };
+        let index = read_json(folder.as_ref(), "model_index.json")?;
+        check_model_index(&folder.locate("model_index.json"), &index)?;
+        let sched_name = "scheduler/scheduler_config.json";
+        let scheduler = SchedulerConfig::from_json(
+            &folder.locate(sched_name),
+            &read_json(folder.as_ref(), sched_name)?,
+        )?;
+        // CLIP's tokenizer config, with special_tokens_map.json's entries where it has none.
+        let mut cfg = read_json(folder.as_ref(), "tokenizer/tokenizer_config.json")?;
+        if let Some(Ok(map)) =
+            block_on(folder.read_small("tokenizer/special_tokens_map.json", SMALL))?
+                .map(|b| serde_json::from_slice::<serde_json::Value>(&b))
+        {
+            if let (Some(c), Some(m)) = (cfg.as_object_mut(), map.as_object()) {
+                for (k, v) in m {
+                    c.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+            }
+        }
+        let clip_tokenizer = ClipTokenizer::from_files(
+            &read(folder.as_ref(), "tokenizer/vocab.json")?,
+            &read(folder.as_ref(), "tokenizer/merges.txt")?,
+            &cfg,
+        )?;
+        let t5_tokenizer =
+            match block_on(folder.read_small("tokenizer_2/tokenizer.json", SMALL))? {
+                Some(b) => T5Tokenizer::from_json(&b)?,
+                None => return Err(Error::Model {
+                    file: folder.locate("tokenizer_2/tokenizer.json"),
+                    msg: "missing: T5's tokenizer is read from tokenizer.json (a folder with only \
+                          spiece.model is not supported)"
+                        .into(),
+                }),
+            };
+        let open = |c: &str| ModelIndex::open_path_or_url(&format!("{root}/{c}"), mode);
+        Ok(FluxPipeline {
+            scheduler,
+            clip_tokenizer,
+            t5_tokenizer,
+            text_encoder: open("text_encoder")?,
+            text_encoder_2: open("text_encoder_2")?,
+            transformer: open("transformer")?,
+            vae: open("vae")?,
+            root,
+        })
+    }
+
+    /// Everything the run computes before any model: token ids, the latent grid, `mu`, the
+    /// sigmas and the initial packed latents.
+    pub fn prepare(&self, req: &FluxRequest) -> Result<Prepared> {
+        let dcfg = dit::DitConfig::of(&self.transformer)?;
+        let vcfg = VaeConfig::of(&self.vae)?;
+        let channels = dcfg.in_channels / 4;
+        if channels == 0 || dcfg.in_channels % 4 != 0 || channels != vcfg.latent_channels {
+            return Err(Error::Model {
+                file: self.transformer.locate("config.json"),
+                msg: format!(
+                    "in_channels {} is not 4 x the VAE's latent_channels {}",
+                    dcfg.in_channels, vcfg.latent_channels
+                ),
+            });
+        }
+        let grid = latent_grid(req.height, req.width, vcfg.scale_factor())?;
+        let tokens = (grid.0 / 2) * (grid.1 / 2);
+        let (clip_ids, _) = self.clip_tokenizer.encode(&req.prompt)?;
+        let (t5_ids, _) = self
+            .t5_tokenizer
+            .encode(&req.prompt, req.max_sequence_length)?;
+        let mu = self.scheduler.mu(tokens);
+        let sigmas = self.scheduler.flux_sigmas(req.steps, mu)?;
+        let n = channels * grid.0 * grid.1;
+        let latents = match &req.noise {
+            Noise::Seed(seed, math) => {
+                crate::models::flux::initial_latents(*seed, channels, grid, *math)
+            }
+            Noise::Latents(v) if v.len() == n => v.clone(),
+            Noise::Latents(v) => {
+                return Err(Error::Invalid(format!(
+                    "{} initial latents given, a {} x {} image takes {n} ({} tokens of {})",
+                    v.len(),
+                    req.height,
+                    req.width,
+                    tokens,
+                    channels * 4
+                )))
+            }
+        };
+        Ok(Prepared {
+            clip_ids,
+            t5_ids,
+            grid,
+            channels,
+            mu,
+            sigmas,
+            latents,
+            guidance: req.guidance,
+            vae: vcfg,
+        })
+    }
+
+    /// The four phases' graphs (CLIP, T5, transformer, VAE) with their models.
+    pub fn graphs(&self, p: &Prepared) -> Result<Vec<(&'static str, Graph, &ModelIndex)>> {
+        Ok(vec![
+            (
+                "CLIP",
+                clip::build(&self.text_encoder, p.clip_ids.len())?.0,
+                &self.text_encoder,
+            ),
+            (
+                "T5",
+                t5::build(&self.text_encoder_2, p.t5_ids.len())?.0,
+                &self.text_encoder_2,
+            ),
+            (
+                "transformer",
+                dit::build(&self.transformer, p.tokens(), p.t5_ids.len())?.graph,
+                &self.transformer,
+            ),
+            (
+                "VAE",
+                vae::build(&self.vae, p.grid.0, p.grid.1)?.0,
+                &self.vae,
+            ),
+        ])
+    }
+
+    /// The device bytes that hold every phase with all its weights resident (the largest
+    /// phase's).
+    pub fn resident_device_bytes<B: Backend>(&self, p: &Prepared, backend: &mut B) -> Result<u64> {
+        let mut most = 0;
+        for (_, g, m) in self.graphs(p)? {
+            most = most.max(crate::plan::resident_device_bytes(&g, m, backend)?);
+        }
+        Ok(most)
+    }
+
+    /// The four phases' plans (CLIP, T5, transformer, VAE) for `opts`, made before anything is
+    /// allocated or read; an impossible budget is an error naming the phase.
+    pub fn plans<B: Backend>(
+        &self,
+        p: &Prepared,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Vec<(&'static str, MemoryPlan)>> {
+        let mut out = Vec::new();
+        for (phase, g, m) in self.graphs(p)? {
+            let plan = Executor::plan_only(&g, m, backend, opts)
+                .map_err(|e| Error::Invalid(format!("{phase} phase: {e}")))?;
+            out.push((phase, plan));
+        }
+        Ok(out)
+    }
+
+    /// Runs the four phases on `backend`, reporting each phase and step to `on`.
+    pub fn run<B: Backend>(
+        &self,
+        p: &Prepared,
+        backend: B,
+        opts: ExecOptions,
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<FluxOutput> {
+        let mut tensors = BTreeMap::new();
+        let ids_f32 = |v: &[u32]| v.iter().map(|&i| i as f32).collect::<Vec<_>>();
+        tensors.insert(
+            "clip_input_ids".into(),
+            (vec![1, p.clip_ids.len()], ids_f32(&p.clip_ids)),
+        );
+        tensors.insert(
+            "t5_input_ids".into(),
+            (vec![1, p.t5_ids.len()], ids_f32(&p.t5_ids)),
+        );
+        let phase = |on: &mut dyn FnMut(Event<'_>),
+                     name: &'static str,
+                     t0: web_time::Instant,
+                     bytes: u64| {
+            on(Event::PhaseDone {
+                phase: name,
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+                bytes_streamed: bytes,
+            })
+        };
+
+        on(Event::PhaseStart { phase: "CLIP" });
+        let t0 = web_time::Instant::now();
+        let mut clip = ClipText::new(&self.text_encoder, backend, p.clip_ids.len(), opts)?;
+        let (_, pooled, st) = clip.forward(&p.clip_ids)?;
+        let backend = clip.into_backend();
+        phase(&mut on, "CLIP", t0, st.stream.bytes);
+
+        on(Event::PhaseStart { phase: "T5" });
+        let t0 = web_time::Instant::now();
+        let mut t5 = T5Encoder::new(&self.text_encoder_2, backend, p.t5_ids.len(), opts)?;
+        let (context, st) = t5.forward(&p.t5_ids)?;
+        let backend = t5.into_backend();
+        phase(&mut on, "T5", t0, st.stream.bytes);
+        tensors.insert(
+            "pooled_prompt_embeds".into(),
+            (vec![1, pooled.len()], pooled.clone()),
+        );
+        let width = context.len() / p.t5_ids.len().max(1);
+        tensors.insert(
+            "prompt_embeds".into(),
+            (vec![1, p.t5_ids.len(), width], context.clone()),
+        );
+        tensors.insert(
+            "initial_latents".into(),
+            (vec![1, p.tokens(), p.channels * 4], p.latents.clone()),
+        );
+        tensors.insert("sigmas".into(), (vec![p.sigmas.len()], p.sigmas.clone()));
+
+        on(Event::PhaseStart {
+            phase: "transformer",
+        });
+        let t0 = web_time::Instant::now();
+        let inputs = DitInputs {
+            x0: p.latents.clone(),
+            context,
+            pooled,
+            guidance: p.guidance,
+            img_ids: latent_image_ids(p.grid.0 / 2, p.grid.1 / 2),
+            txt_ids: vec![0.0; p.t5_ids.len() * 3],
+        };
+        let mut d = Denoiser::new(&self.transformer, backend, inputs, p.sigmas.clone(), opts)?;
+        let mut streamed = 0;
+        let steps = p.sigmas.len() - 1;
+        while let Some(s) = d.step()? {
+            streamed += s.stats.stream.bytes;
+            on(Event::Step {
+                step: s.step,
+                steps,
+                info: &s,
+            });
+        }
+        let packed = d.latent().to_vec();
+        let (backend, _) = d.into_parts();
+        phase(&mut on, "transformer", t0, streamed);
+        tensors.insert(
+            "final_latents_packed".into(),
+            (vec![1, p.tokens(), p.channels * 4], packed.clone()),
+        );
+
+        on(Event::PhaseStart { phase: "VAE" });
+        let t0 = web_time::Instant::now();
+        let (h, w) = p.grid;
+        let z = vae::decoder_input(&unpack_latents(&packed, p.channels, h, w), &p.vae);
+        tensors.insert("vae_input".into(), (vec![1, p.channels, h, w], z.clone()));
+        let mut dec = VaeDecoder::new(&self.vae, backend, h, w, opts)?;
+        let (image, st) = dec.decode(&z)?;
+        drop(dec);
+        phase(&mut on, "VAE", t0, st.stream.bytes);
+        let f = p.vae.scale_factor();
+        let (ih, iw) = (h * f, w * f);
+        let rgb = vae::to_rgb8(&image, ih, iw)?;
+        tensors.insert("image_f32".into(), (vec![1, 3, ih, iw], image));
+        Ok(FluxOutput {
+            height: ih,
+            width: iw,
+            rgb,
+            tensors,
+        })
+    }
+}
+
+/// Where the initial latents come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Noise {
+    /// `torch.Generator("cpu").manual_seed(seed)`, drawn with torch's transform.
+    Seed(u64, NoiseMath),
+    /// Given packed latents `[tokens, 4 * channels]`.
+    Latents(Vec<f32>),
+}
+
+/// What to generate (defaults as `FluxPipeline.__call__`'s are set by the caller).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FluxRequest {
+    /// The prompt (CLIP and T5 both get it).
+    pub prompt: String,
+    /// Image height in pixels.
+    pub height: usize,
+    /// Image width in pixels.
+    pub width: usize,
+    /// Denoising steps.
+    pub steps: usize,
+    /// Embedded guidance scale.
+    pub guidance: f32,
+    /// T5 tokens (`max_sequence_length`).
+    pub max_sequence_length: usize,
+    /// The initial noise.
+    pub noise: Noise,
+}
+
+/// A request made concrete: ids, grid, schedule, initial latents.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// CLIP ids (77).
+    pub clip_ids: Vec<u32>,
+    /// T5 ids (`max_sequence_length`).
+    pub t5_ids: Vec<u32>,
+    /// Latent grid (height, width).
+    pub grid: (usize, usize),
+    /// Latent channels.
+    pub channels: usize,
+    /// The dynamic shift.
+    pub mu: f64,
+    /// The sigmas (steps + 1).
+    pub sigmas: Vec<f32>,
+    /// Packed initial latents.
+    pub latents: Vec<f32>,
+    /// Guidance.
+    pub guidance: f32,
+    /// The VAE's config.
+    pub vae: VaeConfig,
+}
+
+impl Prepared {
+    /// Packed image tokens.
+    pub fn tokens(&self) -> usize {
+        (self.grid.0 / 2) * (self.grid.1 / 2)
+    }
+}
+
+/// Progress of a run.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// A phase begins (its model is about to be loaded).
+    PhaseStart {
+        /// CLIP, T5, transformer or VAE.
+        phase: &'static str,
+    },
+    /// One denoising step is done.
+    Step {
+        /// From 1.
+        step: usize,
+        /// Of this many.
+        steps: usize,
+        /// Its figures.
+        info: &'a dit::DenoiseStep,
+    },
+    /// A phase is done and its device memory released.
+    PhaseDone {
+        /// CLIP, T5, transformer or VAE.
+        phase: &'static str,
+        /// Wall time.
+        ms: f64,
+        /// Weight bytes streamed.
+        bytes_streamed: u64,
+    },
+}
+
+/// The picture and the tensors diffusers names along the way.
+#[derive(Debug, Clone)]
+pub struct FluxOutput {
+    /// Pixels high.
+    pub height: usize,
+    /// Pixels wide.
+    pub width: usize,
+    /// 8-bit RGB, `[height, width, 3]`.
+    pub rgb: Vec<u8>,
+    /// `clip_input_ids`, `t5_input_ids`, `pooled_prompt_embeds`, `prompt_embeds`,
+    /// `initial_latents`, `sigmas`, `final_latents_packed`, `vae_input`, `image_f32`: shape and
+    /// float32 values.
+    pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+}

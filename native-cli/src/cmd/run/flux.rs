@@ -1,0 +1,191 @@
+//! `nibble run` on a diffusers Flux pipeline folder (the model kind from `model_index.json`):
+//! the prompt to a PNG through CLIP, T5, the transformer and the VAE, each phase planned before
+//! anything is read, progress per phase and per step, `--json` with per-phase and per-step time,
+//! bytes streamed and RSS, `--intermediates` with the tensors diffusers names.
+
+use anyhow::{bail, Context, Result};
+use nibble_core::backend::Backend;
+use nibble_core::format::dtype::{f32_to_bytes, Dtype};
+use nibble_core::io::model::ModelIndex;
+use nibble_core::models::flux::noise::NoiseMath;
+use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Noise};
+use nibble_core::plan::fmt_bytes;
+use serde_json::json;
+
+use super::options::{NoiseArg, RunArgs};
+
+/// Opens the pipeline and runs it on the chosen backend.
+pub fn run(o: &RunArgs) -> Result<()> {
+    let pipe = FluxPipeline::open(&o.model, o.file_mode.into())
+        .with_context(|| format!("opening the Flux pipeline {}", o.model))?;
+    if !o.text.prompt_ids.is_empty() || o.text.chat {
+        bail!("a Flux pipeline takes --prompt TEXT (tokenized by its CLIP and T5 tokenizers)");
+    }
+    let Some(prompt) = o.text.prompt.clone() else {
+        bail!("a Flux pipeline needs --prompt TEXT");
+    };
+    if o.dit.inputs.is_some() || o.dit.checkpoint.is_some() || o.dit.resume.is_some() {
+        bail!("--inputs, --checkpoint and --resume are for a lone DiT, not a pipeline folder");
+    }
+    let d = &o.dit;
+    let noise = match &d.latents {
+        Some(path) => Noise::Latents(read_latents(path)?),
+        None => Noise::Seed(
+            o.seed,
+            match d.torch_noise {
+                NoiseArg::Avx2 => NoiseMath::AvxMathfun,
+                NoiseArg::Scalar => NoiseMath::Libm,
+            },
+        ),
+    };
+    let req = FluxRequest {
+        prompt,
+        height: d.height.unwrap_or(1024),
+        width: d.width.unwrap_or(1024),
+        steps: d.steps,
+        guidance: d.guidance,
+        max_sequence_length: d.max_sequence_length,
+        noise,
+    };
+    crate::backends::select(o.backend)?.run(Run { o, pipe, req })
+}
+
+/// Packed latents from a safetensors file (`latents` or `initial_latents`).
+fn read_latents(path: &std::path::Path) -> Result<Vec<f32>> {
+    let f = ModelIndex::open(path)?;
+    let e = ["latents", "initial_latents"]
+        .iter()
+        .find_map(|n| f.get(n))
+        .with_context(|| {
+            format!(
+                "{}: no tensor 'latents' or 'initial_latents'",
+                path.display()
+            )
+        })?;
+    Ok(f.read_f32(e)?)
+}
+
+struct Run<'a> {
+    o: &'a RunArgs,
+    pipe: FluxPipeline,
+    req: FluxRequest,
+}
+
+impl crate::backends::WithBackend for Run<'_> {
+    type Output = ();
+    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
+        let Run { o, pipe, req } = self;
+        let quiet = o.json;
+        let prepared = pipe.prepare(&req)?;
+        // The device budget: as given, else the largest phase's everything-resident size.
+        let opts = super::options::exec_options(&o.memory, || {
+            Ok(pipe.resident_device_bytes(&prepared, &mut backend)?)
+        })?;
+        let plans = pipe.plans(&prepared, &mut backend, opts)?;
+        if !quiet {
+            eprintln!("backend {label}");
+            eprintln!(
+                "{} x {} image, {} steps, mu {:.4}, {} T5 tokens",
+                req.width,
+                req.height,
+                req.steps,
+                prepared.mu,
+                prepared.t5_ids.len()
+            );
+            for (i, (phase, plan)) in plans.iter().enumerate() {
+                eprintln!("phase {} of 4, {phase}:", i + 1);
+                eprint!("{}", plan.explain());
+            }
+        }
+        let mut phases = Vec::new();
+        let mut steps = Vec::new();
+        nibble_core::io::machine::reset_peak_rss();
+        let out = pipe.run(&prepared, backend, opts, |e| match e {
+            Event::PhaseStart { phase } => {
+                if !quiet {
+                    eprintln!("{phase} ...");
+                }
+            }
+            Event::Step {
+                step,
+                steps: n,
+                info,
+            } => {
+                if !quiet {
+                    eprintln!(
+                        "  step {step}/{n}: {:.0} ms, {} streamed, RSS {}",
+                        info.wall.as_secs_f64() * 1e3,
+                        fmt_bytes(info.stats.stream.bytes),
+                        fmt_bytes(info.rss_bytes)
+                    );
+                }
+                steps.push(super::dit::step_row(info));
+            }
+            Event::PhaseDone {
+                phase,
+                ms,
+                bytes_streamed,
+            } => {
+                let rss = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
+                if !quiet {
+                    eprintln!(
+                        "{phase} done in {ms:.0} ms, {} streamed, peak RSS {}",
+                        fmt_bytes(bytes_streamed),
+                        fmt_bytes(rss)
+                    );
+                }
+                phases.push(
+                    json!({"phase": phase, "ms": ms, "bytes_streamed": bytes_streamed,
+                                   "peak_rss_bytes": rss}),
+                );
+            }
+        })?;
+        if let Some(path) = &o.dit.out {
+            write_png(path, &out.rgb, out.width, out.height)?;
+            if !quiet {
+                eprintln!("wrote {} ({} x {})", path.display(), out.width, out.height);
+            }
+        }
+        if let Some(path) = &o.dit.intermediates {
+            let tensors: Vec<_> = out
+                .tensors
+                .iter()
+                .map(|(name, (shape, v))| {
+                    (
+                        name.clone(),
+                        Dtype::F32,
+                        shape.iter().map(|&d| d as u64).collect(),
+                        f32_to_bytes(v),
+                    )
+                })
+                .collect();
+            nibble_core::format::writer::write_safetensors(path, &tensors, &Default::default())?;
+        }
+        if quiet {
+            let plans: Vec<_> = plans
+                .iter()
+                .map(|(phase, p)| json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes}))
+                .collect();
+            crate::output::write_stdout(
+                &(json!({
+                    "model": o.model, "backend": label, "width": out.width, "height": out.height,
+                    "steps": steps, "phases": phases, "plans": plans,
+                    "mu": prepared.mu, "sigmas": prepared.sigmas,
+                })
+                .to_string()
+                    + "\n"),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// 8-bit RGB `[h, w, 3]` as a PNG.
+fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> Result<()> {
+    let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(f), w as u32, h as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.write_header()?.write_image_data(rgb)?;
+    Ok(())
+}

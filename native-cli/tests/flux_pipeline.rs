@@ -1,0 +1,206 @@
+//! `nibble run` on a diffusers Flux pipeline folder, end to end against the tiny-flux-pipeline
+//! fixture (diffusers' `FluxPipeline` in float32 on the dequantized weights): from the prompt
+//! text and the seed to the PNG, with every intermediate tensor diffusers names checked, on
+//! cpu_ref, cpu and wgpu, resident and with every component streamed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nibble_core::io::model::ModelIndex;
+
+fn fixture() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/tiny-flux-pipeline");
+    assert!(
+        p.join("manifest.json").is_file(),
+        "fixture missing at {}",
+        p.display()
+    );
+    p
+}
+
+fn f32s(m: &ModelIndex, name: &str) -> Vec<f32> {
+    m.read_f32(m.require(name).unwrap_or_else(|e| panic!("{name}: {e}")))
+        .expect("read")
+}
+
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let m = want.iter().fold(0f32, |a, b| a.max(b.abs())) as f64;
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() as f64)
+        .fold(0.0, f64::max)
+        / m.max(1e-30)
+}
+
+fn run_case(backend: &str, stream_all: bool, p: usize) {
+    let dir = fixture();
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).expect("manifest"))
+            .expect("json");
+    let run = &manifest["run"];
+    let prompt = &manifest["prompts"][p];
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (png, inter) = (
+        tmp.path().join("out.png"),
+        tmp.path().join("inter.safetensors"),
+    );
+    let num = |k: &str| run[k].as_u64().expect(k).to_string();
+    let mut args = vec![
+        "run".to_string(),
+        "--model".into(),
+        dir.join("pipeline").display().to_string(),
+        "--prompt".into(),
+        prompt["text"].as_str().expect("text").into(),
+        "--height".into(),
+        num("height"),
+        "--width".into(),
+        num("width"),
+        "--steps".into(),
+        num("num_inference_steps"),
+        "--guidance".into(),
+        run["guidance_scale"]
+            .as_f64()
+            .expect("guidance")
+            .to_string(),
+        "--max-sequence-length".into(),
+        num("max_sequence_length"),
+        "--seed".into(),
+        prompt["generator_seed"].as_u64().expect("seed").to_string(),
+        "--backend".into(),
+        backend.into(),
+        "--out".into(),
+        png.display().to_string(),
+        "--intermediates".into(),
+        inter.display().to_string(),
+        "--json".into(),
+    ];
+    if stream_all {
+        args.extend(["--stream-all", "--slots", "2", "--slot-size", "64KiB"].map(String::from));
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(&args)
+        .output()
+        .expect("run nibble");
+    let what = format!("{backend} stream_all={stream_all} p{p}");
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).expect("--json");
+    assert_eq!(
+        report["phases"].as_array().expect("phases").len(),
+        4,
+        "{what}"
+    );
+    assert_eq!(
+        report["steps"].as_array().expect("steps").len() as u64,
+        run["num_inference_steps"].as_u64().expect("steps")
+    );
+    if stream_all {
+        for ph in report["phases"].as_array().expect("phases") {
+            assert!(
+                ph["bytes_streamed"].as_u64().expect("bytes") > 0,
+                "{what}: {ph}"
+            );
+        }
+    }
+
+    let got = ModelIndex::open(&inter).expect("intermediates");
+    let want = ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");
+    let ids = |m: &ModelIndex, n: &str| -> Vec<f32> {
+        let e = m.require(n).expect(n);
+        if e.dtype == nibble_core::format::dtype::Dtype::I64 {
+            m.read_bytes(e)
+                .expect("read")
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as f32)
+                .collect()
+        } else {
+            f32s(m, n)
+        }
+    };
+    for n in ["clip_input_ids", "t5_input_ids"] {
+        assert_eq!(
+            ids(&got, n),
+            ids(&want, &format!("p{p}.{n}")),
+            "{what}: {n}"
+        );
+    }
+    let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(f32s(&got, "initial_latents")),
+        bits(f32s(&want, &format!("p{p}.initial_latents"))),
+        "{what}: initial latents bit for bit"
+    );
+    let s = f32s(&got, "sigmas");
+    let sw = f32s(&want, &format!("p{p}.sigmas"));
+    assert!(
+        s.iter().zip(&sw).all(|(a, b)| (a - b).abs() <= 1e-7),
+        "{what}: {s:?} vs {sw:?}"
+    );
+    for (n, tol) in [
+        ("pooled_prompt_embeds", 1e-5),
+        ("prompt_embeds", 1e-5),
+        ("final_latents_packed", 1e-4),
+        ("vae_input", 1e-4),
+        ("image_f32", 1e-4),
+    ] {
+        let e = rel(&f32s(&got, n), &f32s(&want, &format!("p{p}.{n}")));
+        assert!(e <= tol, "{what}: {n} error {e:e} x max");
+    }
+
+    // The PNG against diffusers' 8-bit image.
+    let dec = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(&png).expect("png"),
+    ));
+    let mut reader = dec.read_info().expect("png header");
+    let mut buf = vec![0u8; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).expect("png data");
+    let pixels = &buf[..info.buffer_size()];
+    let u8_want = want
+        .read_bytes(want.require(&format!("p{p}.image_u8")).expect("image_u8"))
+        .expect("read");
+    assert_eq!(pixels.len(), u8_want.len(), "{what}: image size");
+    let far = pixels
+        .iter()
+        .zip(&u8_want)
+        .filter(|(a, b)| a.abs_diff(**b) > 1)
+        .count();
+    let off = pixels.iter().zip(&u8_want).filter(|(a, b)| a != b).count();
+    assert_eq!(far, 0, "{what}: pixels more than 1 away");
+    assert!(
+        off * 100 <= pixels.len(),
+        "{what}: {off} of {} differ",
+        pixels.len()
+    );
+}
+
+#[test]
+fn prompt_to_png_on_cpu_ref() {
+    for p in 0..2 {
+        run_case("cpu-ref", false, p);
+    }
+    run_case("cpu-ref", true, 1);
+}
+
+#[test]
+fn prompt_to_png_on_cpu() {
+    for p in 0..2 {
+        run_case("cpu", false, p);
+        run_case("cpu", true, p);
+    }
+}
+
+#[test]
+fn prompt_to_png_on_wgpu() {
+    if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
+        && nibble_wgpu::WgpuBackend::new().is_err()
+    {
+        println!("wgpu absent: not run");
+        return;
+    }
+    run_case("wgpu", false, 0);
+    run_case("wgpu", true, 1);
+}
