@@ -6,13 +6,11 @@
 //! another on one backend, each releasing its device memory before the next allocates.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::exec::{ExecOptions, Executor};
 use crate::graph::Graph;
-use crate::io::folder::{block_on, ModelFolder};
 use crate::io::model::ModelIndex;
 use crate::models::clip::{self, ClipText};
 use crate::models::dit::{self, Denoiser, DitInputs};
@@ -37,6 +35,7 @@ const COMPONENTS: [(&str, &[&str]); 7] = [
 ];
 
 /// Small files are read whole up to this size.
+#[cfg(feature = "native")]
 const SMALL: u64 = 64 << 20;
 
 /// An opened pipeline folder: configs, tokenizers and the four models' indexes (headers only;
@@ -108,6 +107,10 @@ pub fn check_model_index(file: &str, json: &serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "native")]
+use crate::io::folder::{block_on, ModelFolder};
+
+#[cfg(feature = "native")]
 fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
     let bytes = block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::Model {
@@ -116,6 +119,7 @@ fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> 
     })
 }
 
+#[cfg(feature = "native")]
 fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
     block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))
 }
@@ -145,10 +149,10 @@ impl FluxPipeline {
     pub fn open(root: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
         let url = root.starts_with("http://") || root.starts_with("https://");
         let root = root.trim_end_matches('/').to_string();
-        let folder: Arc<dyn ModelFolder> = if url {
-            Arc::new(crate::io::http::HttpFolder::new(&root, Default::default()))
+        let folder: std::sync::Arc<dyn ModelFolder> = if url {
+            std::sync::Arc::new(crate::io::http::HttpFolder::new(&root, Default::default()))
         } else {
-            Arc::new(crate::io::file::LocalFolder::new(
+            std::sync::Arc::new(crate::io::file::LocalFolder::new(
                 std::path::Path::new(&root),
                 mode,
             )?)
