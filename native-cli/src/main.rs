@@ -22,8 +22,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a model: generate text with a Llama-family decoder, denoise with a Flux-style DiT or
-    /// embed with a BERT encoder (the kind is read from config.json), streamed through the ring.
+    /// Run a model: generate text with a Llama-family decoder, denoise with a Flux-style DiT,
+    /// embed with a BERT encoder (the kind is read from config.json), or make a picture with a
+    /// diffusers Flux pipeline folder (model_index.json), streamed through the ring.
     Run(Box<cmd::run::RunArgs>),
     /// The main job on a built-in default: a synthetic text encoder, then 50 denoising steps of a
     /// ~1.5 GiB NF4 Flux-style DiT streamed through a 512 MiB device budget and a 4 x 32 MiB
