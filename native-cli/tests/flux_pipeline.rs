@@ -34,6 +34,15 @@ fn rel(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn run_case(backend: &str, stream_all: bool, p: usize) {
+    run_case_with(backend, stream_all, p, &[]);
+}
+
+fn run_case_with(
+    backend: &str,
+    stream_all: bool,
+    p: usize,
+    extra: &[&str],
+) -> (ModelIndex, tempfile::TempDir) {
     let dir = fixture();
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).expect("manifest"))
@@ -78,6 +87,8 @@ fn run_case(backend: &str, stream_all: bool, p: usize) {
     if stream_all {
         args.extend(["--stream-all", "--slots", "2", "--slot-size", "64KiB"].map(String::from));
     }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let tiled = !extra.is_empty();
     let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args(&args)
         .output()
@@ -147,10 +158,16 @@ fn run_case(backend: &str, stream_all: bool, p: usize) {
         ("vae_input", 1e-4),
         ("image_f32", 1e-4),
     ] {
+        if tiled && n == "image_f32" {
+            continue;
+        }
         let e = rel(&f32s(&got, n), &f32s(&want, &format!("p{p}.{n}")));
         assert!(e <= tol, "{what}: {n} error {e:e} x max");
     }
 
+    if tiled {
+        return (got, tmp);
+    }
     // The PNG against diffusers' 8-bit image.
     let dec = png::Decoder::new(std::io::BufReader::new(
         std::fs::File::open(&png).expect("png"),
@@ -175,6 +192,34 @@ fn run_case(backend: &str, stream_all: bool, p: usize) {
         "{what}: {off} of {} differ",
         pixels.len()
     );
+    (got, tmp)
+}
+
+/// `--vae-tiling on` with the fixture's tile size: the image equals diffusers' tiled decode.
+#[test]
+fn tiled_vae_decoding_through_the_cli() {
+    let dir = fixture();
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("vae_tiled.json")).expect("json"))
+            .expect("json");
+    let tile = json["tile_latent_min_size"]
+        .as_u64()
+        .expect("tile")
+        .to_string();
+    let want = ModelIndex::open(&dir.join("vae_tiled.safetensors")).expect("tiled");
+    for p in 0..2 {
+        let (got, _tmp) = run_case_with(
+            "cpu",
+            false,
+            p,
+            &["--vae-tiling", "on", "--vae-tile-size", &tile],
+        );
+        let e = rel(
+            &f32s(&got, "image_f32"),
+            &f32s(&want, &format!("p{p}.image_f32_tiled")),
+        );
+        assert!(e <= 1e-4, "p{p}: tiled image error {e:e} x max");
+    }
 }
 
 #[test]

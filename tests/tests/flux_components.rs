@@ -238,3 +238,39 @@ fn denoising_on_wgpu() {
     }
     check_denoise(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// Tiled decoding with the fixture's tile size against diffusers' `tiled_decode` (not against
+/// the untiled image: with random tiny weights the tiles differ from it a lot).
+fn check_tiled<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::models::vae::{self, Tiling};
+    let e = expected();
+    let tiled = Expected::open(&fixture("tiny-flux-pipeline/vae_tiled.safetensors"));
+    let json = read_json(&fixture("tiny-flux-pipeline/vae_tiled.json"));
+    let tiling = Tiling {
+        latent_tile: json["tile_latent_min_size"].as_u64().expect("tile") as usize,
+        overlap: json["tile_overlap_factor"].as_f64().expect("overlap") as f32,
+    };
+    let m = component("vae");
+    for p in 0..2 {
+        let z = e.f32(&format!("p{p}.vae_input")).expect("vae_input");
+        let mut b = make();
+        let (g, _) = vae::build(&m, tiling.latent_tile, tiling.latent_tile).expect("graph");
+        let o = opts(&g, &m, true, &mut b);
+        let (img, _) = vae::tiled_decode(&m, b, &z, (4, 16, 16), tiling, o).expect("tiled");
+        let want = tiled
+            .f32(&format!("p{p}.image_f32_tiled"))
+            .expect("tiled image");
+        let err = max_err_rel_to_max(&img, &want);
+        assert!(err <= 1e-4, "{label} p{p}: tiled image error {err:e} x max");
+        println!("{label} p{p}: tiled VAE image {err:.2e} x max");
+    }
+}
+
+#[test]
+fn tiled_vae_decoding_on_cpu_ref_cpu_and_wgpu() {
+    check_tiled(CpuRefBackend::new, "cpu_ref");
+    check_tiled(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+    if wgpu_or_absent("tiled vae").is_some() {
+        check_tiled(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+    }
+}

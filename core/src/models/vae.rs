@@ -35,6 +35,8 @@ pub struct VaeConfig {
     pub shift_factor: f32,
     /// `mid_block_add_attention`.
     pub mid_attention: bool,
+    /// `sample_size` (pixels; diffusers' default image tile), when given.
+    pub sample_size: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -52,6 +54,7 @@ struct File {
     mid_block_add_attention: Option<bool>,
     up_block_types: Option<Vec<String>>,
     act_fn: Option<String>,
+    sample_size: Option<serde_json::Value>,
 }
 
 impl VaeConfig {
@@ -126,12 +129,31 @@ impl VaeConfig {
             scaling_factor,
             shift_factor: finite("shift_factor", f.shift_factor.unwrap_or(0.0))?,
             mid_attention: f.mid_block_add_attention.unwrap_or(true),
+            // An int or a [height, width] list (diffusers takes the first).
+            sample_size: match &f.sample_size {
+                Some(serde_json::Value::Array(a)) => a.first().and_then(|v| v.as_u64()),
+                Some(v) => v.as_u64(),
+                None => None,
+            }
+            .filter(|&s| (1..=1 << 16).contains(&s))
+            .map(|s| s as usize),
         })
     }
 
     /// Pixels per latent position along each side: `2^(blocks - 1)`.
     pub fn scale_factor(&self) -> usize {
         1 << (self.block_out_channels.len() - 1)
+    }
+
+    /// diffusers' default tiling: latent tiles of `sample_size / f` positions (64 when the
+    /// config has no sample size), overlap 0.25.
+    pub fn default_tiling(&self) -> Tiling {
+        Tiling {
+            latent_tile: (self.sample_size.unwrap_or(64 * self.scale_factor())
+                / self.scale_factor())
+            .max(1),
+            overlap: 0.25,
+        }
     }
 }
 
@@ -391,6 +413,11 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
         &self.config
     }
 
+    /// The backend back, its device memory released.
+    pub fn into_backend(self) -> B {
+        self.ex.into_parts().0
+    }
+
     /// The image `[out_channels, h * f, w * f]` of a decoder input `[latent_channels, h, w]`.
     pub fn decode(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
         let (h, w) = self.shape;
@@ -404,4 +431,184 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
         crate::error::check_finite(&image, || "the VAE's image".to_string())?;
         Ok((image, stats))
     }
+}
+
+/// Tiled decoding as diffusers' `AutoencoderKL.tiled_decode`: latent tiles of `latent_tile`
+/// positions every `latent_tile * (1 - overlap)`, each decoded alone, the seams blended linearly
+/// over `latent_tile * f * overlap` pixels (the tile above, then the tile to the left, each
+/// already blended), each tile cropped to its stride.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tiling {
+    /// diffusers' `tile_latent_min_size`.
+    pub latent_tile: usize,
+    /// diffusers' `tile_overlap_factor` (0.25).
+    pub overlap: f32,
+}
+
+impl Tiling {
+    /// Latent positions between tile starts.
+    pub fn stride(&self) -> usize {
+        ((self.latent_tile as f64 * (1.0 - self.overlap as f64)) as usize).max(1)
+    }
+
+    /// The distinct tile shapes a `h x w` latent is cut into (one decoder graph each).
+    pub fn shapes(&self, h: usize, w: usize) -> Vec<(usize, usize)> {
+        let mut v: Vec<(usize, usize)> = Vec::new();
+        for i in (0..h).step_by(self.stride()) {
+            for j in (0..w).step_by(self.stride()) {
+                let s = ((h - i).min(self.latent_tile), (w - j).min(self.latent_tile));
+                if !v.contains(&s) {
+                    v.push(s);
+                }
+            }
+        }
+        v
+    }
+}
+
+/// An image tile `[c, h, w]`.
+struct Tile {
+    v: Vec<f32>,
+    h: usize,
+    w: usize,
+}
+
+/// Decodes `z` (`[c, h, w]`, the decoder's input) in tiles on `backend`, one decoder graph per
+/// tile shape at a time; returns the image `[out_channels, h * f, w * f]` and the backend.
+pub fn tiled_decode<B: crate::backend::Backend>(
+    model: &ModelIndex,
+    mut backend: B,
+    z: &[f32],
+    (c, h, w): (usize, usize, usize),
+    tiling: Tiling,
+    opts: ExecOptions,
+) -> Result<(Vec<f32>, B)> {
+    let cfg = VaeConfig::of(model)?;
+    if tiling.latent_tile == 0 || !(0.0..1.0).contains(&tiling.overlap) {
+        return Err(Error::Invalid(format!("VAE tiling {tiling:?}")));
+    }
+    if z.len() != c * h * w {
+        return Err(Error::Invalid(format!(
+            "{} values are not [{c}, {h}, {w}]",
+            z.len()
+        )));
+    }
+    let f = cfg.scale_factor();
+    let oc = cfg.out_channels;
+    let step = tiling.stride();
+    let sample = tiling.latent_tile * f;
+    let blend = (sample as f64 * tiling.overlap as f64) as usize;
+    let limit = sample - blend;
+    let starts_h: Vec<usize> = (0..h).step_by(step).collect();
+    let starts_w: Vec<usize> = (0..w).step_by(step).collect();
+    let mut grid: Vec<Vec<Option<Tile>>> = starts_h
+        .iter()
+        .map(|_| starts_w.iter().map(|_| None).collect())
+        .collect();
+    for (th, tw) in tiling.shapes(h, w) {
+        let mut dec = VaeDecoder::new(model, backend, th, tw, opts)?;
+        for (a, &i) in starts_h.iter().enumerate() {
+            for (b, &j) in starts_w.iter().enumerate() {
+                if (
+                    (h - i).min(tiling.latent_tile),
+                    (w - j).min(tiling.latent_tile),
+                ) != (th, tw)
+                {
+                    continue;
+                }
+                let mut tile = Vec::with_capacity(c * th * tw);
+                for ch in 0..c {
+                    for y in i..i + th {
+                        tile.extend_from_slice(&z[(ch * h + y) * w + j..(ch * h + y) * w + j + tw]);
+                    }
+                }
+                let (v, _) = dec.decode(&tile)?;
+                grid[a][b] = Some(Tile {
+                    v,
+                    h: th * f,
+                    w: tw * f,
+                });
+            }
+        }
+        backend = dec.into_backend();
+    }
+    let mut tiles: Vec<Vec<Tile>> = grid
+        .into_iter()
+        .map(|row| row.into_iter().flatten().collect())
+        .collect();
+    // torch's float32 blend: a * (1 - y / e) + b * (y / e), the weights rounded to float.
+    let weights = |k: usize, e: usize| {
+        let t = k as f64 / e as f64;
+        ((1.0 - t) as f32, t as f32)
+    };
+    for a in 0..tiles.len() {
+        for b in 0..tiles[a].len() {
+            if a > 0 {
+                let (up, cur) = {
+                    let (top, rest) = tiles.split_at_mut(a);
+                    (&top[a - 1][b], &mut rest[0][b])
+                };
+                let e = blend.min(up.h).min(cur.h);
+                for y in 0..e {
+                    let (wa, wb) = weights(y, e);
+                    for ch in 0..oc {
+                        for x in 0..cur.w {
+                            let av = up.v[(ch * up.h + up.h - e + y) * up.w + x];
+                            let bv = &mut cur.v[(ch * cur.h + y) * cur.w + x];
+                            *bv = av * wa + *bv * wb;
+                        }
+                    }
+                }
+            }
+            if b > 0 {
+                let (left, cur) = {
+                    let (l, r) = tiles[a].split_at_mut(b);
+                    (&l[b - 1], &mut r[0])
+                };
+                let e = blend.min(left.w).min(cur.w);
+                for x in 0..e {
+                    let (wa, wb) = weights(x, e);
+                    for ch in 0..oc {
+                        for y in 0..cur.h {
+                            let av = left.v[(ch * left.h + y) * left.w + left.w - e + x];
+                            let bv = &mut cur.v[(ch * cur.h + y) * cur.w + x];
+                            *bv = av * wa + *bv * wb;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let (ih, iw) = (h * f, w * f);
+    let mut out = vec![0f32; oc * ih * iw];
+    let mut y0 = 0;
+    for row in &tiles {
+        let rh = row.first().map_or(0, |t| t.h.min(limit));
+        let mut x0 = 0;
+        for t in row {
+            let cw = t.w.min(limit);
+            for ch in 0..oc {
+                for y in 0..rh {
+                    let src = &t.v[(ch * t.h + y) * t.w..(ch * t.h + y) * t.w + cw];
+                    let at = (ch * ih + y0 + y) * iw + x0;
+                    out[at..at + cw].copy_from_slice(src);
+                }
+            }
+            x0 += cw;
+        }
+        y0 += rh;
+    }
+    if (
+        y0,
+        tiles
+            .first()
+            .map_or(0, |r| r.iter().map(|t| t.w.min(limit)).sum()),
+    ) != (ih, iw)
+    {
+        return Err(Error::Invalid(format!(
+            "VAE tiles assembled {y0} rows for a {ih} x {iw} image"
+        )));
+    }
+    crate::error::check_finite(&out, || "the VAE's tiled image".to_string())?;
+    Ok((out, backend))
 }

@@ -254,6 +254,9 @@ impl FluxPipeline {
             latents,
             guidance: req.guidance,
             vae: vcfg,
+            tiling_choice: req.vae_tiling,
+            tile: req.vae_tile,
+            tiling: None,
         })
     }
 
@@ -277,7 +280,18 @@ impl FluxPipeline {
             ),
             (
                 "VAE",
-                vae::build(&self.vae, p.grid.0, p.grid.1)?.0,
+                match p.tiling {
+                    // The largest tile's graph (smaller edge tiles take less).
+                    Some(t) => {
+                        vae::build(
+                            &self.vae,
+                            t.latent_tile.min(p.grid.0),
+                            t.latent_tile.min(p.grid.1),
+                        )?
+                        .0
+                    }
+                    None => vae::build(&self.vae, p.grid.0, p.grid.1)?.0,
+                },
                 &self.vae,
             ),
         ])
@@ -293,14 +307,34 @@ impl FluxPipeline {
         Ok(most)
     }
 
-    /// The four phases' plans (CLIP, T5, transformer, VAE) for `opts`, made before anything is
-    /// allocated or read; an impossible budget is an error naming the phase.
+    /// Decides the VAE's tiling (`Auto`: tiles only when the whole image's decoder does not fit
+    /// the device budget) and returns the four phases' plans (CLIP, T5, transformer, VAE) for
+    /// `opts`, made before anything is allocated or read; an impossible budget is an error
+    /// naming the phase.
     pub fn plans<B: Backend>(
         &self,
-        p: &Prepared,
+        p: &mut Prepared,
         backend: &mut B,
         opts: ExecOptions,
     ) -> Result<Vec<(&'static str, MemoryPlan)>> {
+        let mut tiling = p.vae.default_tiling();
+        if let Some(t) = p.tile {
+            if t == 0 {
+                return Err(Error::Invalid("a VAE tile of 0 latent positions".into()));
+            }
+            tiling.latent_tile = t;
+        }
+        let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
+        p.tiling = match p.tiling_choice {
+            VaeTiling::Off => None,
+            VaeTiling::On => larger.then_some(tiling),
+            VaeTiling::Auto => {
+                let (g, _) = vae::build(&self.vae, p.grid.0, p.grid.1)?;
+                let fits = Executor::plan_only(&g, &self.vae, backend, opts)
+                    .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
+                (larger && !fits).then_some(tiling)
+            }
+        };
         let mut out = Vec::new();
         for (phase, g, m) in self.graphs(p)? {
             let plan = Executor::plan_only(&g, m, backend, opts)
@@ -403,10 +437,19 @@ impl FluxPipeline {
         let (h, w) = p.grid;
         let z = vae::decoder_input(&unpack_latents(&packed, p.channels, h, w), &p.vae);
         tensors.insert("vae_input".into(), (vec![1, p.channels, h, w], z.clone()));
-        let mut dec = VaeDecoder::new(&self.vae, backend, h, w, opts)?;
-        let (image, st) = dec.decode(&z)?;
-        drop(dec);
-        phase(&mut on, "VAE", t0, st.stream.bytes);
+        let (image, bytes) = match p.tiling {
+            Some(t) => {
+                let (image, _) =
+                    vae::tiled_decode(&self.vae, backend, &z, (p.channels, h, w), t, opts)?;
+                (image, 0)
+            }
+            None => {
+                let mut dec = VaeDecoder::new(&self.vae, backend, h, w, opts)?;
+                let (image, st) = dec.decode(&z)?;
+                (image, st.stream.bytes)
+            }
+        };
+        phase(&mut on, "VAE", t0, bytes);
         let f = p.vae.scale_factor();
         let (ih, iw) = (h * f, w * f);
         let rgb = vae::to_rgb8(&image, ih, iw)?;
@@ -446,6 +489,22 @@ pub struct FluxRequest {
     pub max_sequence_length: usize,
     /// The initial noise.
     pub noise: Noise,
+    /// Whether the VAE decodes in tiles.
+    pub vae_tiling: VaeTiling,
+    /// Latent tile size (diffusers' `tile_latent_min_size`); the VAE config's default if none.
+    pub vae_tile: Option<usize>,
+}
+
+/// Whether the VAE decodes in tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VaeTiling {
+    /// Never.
+    Off,
+    /// Always (when the latent is larger than one tile).
+    On,
+    /// When the whole image's decoder does not fit the device budget.
+    #[default]
+    Auto,
 }
 
 /// A request made concrete: ids, grid, schedule, initial latents.
@@ -469,6 +528,12 @@ pub struct Prepared {
     pub guidance: f32,
     /// The VAE's config.
     pub vae: VaeConfig,
+    /// The tiling asked for.
+    pub tiling_choice: VaeTiling,
+    /// The tile size asked for.
+    pub tile: Option<usize>,
+    /// The VAE's tiling, once [`FluxPipeline::plans`] has decided it.
+    pub tiling: Option<vae::Tiling>,
 }
 
 impl Prepared {

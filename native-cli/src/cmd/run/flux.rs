@@ -12,7 +12,8 @@ use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Nois
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{NoiseArg, RunArgs};
+use super::options::{NoiseArg, RunArgs, TilingArg};
+use nibble_core::models::flux::pipeline::VaeTiling;
 
 /// Opens the pipeline and runs it on the chosen backend.
 pub fn run(o: &RunArgs) -> Result<()> {
@@ -46,6 +47,12 @@ pub fn run(o: &RunArgs) -> Result<()> {
         guidance: d.guidance,
         max_sequence_length: d.max_sequence_length,
         noise,
+        vae_tiling: match d.vae_tiling {
+            TilingArg::On => VaeTiling::On,
+            TilingArg::Off => VaeTiling::Off,
+            TilingArg::Auto => VaeTiling::Auto,
+        },
+        vae_tile: d.vae_tile_size,
     };
     crate::backends::select(o.backend)?.run(Run { o, pipe, req })
 }
@@ -76,12 +83,12 @@ impl crate::backends::WithBackend for Run<'_> {
     fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
         let Run { o, pipe, req } = self;
         let quiet = o.json;
-        let prepared = pipe.prepare(&req)?;
+        let mut prepared = pipe.prepare(&req)?;
         // The device budget: as given, else the largest phase's everything-resident size.
         let opts = super::options::exec_options(&o.memory, || {
             Ok(pipe.resident_device_bytes(&prepared, &mut backend)?)
         })?;
-        let plans = pipe.plans(&prepared, &mut backend, opts)?;
+        let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
         if !quiet {
             eprintln!("backend {label}");
             eprintln!(
@@ -95,6 +102,17 @@ impl crate::backends::WithBackend for Run<'_> {
             for (i, (phase, plan)) in plans.iter().enumerate() {
                 eprintln!("phase {} of 4, {phase}:", i + 1);
                 eprint!("{}", plan.explain());
+            }
+            if let Some(t) = prepared.tiling {
+                let shapes = t.shapes(prepared.grid.0, prepared.grid.1);
+                eprintln!(
+                    "VAE decodes in tiles of {} latent positions (overlap {}, stride {}; {} tile \
+                     shapes, the largest planned above)",
+                    t.latent_tile,
+                    t.overlap,
+                    t.stride(),
+                    shapes.len()
+                );
             }
         }
         let mut phases = Vec::new();
@@ -171,6 +189,7 @@ impl crate::backends::WithBackend for Run<'_> {
                     "model": o.model, "backend": label, "width": out.width, "height": out.height,
                     "steps": steps, "phases": phases, "plans": plans,
                     "mu": prepared.mu, "sigmas": prepared.sigmas,
+                    "vae_tile": prepared.tiling.map(|t| t.latent_tile),
                 })
                 .to_string()
                     + "\n"),

@@ -112,6 +112,14 @@ pub struct DitArgs {
     /// machines with AVX2, the usual case) or its scalar one (ARM, older x86).
     #[arg(long, value_enum, default_value_t = NoiseArg::Avx2)]
     pub torch_noise: NoiseArg,
+    /// A pipeline's VAE decodes in overlapping tiles (blended as diffusers' tiled_decode): auto
+    /// when the whole image's decoder does not fit the device budget.
+    #[arg(long, value_enum, default_value_t = TilingArg::Auto)]
+    pub vae_tiling: TilingArg,
+    /// Latent positions per VAE tile side (diffusers' tile_latent_min_size; the image tile is
+    /// this times the VAE's scale factor) [default: the VAE's sample_size / scale factor].
+    #[arg(long, value_name = "N")]
+    pub vae_tile_size: Option<usize>,
     /// A pipeline's intermediate tensors (float32): clip_input_ids, t5_input_ids,
     /// pooled_prompt_embeds, prompt_embeds, initial_latents, sigmas, final_latents_packed,
     /// vae_input, image_f32.
@@ -184,4 +192,15 @@ pub enum NoiseArg {
     Avx2,
     /// torch's scalar kernel (the C library's log, sin, cos).
     Scalar,
+}
+
+/// Whether a pipeline's VAE decodes in tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TilingArg {
+    /// Always (when the latent is larger than one tile).
+    On,
+    /// Never.
+    Off,
+    /// When the whole image's decoder does not fit the device budget.
+    Auto,
 }
