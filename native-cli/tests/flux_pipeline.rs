@@ -249,3 +249,103 @@ fn prompt_to_png_on_wgpu() {
     run_case("wgpu", false, 0);
     run_case("wgpu", true, 1);
 }
+
+/// `--embed-cache`: the second image from the same prompt skips both encoders, reads none of
+/// their weight bytes (counted by the server), and is the same picture.
+#[test]
+fn a_cached_prompt_reads_no_encoder_weights() {
+    use nibble_tests::http_server::{Fault, TestServer};
+    let dir = fixture().join("pipeline");
+    let mut files = std::collections::HashMap::new();
+    fn walk(root: &Path, at: &Path, files: &mut std::collections::HashMap<String, Vec<u8>>) {
+        for e in std::fs::read_dir(at).expect("dir") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                walk(root, &p, files);
+            } else {
+                let rel = p.strip_prefix(root).expect("rel").display().to_string();
+                files.insert(format!("pipeline/{rel}"), std::fs::read(&p).expect("read"));
+            }
+        }
+    }
+    walk(&dir, &dir, &mut files);
+    let srv = TestServer::start(files, Fault::None);
+    let cache = tempfile::tempdir().expect("tmp");
+    let out = tempfile::tempdir().expect("tmp");
+    let encoders = [
+        "pipeline/text_encoder/model.safetensors",
+        "pipeline/text_encoder_2/model.safetensors",
+    ];
+    let bytes = |srv: &TestServer| -> Vec<u64> {
+        let s = srv.stats();
+        encoders
+            .iter()
+            .map(|p| s.bytes_by_path.get(*p).copied().unwrap_or(0))
+            .collect()
+    };
+    let run = |png: &Path| -> serde_json::Value {
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args([
+                "run",
+                "--model",
+                &format!("{}/pipeline", srv.base),
+                "--prompt",
+                "a lighthouse in a storm",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--steps",
+                "2",
+                "--max-sequence-length",
+                "32",
+                "--backend",
+                "cpu",
+                "--embed-cache",
+                cache.path().to_str().expect("utf8"),
+                "--out",
+                png.to_str().expect("utf8"),
+                "--json",
+            ])
+            .output()
+            .expect("run");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
+    let (a, b) = (out.path().join("a.png"), out.path().join("b.png"));
+    let before = bytes(&srv);
+    let first = run(&a);
+    let mid = bytes(&srv);
+    let second = run(&b);
+    let after = bytes(&srv);
+    assert_eq!(first["embed_cache"], "miss");
+    assert_eq!(second["embed_cache"], "hit");
+    let cached: Vec<_> = second["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .filter(|p| p["cached"] == true)
+        .map(|p| p["phase"].as_str().expect("phase").to_string())
+        .collect();
+    assert_eq!(cached, ["CLIP", "T5"]);
+    for (i, name) in encoders.iter().enumerate() {
+        let m = ModelIndex::open(&dir.join(name.trim_start_matches("pipeline/")))
+            .expect("encoder file");
+        let header = 8 + m.shards[0].header.header_len;
+        let weights = m.shards[0].header.file_len - header;
+        assert!(
+            mid[i] - before[i] >= weights,
+            "{name}: the first run read its weights"
+        );
+        assert!(
+            after[i] - mid[i] <= header + 8,
+            "{name}: the cached run read {} bytes (header {header})",
+            after[i] - mid[i]
+        );
+    }
+    assert_eq!(
+        std::fs::read(&a).expect("a"),
+        std::fs::read(&b).expect("b"),
+        "the same picture"
+    );
+}

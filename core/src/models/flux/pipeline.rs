@@ -257,22 +257,27 @@ impl FluxPipeline {
             tiling_choice: req.vae_tiling,
             tile: req.vae_tile,
             tiling: None,
+            embeds: None,
         })
     }
 
-    /// The four phases' graphs (CLIP, T5, transformer, VAE) with their models.
+    /// The phases' graphs (CLIP, T5, transformer, VAE; the encoders only when their outputs are
+    /// not cached) with their models.
     pub fn graphs(&self, p: &Prepared) -> Result<Vec<(&'static str, Graph, &ModelIndex)>> {
-        Ok(vec![
-            (
+        let mut v = Vec::new();
+        if p.embeds.is_none() {
+            v.push((
                 "CLIP",
                 clip::build(&self.text_encoder, p.clip_ids.len())?.0,
                 &self.text_encoder,
-            ),
-            (
+            ));
+            v.push((
                 "T5",
                 t5::build(&self.text_encoder_2, p.t5_ids.len())?.0,
                 &self.text_encoder_2,
-            ),
+            ));
+        }
+        v.extend([
             (
                 "transformer",
                 dit::build(&self.transformer, p.tokens(), p.t5_ids.len())?.graph,
@@ -294,7 +299,41 @@ impl FluxPipeline {
                 },
                 &self.vae,
             ),
-        ])
+        ]);
+        Ok(v)
+    }
+
+    /// The key of the encoders' outputs for `p` in an embedding cache: a SHA-256 over the two
+    /// encoders' configs and files (names, lengths, header layouts, local modification times)
+    /// and the prompt's CLIP and T5 ids.
+    pub fn embed_key(&self, p: &Prepared) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"nibble flux embeds v1\0");
+        for m in [&self.text_encoder, &self.text_encoder_2] {
+            h.update(m.config.as_ref().map(|c| c.to_string()).unwrap_or_default());
+            for s in &m.shards {
+                let hd = &s.header;
+                h.update(format!(
+                    "{}|{}|{}|{}\0",
+                    s.name, hd.file, hd.file_len, hd.header_len
+                ));
+                #[cfg(feature = "native")]
+                if let Ok(t) = std::fs::metadata(&hd.file).and_then(|m| m.modified()) {
+                    h.update(format!("{t:?}"));
+                }
+                for t in &hd.tensors {
+                    h.update(format!("{}:{:?}:{}:{}\0", t.name, t.dtype, t.offset, t.len));
+                }
+            }
+        }
+        for ids in [&p.clip_ids, &p.t5_ids] {
+            h.update((ids.len() as u64).to_le_bytes());
+            for i in ids.iter() {
+                h.update(i.to_le_bytes());
+            }
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// The device bytes that hold every phase with all its weights resident (the largest
@@ -373,19 +412,37 @@ impl FluxPipeline {
             })
         };
 
-        on(Event::PhaseStart { phase: "CLIP" });
-        let t0 = web_time::Instant::now();
-        let mut clip = ClipText::new(&self.text_encoder, backend, p.clip_ids.len(), opts)?;
-        let (_, pooled, st) = clip.forward(&p.clip_ids)?;
-        let backend = clip.into_backend();
-        phase(&mut on, "CLIP", t0, st.stream.bytes);
+        let (pooled, context, backend) = match &p.embeds {
+            Some(e) => {
+                for phase in ["CLIP", "T5"] {
+                    on(Event::Cached { phase });
+                }
+                (e.pooled.clone(), e.context.clone(), backend)
+            }
+            None => {
+                on(Event::PhaseStart { phase: "CLIP" });
+                let t0 = web_time::Instant::now();
+                let mut clip = ClipText::new(&self.text_encoder, backend, p.clip_ids.len(), opts)?;
+                let (_, pooled, st) = clip.forward(&p.clip_ids)?;
+                let backend = clip.into_backend();
+                phase(&mut on, "CLIP", t0, st.stream.bytes);
 
-        on(Event::PhaseStart { phase: "T5" });
-        let t0 = web_time::Instant::now();
-        let mut t5 = T5Encoder::new(&self.text_encoder_2, backend, p.t5_ids.len(), opts)?;
-        let (context, st) = t5.forward(&p.t5_ids)?;
-        let backend = t5.into_backend();
-        phase(&mut on, "T5", t0, st.stream.bytes);
+                on(Event::PhaseStart { phase: "T5" });
+                let t0 = web_time::Instant::now();
+                let mut t5 = T5Encoder::new(&self.text_encoder_2, backend, p.t5_ids.len(), opts)?;
+                let (context, st) = t5.forward(&p.t5_ids)?;
+                let backend = t5.into_backend();
+                phase(&mut on, "T5", t0, st.stream.bytes);
+                (pooled, context, backend)
+            }
+        };
+        if context.len() % p.t5_ids.len().max(1) != 0 {
+            return Err(Error::Invalid(format!(
+                "{} T5 values are not {} tokens' states",
+                context.len(),
+                p.t5_ids.len()
+            )));
+        }
         tensors.insert(
             "pooled_prompt_embeds".into(),
             (vec![1, pooled.len()], pooled.clone()),
@@ -534,6 +591,17 @@ pub struct Prepared {
     pub tile: Option<usize>,
     /// The VAE's tiling, once [`FluxPipeline::plans`] has decided it.
     pub tiling: Option<vae::Tiling>,
+    /// The encoders' outputs from a cache: the CLIP and T5 phases are skipped.
+    pub embeds: Option<Embeds>,
+}
+
+/// The text encoders' outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embeds {
+    /// CLIP's pooled output `[hidden]`.
+    pub pooled: Vec<f32>,
+    /// T5's states `[t5 tokens, d_model]`.
+    pub context: Vec<f32>,
 }
 
 impl Prepared {
@@ -559,6 +627,11 @@ pub enum Event<'a> {
         steps: usize,
         /// Its figures.
         info: &'a dit::DenoiseStep,
+    },
+    /// A phase was skipped: its outputs came from the embedding cache.
+    Cached {
+        /// CLIP or T5.
+        phase: &'static str,
     },
     /// A phase is done and its device memory released.
     PhaseDone {

@@ -8,7 +8,7 @@ use nibble_core::backend::Backend;
 use nibble_core::format::dtype::{f32_to_bytes, Dtype};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
-use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Noise};
+use nibble_core::models::flux::pipeline::{Embeds, Event, FluxPipeline, FluxRequest, Noise};
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
@@ -84,6 +84,18 @@ impl crate::backends::WithBackend for Run<'_> {
         let Run { o, pipe, req } = self;
         let quiet = o.json;
         let mut prepared = pipe.prepare(&req)?;
+        let cache = o
+            .dit
+            .embed_cache
+            .as_ref()
+            .map(|dir| dir.join(format!("{}.safetensors", pipe.embed_key(&prepared))));
+        let hit = match &cache {
+            Some(path) if path.is_file() => {
+                prepared.embeds = Some(read_embeds(path, prepared.t5_ids.len())?);
+                true
+            }
+            _ => false,
+        };
         // The device budget: as given, else the largest phase's everything-resident size.
         let opts = super::options::exec_options(&o.memory, || {
             Ok(pipe.resident_device_bytes(&prepared, &mut backend)?)
@@ -124,6 +136,13 @@ impl crate::backends::WithBackend for Run<'_> {
                     eprintln!("{phase} ...");
                 }
             }
+            Event::Cached { phase } => {
+                if !quiet {
+                    eprintln!("{phase}: outputs from the embedding cache");
+                }
+                phases.push(json!({"phase": phase, "cached": true, "ms": 0.0,
+                                   "bytes_streamed": 0}));
+            }
             Event::Step {
                 step,
                 steps: n,
@@ -158,6 +177,9 @@ impl crate::backends::WithBackend for Run<'_> {
                 );
             }
         })?;
+        if let (Some(path), false) = (&cache, hit) {
+            write_embeds(path, &out.tensors)?;
+        }
         if let Some(path) = &o.dit.out {
             write_png(path, &out.rgb, out.width, out.height)?;
             if !quiet {
@@ -189,6 +211,11 @@ impl crate::backends::WithBackend for Run<'_> {
                     "model": o.model, "backend": label, "width": out.width, "height": out.height,
                     "steps": steps, "phases": phases, "plans": plans,
                     "mu": prepared.mu, "sigmas": prepared.sigmas,
+                    "embed_cache": match (&cache, hit) {
+                        (None, _) => "off",
+                        (Some(_), true) => "hit",
+                        (Some(_), false) => "miss",
+                    },
                     "vae_tile": prepared.tiling.map(|t| t.latent_tile),
                 })
                 .to_string()
@@ -197,6 +224,52 @@ impl crate::backends::WithBackend for Run<'_> {
         }
         Ok(())
     }
+}
+
+/// The encoders' outputs from a cache file (`pooled_prompt_embeds`, `prompt_embeds`).
+fn read_embeds(path: &std::path::Path, t5_tokens: usize) -> Result<Embeds> {
+    let f =
+        ModelIndex::open(path).with_context(|| format!("embedding cache {}", path.display()))?;
+    let get = |n: &str| -> Result<Vec<f32>> {
+        Ok(f.read_f32(
+            f.require(n)
+                .with_context(|| format!("embedding cache {}: no {n}", path.display()))?,
+        )?)
+    };
+    let e = Embeds {
+        pooled: get("pooled_prompt_embeds")?,
+        context: get("prompt_embeds")?,
+    };
+    if e.context.is_empty() || e.context.len() % t5_tokens.max(1) != 0 {
+        bail!(
+            "embedding cache {}: prompt_embeds has the wrong size",
+            path.display()
+        );
+    }
+    Ok(e)
+}
+
+/// Stores the encoders' outputs (written to a temporary name, then renamed into place).
+fn write_embeds(
+    path: &std::path::Path,
+    tensors: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) -> Result<()> {
+    let dir = path.parent().context("cache path")?;
+    std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+    let mut named = Vec::new();
+    for n in ["pooled_prompt_embeds", "prompt_embeds"] {
+        let (shape, v) = tensors.get(n).context("encoder outputs")?;
+        named.push((
+            n.to_string(),
+            Dtype::F32,
+            shape.iter().map(|&d| d as u64).collect(),
+            f32_to_bytes(v),
+        ));
+    }
+    let tmp = path.with_extension("partial");
+    nibble_core::format::writer::write_safetensors(&tmp, &named, &Default::default())?;
+    std::fs::rename(&tmp, path).with_context(|| path.display().to_string())?;
+    Ok(())
 }
 
 /// 8-bit RGB `[h, w, 3]` as a PNG.

@@ -78,6 +78,7 @@ fn check_outputs(o: &RunArgs) -> Result<()> {
             o.dit.intermediates.as_deref(),
             &with_resume,
         ),
+        ("--embed-cache", o.dit.embed_cache.as_deref(), &with_resume),
         // Checkpointing over the checkpoint resumed from is how a long run is continued.
         ("--checkpoint", o.dit.checkpoint.as_deref(), &inputs),
     ];

@@ -120,6 +120,10 @@ pub struct DitArgs {
     /// this times the VAE's scale factor) [default: the VAE's sample_size / scale factor].
     #[arg(long, value_name = "N")]
     pub vae_tile_size: Option<usize>,
+    /// A pipeline's cache of text-encoder outputs: a second image from the same prompt (and the
+    /// same encoder files and sequence length) skips CLIP and T5 and reads none of their weights.
+    #[arg(long, value_name = "DIR")]
+    pub embed_cache: Option<PathBuf>,
     /// A pipeline's intermediate tensors (float32): clip_input_ids, t5_input_ids,
     /// pooled_prompt_embeds, prompt_embeds, initial_latents, sigmas, final_latents_packed,
     /// vae_input, image_f32.
