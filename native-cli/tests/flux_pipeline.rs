@@ -117,6 +117,27 @@ fn run_case_with(
             );
         }
     }
+    // Memory: the run's peak RSS is within the largest phase's plan (host and device: on the
+    // CPU backends both are this process's memory) above the baseline, plus 16 MiB.
+    if backend != "wgpu" {
+        let u = |v: &serde_json::Value| v.as_u64().expect("a byte count");
+        let largest = report["plans"]
+            .as_array()
+            .expect("plans")
+            .iter()
+            .map(|p| u(&p["peak_host_bytes"]) + u(&p["peak_device_bytes"]))
+            .max()
+            .expect("plans");
+        let (base, peak) = (
+            u(&report["baseline_rss_bytes"]),
+            u(&report["peak_rss_bytes"]),
+        );
+        println!("{what}: peak RSS {peak}, baseline {base}, largest plan {largest}");
+        assert!(
+            peak <= base + largest + (16 << 20),
+            "{what}: peak RSS {peak} over baseline {base} + largest plan {largest} + 16 MiB"
+        );
+    }
 
     let got = ModelIndex::open(&inter).expect("intermediates");
     let want = ModelIndex::open(&dir.join("expected.safetensors")).expect("expected");

@@ -129,7 +129,10 @@ impl crate::backends::WithBackend for Run<'_> {
         }
         let mut phases = Vec::new();
         let mut steps = Vec::new();
+        // The process's own memory before the first phase allocates (binary, libraries, driver
+        // state, the opened indexes): each phase's plan comes on top of it.
         nibble_core::io::machine::reset_peak_rss();
+        let baseline = nibble_core::io::machine::rss_bytes().unwrap_or(0);
         let out = pipe.run(&prepared, backend, opts, |e| match e {
             Event::PhaseStart { phase } => {
                 if !quiet {
@@ -204,13 +207,18 @@ impl crate::backends::WithBackend for Run<'_> {
         if quiet {
             let plans: Vec<_> = plans
                 .iter()
-                .map(|(phase, p)| json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes}))
+                .map(|(phase, p)| {
+                    json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes,
+                           "peak_host_bytes": p.peak_host_bytes})
+                })
                 .collect();
             crate::output::write_stdout(
                 &(json!({
                     "model": o.model, "backend": label, "width": out.width, "height": out.height,
                     "steps": steps, "phases": phases, "plans": plans,
                     "mu": prepared.mu, "sigmas": prepared.sigmas,
+                    "baseline_rss_bytes": baseline,
+                    "peak_rss_bytes": nibble_core::io::machine::peak_rss_bytes().unwrap_or(0),
                     "embed_cache": match (&cache, hit) {
                         (None, _) => "off",
                         (Some(_), true) => "hit",
