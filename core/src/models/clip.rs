@@ -9,10 +9,10 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::exec::{ExecOptions, ExecStats, Executor};
-use crate::format::json::{positive, positive_f32, typed};
+use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, W};
+use crate::models::{require_block, reshape, swap01, typed_config, Runner, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,12 +53,7 @@ struct File {
 impl ClipConfig {
     /// From the model's `config.json` (transformers' defaults where a field is absent).
     pub fn of(model: &ModelIndex) -> Result<Self> {
-        let file = model.locate("config.json");
-        let json = model.config.as_ref().ok_or_else(|| Error::Model {
-            file: file.clone(),
-            msg: "no config.json".into(),
-        })?;
-        let f: File = typed(&file, json)?;
+        let (file, f): (String, File) = typed_config(model, "CLIP's text model")?;
         let c = ClipConfig {
             hidden: positive(&file, "hidden_size", f.hidden_size)?,
             intermediate: positive(&file, "intermediate_size", f.intermediate_size)?,
@@ -195,7 +190,7 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, ClipConfig)> 
 
 /// A CLIP text model ready to run on a backend.
 pub struct ClipText<B: crate::backend::Backend> {
-    ex: Executor<B>,
+    run: Runner<B>,
     config: ClipConfig,
     seq_len: usize,
 }
@@ -212,9 +207,8 @@ impl<B: crate::backend::Backend> ClipText<B> {
     /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
     pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
         let (graph, config) = build(model, seq_len)?;
-        let ex = Executor::new(graph, model, backend, opts)?;
         Ok(ClipText {
-            ex,
+            run: Runner::new(graph, model, backend, opts)?,
             config,
             seq_len,
         })
@@ -222,12 +216,12 @@ impl<B: crate::backend::Backend> ClipText<B> {
 
     /// The executor (its plan, its backend).
     pub fn executor(&self) -> &Executor<B> {
-        &self.ex
+        &self.run.ex
     }
 
     /// The backend back, its device memory released (for the next phase).
     pub fn into_backend(self) -> B {
-        self.ex.into_parts().0
+        self.run.into_backend()
     }
 
     /// The final hidden state `[seq_len, hidden]` of `ids` (exactly `seq_len` of them, padded
@@ -250,13 +244,7 @@ impl<B: crate::backend::Backend> ClipText<B> {
             HostTensor::u32(&[t], ids.to_vec())?,
             HostTensor::u32(&[t], (0..t as u32).collect())?,
         ];
-        let (out, stats) = self.ex.step(&inputs)?;
-        let states = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Invalid("the CLIP graph has no output".into()))?
-            .into_f32();
-        crate::error::check_finite(&states, || "CLIP's hidden states".to_string())?;
+        let (states, stats) = self.run.run(&inputs, "CLIP's hidden states")?;
         let at = self.pooled_position(ids);
         let h = self.config.hidden;
         let pooled = states[at * h..(at + 1) * h].to_vec();

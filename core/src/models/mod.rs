@@ -152,3 +152,58 @@ pub(crate) fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
         None,
     )
 }
+
+/// The model's `config.json` typed as `T`, and its location for messages.
+pub(crate) fn typed_config<T: serde::de::DeserializeOwned>(
+    model: &ModelIndex,
+    what: &str,
+) -> Result<(String, T)> {
+    let file = model.locate("config.json");
+    let json = model.config.as_ref().ok_or_else(|| crate::Error::Model {
+        file: file.clone(),
+        msg: format!("not found: {what} needs its config.json"),
+    })?;
+    let t = crate::format::json::typed(&file, json)?;
+    Ok((file, t))
+}
+
+/// A model's graph bound to a backend, with one output: the runner the encoders and the VAE
+/// share.
+pub(crate) struct Runner<B: crate::backend::Backend> {
+    pub(crate) ex: crate::exec::Executor<B>,
+}
+
+impl<B: crate::backend::Backend> Runner<B> {
+    /// Plans, allocates and loads the resident weights of `graph`.
+    pub(crate) fn new(
+        graph: Graph,
+        model: &ModelIndex,
+        backend: B,
+        opts: crate::exec::ExecOptions,
+    ) -> Result<Self> {
+        Ok(Runner {
+            ex: crate::exec::Executor::new(graph, model, backend, opts)?,
+        })
+    }
+
+    /// One step with `inputs`: the output, checked finite (`what` names it in the error).
+    pub(crate) fn run(
+        &mut self,
+        inputs: &[crate::graph::HostTensor],
+        what: &str,
+    ) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
+        let (out, stats) = self.ex.step(inputs)?;
+        let v = out
+            .into_iter()
+            .next()
+            .ok_or_else(|| crate::Error::Invalid(format!("{what}: the graph has no output")))?
+            .into_f32();
+        crate::error::check_finite(&v, || what.to_string())?;
+        Ok((v, stats))
+    }
+
+    /// The backend back, its device memory released (for the next phase).
+    pub(crate) fn into_backend(self) -> B {
+        self.ex.into_parts().0
+    }
+}

@@ -11,10 +11,10 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::exec::{ExecOptions, ExecStats, Executor};
-use crate::format::json::{positive, positive_f32, typed};
+use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, W};
+use crate::models::{require_block, reshape, swap01, typed_config, Runner, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,12 +58,7 @@ impl T5Config {
     /// From the model's `config.json`. Only the gated-GELU feed-forward (T5 v1.1, as Flux
     /// uses) of an encoder is computed; anything else is refused naming the field.
     pub fn of(model: &ModelIndex) -> Result<Self> {
-        let file = model.locate("config.json");
-        let json = model.config.as_ref().ok_or_else(|| Error::Model {
-            file: file.clone(),
-            msg: "no config.json".into(),
-        })?;
-        let f: File = typed(&file, json)?;
+        let (file, f): (String, File) = typed_config(model, "T5's encoder")?;
         let bad = |msg: String| Error::Model {
             file: file.clone(),
             msg,
@@ -231,7 +226,7 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
 
 /// A T5 encoder ready to run on a backend.
 pub struct T5Encoder<B: crate::backend::Backend> {
-    ex: Executor<B>,
+    run: Runner<B>,
     config: T5Config,
     seq_len: usize,
 }
@@ -248,9 +243,8 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
     /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
     pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
         let (graph, config) = build(model, seq_len)?;
-        let ex = Executor::new(graph, model, backend, opts)?;
         Ok(T5Encoder {
-            ex,
+            run: Runner::new(graph, model, backend, opts)?,
             config,
             seq_len,
         })
@@ -258,12 +252,12 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
 
     /// The executor (its plan, its backend).
     pub fn executor(&self) -> &Executor<B> {
-        &self.ex
+        &self.run.ex
     }
 
     /// The backend back, its device memory released (for the next phase).
     pub fn into_backend(self) -> B {
-        self.ex.into_parts().0
+        self.run.into_backend()
     }
 
     /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`, padded).
@@ -288,13 +282,7 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
                 bucket_ids(t, self.config.buckets, self.config.max_distance),
             )?,
         ];
-        let (out, stats) = self.ex.step(&inputs)?;
-        let states = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Invalid("the T5 graph has no output".into()))?
-            .into_f32();
-        crate::error::check_finite(&states, || "T5's hidden states".to_string())?;
+        let (states, stats) = self.run.run(&inputs, "T5's hidden states")?;
         Ok((states, stats))
     }
 }

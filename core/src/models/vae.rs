@@ -11,10 +11,10 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::exec::{ExecOptions, ExecStats, Executor};
-use crate::format::json::{positive, typed};
+use crate::format::json::positive;
 use crate::graph::{Graph, HostTensor, OpKind, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{reshape, W};
+use crate::models::{reshape, typed_config, Runner, W};
 
 /// What the decoder needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,12 +61,7 @@ impl VaeConfig {
     /// From the VAE's `config.json`; a decoder nibble does not compute (post-quant
     /// convolution, other block types or activations) is refused naming the field.
     pub fn of(model: &ModelIndex) -> Result<Self> {
-        let file = model.locate("config.json");
-        let json = model.config.as_ref().ok_or_else(|| Error::Model {
-            file: file.clone(),
-            msg: "no config.json".into(),
-        })?;
-        let f: File = typed(&file, json)?;
+        let (file, f): (String, File) = typed_config(model, "a VAE")?;
         let bad = |field: &str, msg: String| Error::Model {
             file: file.clone(),
             msg: format!("{field}: {msg}"),
@@ -372,7 +367,7 @@ pub fn to_rgb8(image: &[f32], h: usize, w: usize) -> Result<Vec<u8>> {
 
 /// A VAE decoder ready to run on a backend.
 pub struct VaeDecoder<B: crate::backend::Backend> {
-    ex: Executor<B>,
+    run: Runner<B>,
     config: VaeConfig,
     shape: (usize, usize),
 }
@@ -395,9 +390,8 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
         opts: ExecOptions,
     ) -> Result<Self> {
         let (graph, config) = build(model, h, w)?;
-        let ex = Executor::new(graph, model, backend, opts)?;
         Ok(VaeDecoder {
-            ex,
+            run: Runner::new(graph, model, backend, opts)?,
             config,
             shape: (h, w),
         })
@@ -405,7 +399,7 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
 
     /// The executor (its plan, its backend).
     pub fn executor(&self) -> &Executor<B> {
-        &self.ex
+        &self.run.ex
     }
 
     /// The configuration.
@@ -415,20 +409,14 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
 
     /// The backend back, its device memory released.
     pub fn into_backend(self) -> B {
-        self.ex.into_parts().0
+        self.run.into_backend()
     }
 
     /// The image `[out_channels, h * f, w * f]` of a decoder input `[latent_channels, h, w]`.
     pub fn decode(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
         let (h, w) = self.shape;
         let input = HostTensor::f32(&[self.config.latent_channels, h, w], z.to_vec())?;
-        let (out, stats) = self.ex.step(&[input])?;
-        let image = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Invalid("the VAE graph has no output".into()))?
-            .into_f32();
-        crate::error::check_finite(&image, || "the VAE's image".to_string())?;
+        let (image, stats) = self.run.run(&[input], "the VAE's image")?;
         Ok((image, stats))
     }
 }

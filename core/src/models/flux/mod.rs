@@ -29,44 +29,39 @@ pub fn latent_grid(height: usize, width: usize, vae_scale_factor: usize) -> Resu
     Ok((h, w))
 }
 
-/// `FluxPipeline._pack_latents`: `[c, h, w]` (one image) to `[(h/2)(w/2), 4c]` tokens, each
-/// token the 2x2 patch of every channel (channel-major, then row, then column).
-pub fn pack_latents(x: &[f32], c: usize, h: usize, w: usize) -> Vec<f32> {
+/// Calls `f(token_index, image_index)` for every value of a `[c, h, w]` latent and its place
+/// among the packed tokens: token `(i, j)` holds the 2x2 patch at rows `2i..2i+2`, columns
+/// `2j..2j+2` of every channel (channel-major, then row, then column).
+fn for_each_patch_value(c: usize, h: usize, w: usize, mut f: impl FnMut(usize, usize)) {
     let (hh, wh) = (h / 2, w / 2);
-    let mut out = vec![0f32; c * h * w];
     for i in 0..hh {
         for j in 0..wh {
             let tok = i * wh + j;
             for ch in 0..c {
                 for a in 0..2 {
                     for b in 0..2 {
-                        out[tok * 4 * c + ch * 4 + a * 2 + b] =
-                            x[ch * h * w + (2 * i + a) * w + 2 * j + b];
+                        f(
+                            tok * 4 * c + ch * 4 + a * 2 + b,
+                            ch * h * w + (2 * i + a) * w + 2 * j + b,
+                        );
                     }
                 }
             }
         }
     }
+}
+
+/// `FluxPipeline._pack_latents`: `[c, h, w]` (one image) to `[(h/2)(w/2), 4c]` tokens.
+pub fn pack_latents(x: &[f32], c: usize, h: usize, w: usize) -> Vec<f32> {
+    let mut out = vec![0f32; c * h * w];
+    for_each_patch_value(c, h, w, |t, i| out[t] = x[i]);
     out
 }
 
 /// `FluxPipeline._unpack_latents`: the inverse of [`pack_latents`].
 pub fn unpack_latents(tokens: &[f32], c: usize, h: usize, w: usize) -> Vec<f32> {
-    let (hh, wh) = (h / 2, w / 2);
     let mut out = vec![0f32; c * h * w];
-    for i in 0..hh {
-        for j in 0..wh {
-            let tok = i * wh + j;
-            for ch in 0..c {
-                for a in 0..2 {
-                    for b in 0..2 {
-                        out[ch * h * w + (2 * i + a) * w + 2 * j + b] =
-                            tokens[tok * 4 * c + ch * 4 + a * 2 + b];
-                    }
-                }
-            }
-        }
-    }
+    for_each_patch_value(c, h, w, |t, i| out[i] = tokens[t]);
     out
 }
 
