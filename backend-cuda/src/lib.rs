@@ -539,6 +539,12 @@ fn launch_config(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         },
+        // `items` counts 64 lanes per group; one block of 256 per group.
+        ("group_norm", _) => LaunchConfig {
+            grid_dim: (items.div_ceil(64).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        },
         ("matmul", _) => LaunchConfig {
             grid_dim: (
                 out[2].div_ceil(16) as u32,

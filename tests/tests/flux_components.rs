@@ -256,7 +256,7 @@ fn check_tiled<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
         let mut b = make();
         let (g, _) = vae::build(&m, tiling.latent_tile, tiling.latent_tile).expect("graph");
         let o = opts(&g, &m, true, &mut b);
-        let (img, _) = vae::tiled_decode(&m, b, &z, (4, 16, 16), tiling, o).expect("tiled");
+        let (img, _, _) = vae::tiled_decode(&m, b, &z, (4, 16, 16), tiling, o).expect("tiled");
         let want = tiled
             .f32(&format!("p{p}.image_f32_tiled"))
             .expect("tiled image");

@@ -163,7 +163,7 @@ fn abort_after(abort: &web_sys::AbortController, ms: u64) -> Option<i32> {
     set_timer(on_timeout.unchecked_ref(), ms.min(i32::MAX as u64) as i32)
 }
 
-async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
+async fn attempt(url: &str, range: Option<(u64, u64)>, limit: u64) -> Attempt {
     let init = web_sys::RequestInit::new();
     init.set_method("GET");
     init.set_cache(web_sys::RequestCache::NoStore);
@@ -211,14 +211,26 @@ async fn attempt(url: &str, range: Option<(u64, u64)>) -> Attempt {
     if r.status() >= 500 || r.status() == 408 || r.status() == 429 {
         return Attempt::Retry(format!("HTTP {}", r.status()));
     }
-    if !(200..300).contains(&r.status()) {
+    // The body is read only where it is the answer asked for: a 206 to a range request (the
+    // caller reports anything else, a server ignoring Range included, without downloading a
+    // whole file), a 2xx of at most `limit` bytes to a plain GET.
+    let wanted = match range {
+        Some(_) => r.status() == 206,
+        None => (200..300).contains(&r.status()),
+    };
+    if !wanted {
         return Attempt::Done(r, None);
     }
-    let body_bytes = range.map(|(a, b)| b + 1 - a).unwrap_or_else(|| {
-        header(&r, "content-length")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(SIDE_FILE_BYTES)
-    });
+    let length: Option<u64> = header(&r, "content-length").and_then(|v| v.parse().ok());
+    if range.is_none() && length.is_some_and(|n| n > limit) {
+        return Attempt::Fail(format!(
+            "{} bytes, more than the {limit} allowed for a side file",
+            length.unwrap_or(0)
+        ));
+    }
+    let body_bytes = range
+        .map(|(a, b)| b + 1 - a)
+        .unwrap_or_else(|| length.unwrap_or(SIDE_FILE_BYTES).min(limit));
     let body_ms = response_ms + body_bytes.saturating_mul(1000) / MIN_RATE;
     let p = match r.array_buffer() {
         Ok(p) => p,
@@ -243,13 +255,14 @@ const ATTEMPTS: u32 = 4;
 async fn fetch_with_retries(
     url: &str,
     range: Option<(u64, u64)>,
+    limit: u64,
 ) -> Result<(web_sys::Response, Option<js_sys::Uint8Array>)> {
     let mut last = String::new();
     for k in 0..ATTEMPTS {
         if k > 0 {
             sleep_ms(100 << (2 * (k - 1))).await;
         }
-        match attempt(url, range).await {
+        match attempt(url, range, limit).await {
             Attempt::Done(r, body) => return Ok((r, body)),
             Attempt::Retry(m) => last = m,
             Attempt::Fail(m) => return Err(http_err(url, m)),
@@ -296,7 +309,7 @@ async fn range_request(
         return Err(http_err(url, format!("empty read at offset {offset}")));
     }
     let want = (offset, offset + len - 1);
-    let resp = fetch_with_retries(url, Some(want)).await;
+    let resp = fetch_with_retries(url, Some(want), u64::MAX).await;
     let log = |status: u16, bytes: u64| {
         if let Ok(mut t) = traffic.lock() {
             t.requests.push(RequestLog {
@@ -384,7 +397,7 @@ pub async fn fetch_small(
     url: &str,
     limit: u64,
 ) -> Result<Option<Vec<u8>>> {
-    let (resp, data) = fetch_with_retries(url, None).await?;
+    let (resp, data) = fetch_with_retries(url, None, limit).await?;
     let status = resp.status();
     if status == 404 {
         if let Ok(mut t) = traffic.lock() {

@@ -226,7 +226,8 @@ pub fn call(
             (
                 "group_norm",
                 vec![c as u32, spatial as u32, *groups as u32, f(*eps)],
-                *groups,
+                // 64 lanes per group (one wgpu workgroup; CUDA launches one block per group).
+                *groups * 64,
             )
         }
         OpKind::Upsample2x => {

@@ -496,7 +496,20 @@ fn finite_stored(bytes: &[u8], dtype: Dtype, tensor: &str) -> Result<()> {
         Dtype::F32 => return finite_f32_bytes(bytes, tensor),
         Dtype::F16 => |w: u16| w & 0x7c00 == 0x7c00,
         Dtype::BF16 => |w: u16| w & 0x7f80 == 0x7f80,
-        _ => return Ok(()),
+        _ => {
+            // Other float widths (f64) are checked as they are widened to f32.
+            let n = crate::format::dtype::dtype_bits(dtype) as usize / 8;
+            if n == 0 || bytes.len() % n != 0 {
+                return Ok(());
+            }
+            let mut vals = vec![0f32; bytes.len() / n];
+            if widen_into(bytes, dtype, &mut vals) {
+                crate::error::check_finite(&vals, || {
+                    format!("weight '{tensor}' as stored in the file (as f32)")
+                })?;
+            }
+            return Ok(());
+        }
     };
     let words = bytes
         .chunks_exact(2)

@@ -409,7 +409,10 @@ impl GgufFile {
                     ),
                 });
             }
-            let bytes = numel / bv * bb;
+            let bytes = (numel / bv).checked_mul(bb).ok_or_else(|| Error::Model {
+                file: disp.clone(),
+                msg: format!("tensor '{name}': shape {dims:?} overflows"),
+            })?;
             let offset = data_start.saturating_add(rel);
             if offset.checked_add(bytes).is_none_or(|e| e > len) {
                 return Err(Error::OffsetOutOfRange {

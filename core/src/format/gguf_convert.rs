@@ -145,6 +145,29 @@ fn hparams(g: &GgufFile, file: &str) -> Result<Hparams> {
             ),
         ));
     }
+    let rms_eps = f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
+    let rope_theta = f("rope.freq_base").unwrap_or(10000.0);
+    for (k, v) in [
+        ("attention.layer_norm_rms_epsilon", rms_eps),
+        ("rope.freq_base", rope_theta),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v < f32::MAX as f64) {
+            return Err(bad(
+                file,
+                format!("{arch}.{k} is {v}: not a positive number"),
+            ));
+        }
+    }
+    if let Some(r) = &rope_scaling {
+        let factor = r["factor"].as_f64().unwrap_or(f64::NAN);
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(bad(file, format!("{arch}.rope.scaling.factor is {factor}")));
+        }
+    }
+    let ctx = u("context_length").unwrap_or(2048);
+    if !size_ok(ctx) {
+        return Err(bad(file, format!("{arch}.context_length is {ctx}")));
+    }
     Ok(Hparams {
         hidden,
         ffn,
@@ -152,9 +175,9 @@ fn hparams(g: &GgufFile, file: &str) -> Result<Hparams> {
         heads,
         kv_heads,
         head_dim,
-        ctx: u("context_length").unwrap_or(2048),
-        rms_eps: f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-        rope_theta: f("rope.freq_base").unwrap_or(10000.0),
+        ctx,
+        rms_eps,
+        rope_theta,
         rope_scaling,
         arch,
     })
@@ -380,6 +403,10 @@ pub fn convert(
             v = unpermute_qk(&v, shape[0] as usize, shape[1] as usize, heads);
         }
         round_to(opts.dtype, &mut v);
+        // A value beyond the output dtype's range would be written as infinity.
+        crate::error::check_finite(&v, || {
+            format!("{file}: tensor '{}' in {}", p.src.name, opts.dtype.name())
+        })?;
         Ok(v)
     };
     // Pass 1: the header (a double-quantized weight's JSON holds a value of its data).

@@ -74,7 +74,7 @@ impl T5Config {
         if f.is_decoder == Some(true) {
             return Err(bad("is_decoder: only T5's encoder is computed".into()));
         }
-        Ok(T5Config {
+        let c = T5Config {
             d_model: positive(&file, "d_model", f.d_model)?,
             d_kv: positive(&file, "d_kv", f.d_kv)?,
             d_ff: positive(&file, "d_ff", f.d_ff)?,
@@ -96,7 +96,17 @@ impl T5Config {
                 "layer_norm_epsilon",
                 f.layer_norm_epsilon.unwrap_or(1e-6),
             )?,
-        })
+        };
+        // Each direction's buckets: half exact (at least one), half logarithmic up to
+        // max_distance.
+        if c.buckets < 4 || c.max_distance <= c.buckets / 4 {
+            return Err(bad(format!(
+                "relative_attention_num_buckets {} and relative_attention_max_distance {}: \
+                 need at least 4 buckets and a distance above a quarter of them",
+                c.buckets, c.max_distance
+            )));
+        }
+        Ok(c)
     }
 }
 

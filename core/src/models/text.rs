@@ -189,7 +189,9 @@ impl TextTokenizer {
         let mut env = minijinja::Environment::new();
         // A template is code from the model folder: it runs on a budget of instructions and of
         // output, so that nested loops or a loop that prints are an error, not a hang or an
-        // abort. Real templates take a few thousand instructions per message.
+        // abort. (Strings a template builds without writing them are bounded by the fuel and
+        // minijinja's own limits only.) Real templates take a few thousand instructions per
+        // message.
         let text_bytes: usize = messages.iter().map(|m| m.content.len()).sum();
         env.set_fuel(Some(TEMPLATE_FUEL + 64 * text_bytes as u64));
         env.set_trim_blocks(true);

@@ -439,6 +439,24 @@ impl Tiling {
         ((self.latent_tile as f64 * (1.0 - self.overlap as f64)) as usize).max(1)
     }
 
+    /// Refuses a tiling whose tiles do not meet edge to edge once cropped (the stride in pixels
+    /// must equal the tile less its blended overlap, as diffusers' sizes do).
+    pub fn check(&self, scale: usize) -> Result<()> {
+        let sample = self.latent_tile * scale;
+        let blend = (sample as f64 * self.overlap as f64) as usize;
+        if self.latent_tile == 0
+            || !(0.0..1.0).contains(&self.overlap)
+            || self.stride() * scale != sample - blend
+        {
+            return Err(Error::Invalid(format!(
+                "VAE tiles of {} latent positions with overlap {}: the tiles would not meet \
+                 (use a tile size that is a multiple of 4)",
+                self.latent_tile, self.overlap
+            )));
+        }
+        Ok(())
+    }
+
     /// The distinct tile shapes a `h x w` latent is cut into (one decoder graph each).
     pub fn shapes(&self, h: usize, w: usize) -> Vec<(usize, usize)> {
         let mut v: Vec<(usize, usize)> = Vec::new();
@@ -462,7 +480,8 @@ struct Tile {
 }
 
 /// Decodes `z` (`[c, h, w]`, the decoder's input) in tiles on `backend`, one decoder graph per
-/// tile shape at a time; returns the image `[out_channels, h * f, w * f]` and the backend.
+/// tile shape at a time; returns the image `[out_channels, h * f, w * f]`, the backend and the
+/// weight bytes streamed.
 pub fn tiled_decode<B: crate::backend::Backend>(
     model: &ModelIndex,
     mut backend: B,
@@ -470,11 +489,10 @@ pub fn tiled_decode<B: crate::backend::Backend>(
     (c, h, w): (usize, usize, usize),
     tiling: Tiling,
     opts: ExecOptions,
-) -> Result<(Vec<f32>, B)> {
+) -> Result<(Vec<f32>, B, u64)> {
     let cfg = VaeConfig::of(model)?;
-    if tiling.latent_tile == 0 || !(0.0..1.0).contains(&tiling.overlap) {
-        return Err(Error::Invalid(format!("VAE tiling {tiling:?}")));
-    }
+    tiling.check(cfg.scale_factor())?;
+    let mut streamed = 0;
     if z.len() != c * h * w {
         return Err(Error::Invalid(format!(
             "{} values are not [{c}, {h}, {w}]",
@@ -510,7 +528,8 @@ pub fn tiled_decode<B: crate::backend::Backend>(
                         tile.extend_from_slice(&z[(ch * h + y) * w + j..(ch * h + y) * w + j + tw]);
                     }
                 }
-                let (v, _) = dec.decode(&tile)?;
+                let (v, st) = dec.decode(&tile)?;
+                streamed += st.stream.bytes;
                 grid[a][b] = Some(Tile {
                     v,
                     h: th * f,
@@ -598,5 +617,5 @@ pub fn tiled_decode<B: crate::backend::Backend>(
         )));
     }
     crate::error::check_finite(&out, || "the VAE's tiled image".to_string())?;
-    Ok((out, backend))
+    Ok((out, backend, streamed))
 }

@@ -14,20 +14,33 @@ pub struct Reads<'a> {
     pub files: Vec<&'a Path>,
 }
 
-/// `p` made absolute with symbolic links and `..` resolved: the path itself when it exists,
-/// else its existing parent joined with the file name.
+/// `p` made absolute with symbolic links and `..` resolved as the kernel would: component by
+/// component, each existing prefix canonicalized (so a link is followed before a `..` after it
+/// applies), the missing rest appended.
 fn resolve(p: &Path) -> PathBuf {
-    if let Ok(c) = std::fs::canonicalize(p) {
-        return c;
-    }
-    let parent = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
+    use std::path::Component;
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_default().join(p)
     };
-    match (std::fs::canonicalize(parent), p.file_name()) {
-        (Ok(d), Some(name)) => d.join(name),
-        _ => p.to_path_buf(),
+    let mut out = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::Prefix(_) | Component::RootDir => out.push(c),
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(n) => {
+                out.push(n);
+                if let Ok(canon) = std::fs::canonicalize(&out) {
+                    out = canon;
+                }
+            }
+        }
     }
+    out
 }
 
 /// Whether two existing paths are one file (the same inode: a hard link counts).
@@ -98,6 +111,8 @@ mod tests {
             d.path().join("m/../m/x"),
             d.path().join("in.safetensors"),
             d.path().join("m/../in.safetensors"),
+            d.path().join("m/new/deeper/x.safetensors"),
+            d.path().join("gone/../m/x"),
         ];
         for b in &bad {
             assert!(check_output(b, "-o", &reads).is_err(), "{}", b.display());

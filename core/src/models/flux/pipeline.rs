@@ -219,8 +219,32 @@ impl FluxPipeline {
                 ),
             });
         }
-        let grid = latent_grid(req.height, req.width, vcfg.scale_factor())?;
+        // Sizes checked before anything is tokenized, drawn or allocated: at most 4096 latent
+        // positions a side (the VAE graph's limit), and diffusers' 512 T5 tokens.
+        let f = vcfg.scale_factor();
+        if req.height > 4096 * f || req.width > 4096 * f {
+            return Err(Error::Invalid(format!(
+                "a {} x {} image: at most {} pixels a side with this VAE",
+                req.height,
+                req.width,
+                4096 * f
+            )));
+        }
+        if !(1..=512).contains(&req.max_sequence_length) {
+            return Err(Error::Invalid(format!(
+                "max_sequence_length {} (1 to 512, as FluxPipeline allows)",
+                req.max_sequence_length
+            )));
+        }
+        let grid = latent_grid(req.height, req.width, f)?;
         let tokens = (grid.0 / 2) * (grid.1 / 2);
+        crate::io::machine::check_alloc(
+            (channels * grid.0 * grid.1) as u64 * 4,
+            &format!(
+                "the initial latents of a {} x {} image",
+                req.height, req.width
+            ),
+        )?;
         let (clip_ids, _) = self.clip_tokenizer.encode(&req.prompt)?;
         let (t5_ids, _) = self
             .t5_tokenizer
@@ -363,6 +387,7 @@ impl FluxPipeline {
             }
             tiling.latent_tile = t;
         }
+        tiling.check(p.vae.scale_factor())?;
         let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
         p.tiling = match p.tiling_choice {
             VaeTiling::Off => None,
@@ -496,9 +521,9 @@ impl FluxPipeline {
         tensors.insert("vae_input".into(), (vec![1, p.channels, h, w], z.clone()));
         let (image, bytes) = match p.tiling {
             Some(t) => {
-                let (image, _) =
+                let (image, _, bytes) =
                     vae::tiled_decode(&self.vae, backend, &z, (p.channels, h, w), t, opts)?;
-                (image, 0)
+                (image, bytes)
             }
             None => {
                 let mut dec = VaeDecoder::new(&self.vae, backend, h, w, opts)?;

@@ -25,8 +25,16 @@ pub fn run(o: &RunArgs) -> Result<()> {
     let Some(prompt) = o.text.prompt.clone() else {
         bail!("a Flux pipeline needs --prompt TEXT");
     };
-    if o.dit.inputs.is_some() || o.dit.checkpoint.is_some() || o.dit.resume.is_some() {
-        bail!("--inputs, --checkpoint and --resume are for a lone DiT, not a pipeline folder");
+    if o.dit.inputs.is_some()
+        || o.dit.checkpoint.is_some()
+        || o.dit.resume.is_some()
+        || o.dit.preview.is_some()
+        || o.dit.dynamic_shift
+    {
+        bail!(
+            "--inputs, --checkpoint, --resume, --preview and --dynamic-shift are for a lone DiT; \
+             a pipeline folder's schedule comes from its scheduler_config.json"
+        );
     }
     let d = &o.dit;
     let noise = match &d.latents {
@@ -90,10 +98,17 @@ impl crate::backends::WithBackend for Run<'_> {
             .as_ref()
             .map(|dir| dir.join(format!("{}.safetensors", pipe.embed_key(&prepared))));
         let hit = match &cache {
-            Some(path) if path.is_file() => {
-                prepared.embeds = Some(read_embeds(path, prepared.t5_ids.len())?);
-                true
-            }
+            Some(path) if path.is_file() => match read_embeds(path, prepared.t5_ids.len()) {
+                Ok(e) => {
+                    prepared.embeds = Some(e);
+                    true
+                }
+                Err(e) => {
+                    // A damaged entry is recomputed (and rewritten), not fatal.
+                    eprintln!("warning: {e:#}; encoding the prompt again");
+                    false
+                }
+            },
             _ => false,
         };
         // The device budget: as given, else the largest phase's everything-resident size.
@@ -275,9 +290,13 @@ fn write_embeds(
         ));
     }
     let tmp = path.with_extension("partial");
-    nibble_core::format::writer::write_safetensors(&tmp, &named, &Default::default())?;
-    std::fs::rename(&tmp, path).with_context(|| path.display().to_string())?;
-    Ok(())
+    let r = nibble_core::format::writer::write_safetensors(&tmp, &named, &Default::default())
+        .map_err(anyhow::Error::from)
+        .and_then(|()| std::fs::rename(&tmp, path).with_context(|| path.display().to_string()));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
 }
 
 /// 8-bit RGB `[h, w, 3]` as a PNG.

@@ -22,6 +22,14 @@ pub fn run(o: &RunArgs) -> Result<()> {
     if nibble_core::models::flux::pipeline::FluxPipeline::is_pipeline(&o.model) {
         return flux::run(o);
     }
+    let d = &o.dit;
+    if d.latents.is_some() || d.embed_cache.is_some() || d.intermediates.is_some() {
+        bail!(
+            "--latents, --embed-cache and --intermediates are for a Flux pipeline folder \
+             (model_index.json); {} is not one",
+            o.model
+        );
+    }
     let model = ModelIndex::open_path_or_url(&o.model, o.file_mode.into())?;
     let Some(k) = model.config.as_ref().and_then(ModelKind::of_config) else {
         bail!(
