@@ -8,7 +8,8 @@ use anyhow::{bail, Result};
 
 /// What a command reads: the model (a path or a URL) and other input files.
 pub struct Reads<'a> {
-    /// `--model` / the input argument: a local file or folder, or a URL (nothing local to guard).
+    /// `--model` / the input argument: a local file or folder, or a URL (nothing local to guard);
+    /// empty when the command reads no model (only `files`).
     pub model: &'a str,
     /// Other files read (`--inputs`, `--resume`, a GGUF).
     pub files: Vec<&'a Path>,
@@ -59,7 +60,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 pub fn check_output(out: &Path, flag: &str, reads: &Reads<'_>) -> Result<()> {
     let target = resolve(out);
     let is_url = reads.model.starts_with("http://") || reads.model.starts_with("https://");
-    if !is_url {
+    if !is_url && !reads.model.is_empty() {
         let model = Path::new(reads.model);
         let m = resolve(model);
         if m.is_dir() && target.starts_with(&m) {
@@ -134,5 +135,13 @@ mod tests {
         };
         assert!(check_output(&model.join("logits.safetensors"), "-o", &reads).is_ok());
         assert!(check_output(&file_model, "-o", &reads).is_err());
+        // Reading only files (convert's GGUF): writing beside them, in a new folder, is fine.
+        let reads = Reads {
+            model: "",
+            files: vec![&input],
+        };
+        assert!(check_output(&d.path().join("out/model.safetensors"), "-o", &reads).is_ok());
+        assert!(check_output(Path::new("relative/out.safetensors"), "-o", &reads).is_ok());
+        assert!(check_output(&input, "-o", &reads).is_err());
     }
 }
