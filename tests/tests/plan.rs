@@ -33,7 +33,7 @@ fn sweep<B: Backend>(mut make: impl FnMut() -> B) {
     let m = model();
     let shape = LlamaShape::generate(5, 7);
     let graph = llama::build(&m, shape).expect("graph").graph;
-    let planner = Planner::new(graph.clone(), &m, Rules::of(&mut make())).expect("planner");
+    let planner = Planner::new(graph.clone(), &m, Rules::of(&mut make(), &graph)).expect("planner");
     let min = planner.min_device_bytes().expect("min");
     let max = planner.resident_device_bytes().expect("resident");
     assert!(

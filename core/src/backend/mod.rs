@@ -147,6 +147,12 @@ pub trait Backend {
     fn host_memory(&mut self) -> Option<&mut dyn HostMemory> {
         None
     }
+    /// Host bytes the backend's kernels keep or allocate while running `graph`, beyond the
+    /// arena and the pool (reordered activations, dequantized weight tiles, convolution
+    /// columns): the plan counts them as host memory, so that a run's RSS stays within it.
+    fn workspace_bytes(&self, _graph: &crate::graph::Graph) -> u64 {
+        0
+    }
 }
 
 /// What a backend whose arena and pool are plain host memory does besides [`Backend`]: read

@@ -126,7 +126,7 @@ impl<B: Backend> Executor<B> {
         backend: &mut B,
         opts: ExecOptions,
     ) -> Result<MemoryPlan> {
-        let planner = Planner::new(graph.clone(), model, Rules::of(backend))?;
+        let planner = Planner::new(graph.clone(), model, Rules::of(backend, graph))?;
         Ok(planner.plan(opts.budgets, opts.stream_all)?.0)
     }
 
@@ -190,7 +190,7 @@ impl<B: Backend> Executor<B> {
         ring: Option<StagingRing>,
         make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
     ) -> Result<(Self, ResidentLoad)> {
-        let rules = Rules::of(&mut backend);
+        let rules = Rules::of(&mut backend, &graph);
         let planner = Planner::new(graph, model, rules)?;
         let (plan, lay) = planner.plan(opts.budgets, opts.stream_all)?;
         let roles = load::roles(&planner);

@@ -67,16 +67,20 @@ pub struct Rules {
     /// The backend reads bf16 dense weights as stored and reads streamed weights in place from
     /// ring slots (the host-memory capability, [`crate::backend::HostMemory`]).
     pub host_memory: bool,
+    /// Host bytes of the backend's kernel workspace for the graph
+    /// ([`Backend::workspace_bytes`]).
+    pub workspace_bytes: u64,
 }
 
 impl Rules {
-    /// The rules of `backend`.
-    pub fn of<B: Backend + ?Sized>(backend: &mut B) -> Self {
+    /// The rules of `backend` for `graph`.
+    pub fn of<B: Backend + ?Sized>(backend: &mut B, graph: &Graph) -> Self {
         let a = backend.alignment();
         Rules {
             arena_align_words: a.arena_words.max(1),
             pool_align_bytes: a.pool_bytes.max(4),
             host_memory: backend.host_memory().is_some(),
+            workspace_bytes: backend.workspace_bytes(graph),
         }
     }
 }
@@ -112,7 +116,9 @@ pub struct MemoryPlan {
     pub in_place_bytes_per_step: u64,
     /// Peak device bytes: pool + arena, allocated once.
     pub peak_device_bytes: u64,
-    /// Peak host bytes the plan adds: ring + loader buffers.
+    /// Host bytes of the backend's kernel workspace ([`Backend::workspace_bytes`]).
+    pub workspace_bytes: u64,
+    /// Peak host bytes the plan adds: ring + loader buffers + kernel workspace.
     pub peak_host_bytes: u64,
 }
 
@@ -161,11 +167,12 @@ impl MemoryPlan {
             fmt_bytes(self.state_bytes)
         ));
         t.push_str(&format!(
-            "  host    ring {} x {} = {}, loader buffers {}: peak {}\n",
+            "  host    ring {} x {} = {}, loader buffers {}, kernel workspace {}: peak {}\n",
             b.ring_slots,
             fmt_bytes(b.slot_bytes),
             fmt_bytes(self.ring_bytes),
             fmt_bytes(self.loader_bytes),
+            fmt_bytes(self.workspace_bytes),
             fmt_bytes(self.peak_host_bytes)
         ));
         let copied = if self.in_place_bytes_per_step > 0 {
@@ -459,7 +466,10 @@ impl Planner {
             streamed_bytes_per_step,
             in_place_bytes_per_step,
             peak_device_bytes: lay.device_bytes(),
-            peak_host_bytes: ring_bytes.saturating_add(self.loader_bytes),
+            workspace_bytes: self.rules.workspace_bytes,
+            peak_host_bytes: ring_bytes
+                .saturating_add(self.loader_bytes)
+                .saturating_add(self.rules.workspace_bytes),
         }
     }
 }
@@ -471,7 +481,7 @@ pub fn min_device_bytes<B: Backend + ?Sized>(
     model: &ModelIndex,
     backend: &mut B,
 ) -> Result<u64> {
-    Planner::new(graph.clone(), model, Rules::of(backend))?.min_device_bytes()
+    Planner::new(graph.clone(), model, Rules::of(backend, graph))?.min_device_bytes()
 }
 
 /// The device budget with which `backend` keeps every group of `graph` resident.
@@ -480,5 +490,5 @@ pub fn resident_device_bytes<B: Backend + ?Sized>(
     model: &ModelIndex,
     backend: &mut B,
 ) -> Result<u64> {
-    Planner::new(graph.clone(), model, Rules::of(backend))?.resident_device_bytes()
+    Planner::new(graph.clone(), model, Rules::of(backend, graph))?.resident_device_bytes()
 }

@@ -8,6 +8,26 @@ use super::{Out, Rows, ThreadPool};
 /// Bytes of im2col columns built at once (a band of output rows).
 const BAND_BYTES: usize = 16 << 20;
 
+/// Output rows of a band: as many as fit [`BAND_BYTES`] of columns, at least one.
+fn band_rows(ck: usize, oh: usize, ow: usize) -> usize {
+    (BAND_BYTES / 4 / (ck * ow).max(1)).clamp(1, oh.max(1))
+}
+
+/// The bytes [`conv2d`] keeps in `cols` and allocates for one band's products.
+pub(super) fn conv2d_workspace(
+    (c, h, w): (usize, usize, usize),
+    o: usize,
+    (k, pad): (usize, usize),
+) -> (u64, u64) {
+    let (oh, ow) = (
+        (h + 2 * pad + 1).saturating_sub(k),
+        (w + 2 * pad + 1).saturating_sub(k),
+    );
+    let ck = c * k * k;
+    let n = band_rows(ck, oh, ow) * ow;
+    ((n * ck * 4) as u64, (o * n * 4) as u64)
+}
+
 /// `out[O, OH, OW] = w[O, C, k, k] * x[C, H, W]` (+ `b`), stride 1, zero padding `pad`.
 /// `cols` is reused scratch.
 #[allow(clippy::too_many_arguments)]
@@ -24,7 +44,7 @@ pub(super) fn conv2d(
 ) {
     let (oh, ow) = (h + 2 * pad + 1 - k, w + 2 * pad + 1 - k);
     let ck = c * k * k;
-    let band = (BAND_BYTES / 4 / (ck * ow).max(1)).clamp(1, oh);
+    let band = band_rows(ck, oh, ow);
     let mut tmp = Vec::new();
     let mut y0 = 0;
     while y0 < oh {

@@ -220,6 +220,49 @@ impl Backend for CpuBackend {
         self.pool = Vec::new();
         self.pool_len = 0;
     }
+    fn workspace_bytes(&self, g: &crate::graph::Graph) -> u64 {
+        // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear
+        // (m x k), a matmul's transposed operand (n x k), a convolution band's columns. Each
+        // worker (and the caller) keeps a dequantized tile of TILE_ROWS x k; a convolution
+        // also allocates its band's products while it runs.
+        let (mut shared, mut tile, mut transient) = (0u64, 0u64, 0u64);
+        for node in g.nodes() {
+            let shape = |i: usize| {
+                node.inputs
+                    .get(i)
+                    .map(|&v| g.info(v).shape.clone())
+                    .unwrap_or_default()
+            };
+            match &node.op {
+                OpKind::LinearQ4 { .. } => {
+                    let x = shape(0);
+                    let (m, k) = (
+                        x.first().copied().unwrap_or(0),
+                        x.last().copied().unwrap_or(0),
+                    );
+                    shared = shared.max((m * k * 4) as u64);
+                    tile = tile.max((TILE_ROWS * k * 4) as u64);
+                }
+                OpKind::MatMul { transpose_b: false } => {
+                    let (a, b) = (shape(0), shape(1));
+                    if let (Some(&k), Some(&n)) = (a.last(), b.last()) {
+                        shared = shared.max((n * k * 4) as u64);
+                    }
+                }
+                OpKind::Conv2d { kernel, pad, .. } => {
+                    let (x, w) = (shape(0), shape(1));
+                    if x.len() == 3 && !w.is_empty() {
+                        let (cols, tmp) =
+                            image::conv2d_workspace((x[0], x[1], x[2]), w[0], (*kernel, *pad));
+                        shared = shared.max(cols);
+                        transient = transient.max(tmp);
+                    }
+                }
+                _ => {}
+            }
+        }
+        shared + tile * (self.threads.threads() as u64 + 1) + transient
+    }
     fn alignment(&self) -> Alignment {
         // 64 bytes: every operand and pool region starts on a cache line.
         Alignment {
