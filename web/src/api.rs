@@ -25,11 +25,11 @@ use crate::fetch::{FetchFolder, FetchSource, SharedTraffic, Traffic};
 
 /// Memory settings from JavaScript: `{ deviceBudget: bytes | "min", slots, slotBytes }`.
 #[derive(Debug, Clone, Copy)]
-struct Settings {
+pub(crate) struct Settings {
     /// `None`: the smallest budget (every group streamed each step).
-    device_bytes: Option<u64>,
-    slots: u64,
-    slot_bytes: u64,
+    pub(crate) device_bytes: Option<u64>,
+    pub(crate) slots: u64,
+    pub(crate) slot_bytes: u64,
 }
 
 impl Default for Settings {
@@ -43,12 +43,16 @@ impl Default for Settings {
 }
 
 #[derive(Default)]
-struct State {
-    backend: Option<WgpuBackend>,
-    model: Option<ModelIndex>,
-    kind: Option<ModelKind>,
-    settings: Settings,
+pub(crate) struct State {
+    pub(crate) backend: Option<WgpuBackend>,
+    pub(crate) model: Option<ModelIndex>,
+    pub(crate) kind: Option<ModelKind>,
+    pub(crate) settings: Settings,
     busy: bool,
+    /// The Flux pipeline folder opened by `loadPipeline` (instead of a model).
+    pub(crate) pipeline: Option<Rc<nibble_core::models::flux::pipeline::FluxPipeline>>,
+    /// `loadPipeline` was given no device budget: each run's default is every weight resident.
+    pub(crate) pipeline_resident: bool,
     /// The language model's tokenizer and chat template, when its folder has them.
     text: Option<Rc<TextTokenizer>>,
     /// End-of-sequence ids (config.json's and generation_config.json's).
@@ -58,8 +62,8 @@ struct State {
 /// nibble in a browser tab: one WebGPU device, one model streamed over HTTP Range requests.
 #[wasm_bindgen]
 pub struct Nibble {
-    state: Rc<RefCell<State>>,
-    traffic: SharedTraffic,
+    pub(crate) state: Rc<RefCell<State>>,
+    pub(crate) traffic: SharedTraffic,
 }
 
 impl Default for Nibble {
@@ -68,15 +72,15 @@ impl Default for Nibble {
     }
 }
 
-fn js_err(e: impl std::fmt::Display) -> JsValue {
+pub(crate) fn js_err(e: impl std::fmt::Display) -> JsValue {
     js_sys::Error::new(&e.to_string()).into()
 }
 
-fn to_js(v: &Value) -> Result<JsValue, JsValue> {
+pub(crate) fn to_js(v: &Value) -> Result<JsValue, JsValue> {
     js_sys::JSON::parse(&v.to_string())
 }
 
-fn from_js(v: &JsValue) -> Value {
+pub(crate) fn from_js(v: &JsValue) -> Value {
     if v.is_undefined() || v.is_null() {
         return Value::Null;
     }
@@ -87,7 +91,7 @@ fn from_js(v: &JsValue) -> Value {
         .unwrap_or(Value::Null)
 }
 
-fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
+pub(crate) fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsValue> {
     let mut s = base;
     match v.get("deviceBudget") {
         None | Some(Value::Null) => {}
@@ -135,7 +139,7 @@ fn exec_options(
     })
 }
 
-fn plan_json(plan: &MemoryPlan) -> Value {
+pub(crate) fn plan_json(plan: &MemoryPlan) -> Value {
     let (resident, streamed) = plan.counts();
     json!({
         "resident_groups": resident,
@@ -197,7 +201,7 @@ fn kind_of(config: Option<&Value>) -> Result<ModelKind, JsValue> {
     }
 }
 
-fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
+pub(crate) fn traffic_bytes(t: &SharedTraffic, purpose: &str) -> u64 {
     t.lock().map(|t| t.bytes(Some(purpose))).unwrap_or(0)
 }
 
@@ -221,10 +225,10 @@ impl State {
 }
 
 /// Marks the state busy for the life of a call (one run at a time).
-struct BusyGuard(Rc<RefCell<State>>);
+pub(crate) struct BusyGuard(Rc<RefCell<State>>);
 
 impl BusyGuard {
-    fn take(state: &Rc<RefCell<State>>) -> Result<Self, JsValue> {
+    pub(crate) fn take(state: &Rc<RefCell<State>>) -> Result<Self, JsValue> {
         let mut s = state.try_borrow_mut().map_err(|_| js_err("busy"))?;
         if s.busy {
             return Err(js_err("another call is still running on this Nibble"));
@@ -242,7 +246,7 @@ impl Drop for BusyGuard {
     }
 }
 
-async fn backend_of(state: &Rc<RefCell<State>>) -> Result<WgpuBackend, JsValue> {
+pub(crate) async fn backend_of(state: &Rc<RefCell<State>>) -> Result<WgpuBackend, JsValue> {
     let have = state.borrow_mut().backend.take();
     match have {
         Some(b) => Ok(b),

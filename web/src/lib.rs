@@ -12,6 +12,8 @@
 //! // model.plan: the memory plan of a default run, before any weight byte is read
 //! const out = await nb.generate("Hello", { maxTokens: 16 }, (id, i, text) => ...); // LLMs
 //! const dit = await nb.denoise({ steps: 4, inputs }, (step) => ...);             // DiTs
+//! await nb.loadPipeline(url, {});                    // a diffusers Flux folder
+//! const img = await nb.generateImage({ prompt, height, width, steps, seed }, (ev) => ...);
 //! nb.stats();                                       // every request, bytes fetched vs the plan
 //! ```
 //!
@@ -21,6 +23,8 @@
 mod api;
 #[cfg(target_arch = "wasm32")]
 mod fetch;
+#[cfg(target_arch = "wasm32")]
+mod pipeline;
 
 #[cfg(target_arch = "wasm32")]
 pub use api::Nibble;

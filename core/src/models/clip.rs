@@ -12,7 +12,7 @@ use crate::exec::{ExecOptions, ExecStats, Executor};
 use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, typed_config, Runner, W};
+use crate::models::{require_block, reshape, swap01, typed_config, Drive, Runner, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -205,10 +205,22 @@ impl<B: crate::backend::Backend> std::fmt::Debug for ClipText<B> {
 
 impl<B: crate::backend::Backend> ClipText<B> {
     /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
+    #[cfg(feature = "native")]
     pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
+        crate::io::folder::block_on(Self::open(model, backend, seq_len, opts, &Drive::Blocking))
+    }
+
+    /// [`ClipText::new`], reading as `drive` says.
+    pub async fn open(
+        model: &ModelIndex,
+        backend: B,
+        seq_len: usize,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+    ) -> Result<Self> {
         let (graph, config) = build(model, seq_len)?;
         Ok(ClipText {
-            run: Runner::new(graph, model, backend, opts)?,
+            run: Runner::open(graph, model, backend, opts, drive).await?,
             config,
             seq_len,
         })
@@ -219,6 +231,12 @@ impl<B: crate::backend::Backend> ClipText<B> {
         &self.run.ex
     }
 
+    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
+    /// that will not come (the bytes read then equal the plan's).
+    pub fn limit_passes(&mut self, passes: u64) {
+        self.run.ex.limit_stream_passes(passes);
+    }
+
     /// The backend back, its device memory released (for the next phase).
     pub fn into_backend(self) -> B {
         self.run.into_backend()
@@ -226,7 +244,14 @@ impl<B: crate::backend::Backend> ClipText<B> {
 
     /// The final hidden state `[seq_len, hidden]` of `ids` (exactly `seq_len` of them, padded
     /// as the tokenizer pads) and the pooled output `[hidden]`.
+    #[cfg(feature = "native")]
     pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, Vec<f32>, ExecStats)> {
+        crate::io::folder::block_on(self.forward_async(ids))
+    }
+
+    /// [`ClipText::forward`], awaiting the results where the runner was opened on an event
+    /// loop.
+    pub async fn forward_async(&mut self, ids: &[u32]) -> Result<(Vec<f32>, Vec<f32>, ExecStats)> {
         let t = self.seq_len;
         if ids.len() != t {
             return Err(Error::Invalid(format!(
@@ -244,7 +269,7 @@ impl<B: crate::backend::Backend> ClipText<B> {
             HostTensor::u32(&[t], ids.to_vec())?,
             HostTensor::u32(&[t], (0..t as u32).collect())?,
         ];
-        let (states, stats) = self.run.run(&inputs, "CLIP's hidden states")?;
+        let (states, stats) = self.run.run(&inputs, "CLIP's hidden states").await?;
         let at = self.pooled_position(ids);
         let h = self.config.hidden;
         let pooled = states[at * h..(at + 1) * h].to_vec();

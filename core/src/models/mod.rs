@@ -167,32 +167,68 @@ pub(crate) fn typed_config<T: serde::de::DeserializeOwned>(
     Ok((file, t))
 }
 
+/// A maker of weight sources for one model (the browser's fetch sources).
+pub type SourceMaker = Box<dyn FnMut() -> Box<dyn crate::io::source::ByteSource>>;
+
+/// How a phase reads its weights and waits for its results.
+pub enum Drive<'a> {
+    /// Native: reader threads read the weights; reads and results are waited for.
+    Blocking,
+    /// An event loop (the browser): each model's weights come from the sources the maker
+    /// gives for it, and reads and read-backs are awaited, never waited for.
+    EventLoop(&'a dyn Fn(&ModelIndex) -> SourceMaker),
+}
+
+impl std::fmt::Debug for Drive<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Drive::Blocking => "Blocking",
+            Drive::EventLoop(_) => "EventLoop",
+        })
+    }
+}
+
 /// A model's graph bound to a backend, with one output: the runner the encoders and the VAE
 /// share.
 pub(crate) struct Runner<B: crate::backend::Backend> {
     pub(crate) ex: crate::exec::Executor<B>,
+    event_loop: bool,
 }
 
 impl<B: crate::backend::Backend> Runner<B> {
-    /// Plans, allocates and loads the resident weights of `graph`.
-    pub(crate) fn new(
+    /// Plans, allocates and loads the resident weights of `graph`, as `drive` says.
+    pub(crate) async fn open(
         graph: Graph,
         model: &ModelIndex,
         backend: B,
         opts: crate::exec::ExecOptions,
+        drive: &Drive<'_>,
     ) -> Result<Self> {
+        let ex = match drive {
+            Drive::Blocking => crate::exec::Executor::new(graph, model, backend, opts)?,
+            Drive::EventLoop(maker) => {
+                let mut make = maker(model);
+                crate::exec::Executor::with_source_async(graph, model, backend, opts, &mut make)
+                    .await?
+            }
+        };
         Ok(Runner {
-            ex: crate::exec::Executor::new(graph, model, backend, opts)?,
+            ex,
+            event_loop: matches!(drive, Drive::EventLoop(_)),
         })
     }
 
     /// One step with `inputs`: the output, checked finite (`what` names it in the error).
-    pub(crate) fn run(
+    pub(crate) async fn run(
         &mut self,
         inputs: &[crate::graph::HostTensor],
         what: &str,
     ) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
-        let (out, stats) = self.ex.step(inputs)?;
+        let (out, stats) = if self.event_loop {
+            self.ex.step_program_async(0, inputs).await?
+        } else {
+            self.ex.step(inputs)?
+        };
         let v = out
             .into_iter()
             .next()

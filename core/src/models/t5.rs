@@ -14,7 +14,7 @@ use crate::exec::{ExecOptions, ExecStats, Executor};
 use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, typed_config, Runner, W};
+use crate::models::{require_block, reshape, swap01, typed_config, Drive, Runner, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -251,10 +251,22 @@ impl<B: crate::backend::Backend> std::fmt::Debug for T5Encoder<B> {
 
 impl<B: crate::backend::Backend> T5Encoder<B> {
     /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
+    #[cfg(feature = "native")]
     pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
+        crate::io::folder::block_on(Self::open(model, backend, seq_len, opts, &Drive::Blocking))
+    }
+
+    /// [`T5Encoder::new`], reading as `drive` says.
+    pub async fn open(
+        model: &ModelIndex,
+        backend: B,
+        seq_len: usize,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+    ) -> Result<Self> {
         let (graph, config) = build(model, seq_len)?;
         Ok(T5Encoder {
-            run: Runner::new(graph, model, backend, opts)?,
+            run: Runner::open(graph, model, backend, opts, drive).await?,
             config,
             seq_len,
         })
@@ -265,13 +277,26 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
         &self.run.ex
     }
 
+    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
+    /// that will not come (the bytes read then equal the plan's).
+    pub fn limit_passes(&mut self, passes: u64) {
+        self.run.ex.limit_stream_passes(passes);
+    }
+
     /// The backend back, its device memory released (for the next phase).
     pub fn into_backend(self) -> B {
         self.run.into_backend()
     }
 
     /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`, padded).
+    #[cfg(feature = "native")]
     pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
+        crate::io::folder::block_on(self.forward_async(ids))
+    }
+
+    /// [`T5Encoder::forward`], awaiting the results where the runner was opened on an event
+    /// loop.
+    pub async fn forward_async(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
         let t = self.seq_len;
         if ids.len() != t {
             return Err(Error::Invalid(format!(
@@ -292,7 +317,7 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
                 bucket_ids(t, self.config.buckets, self.config.max_distance),
             )?,
         ];
-        let (states, stats) = self.run.run(&inputs, "T5's hidden states")?;
+        let (states, stats) = self.run.run(&inputs, "T5's hidden states").await?;
         Ok((states, stats))
     }
 }

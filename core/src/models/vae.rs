@@ -14,7 +14,7 @@ use crate::exec::{ExecOptions, ExecStats, Executor};
 use crate::format::json::positive;
 use crate::graph::{Graph, HostTensor, OpKind, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{reshape, typed_config, Runner, W};
+use crate::models::{reshape, typed_config, Drive, Runner, W};
 
 /// What the decoder needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -382,6 +382,7 @@ impl<B: crate::backend::Backend> std::fmt::Debug for VaeDecoder<B> {
 
 impl<B: crate::backend::Backend> VaeDecoder<B> {
     /// Builds the graph for an `h x w` latent, plans memory and loads the resident weights.
+    #[cfg(feature = "native")]
     pub fn new(
         model: &ModelIndex,
         backend: B,
@@ -389,9 +390,20 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
         w: usize,
         opts: ExecOptions,
     ) -> Result<Self> {
+        crate::io::folder::block_on(Self::open(model, backend, (h, w), opts, &Drive::Blocking))
+    }
+
+    /// [`VaeDecoder::new`], reading as `drive` says.
+    pub async fn open(
+        model: &ModelIndex,
+        backend: B,
+        (h, w): (usize, usize),
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+    ) -> Result<Self> {
         let (graph, config) = build(model, h, w)?;
         Ok(VaeDecoder {
-            run: Runner::new(graph, model, backend, opts)?,
+            run: Runner::open(graph, model, backend, opts, drive).await?,
             config,
             shape: (h, w),
         })
@@ -400,6 +412,12 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
     /// The executor (its plan, its backend).
     pub fn executor(&self) -> &Executor<B> {
         &self.run.ex
+    }
+
+    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
+    /// that will not come (the bytes read then equal the plan's).
+    pub fn limit_passes(&mut self, passes: u64) {
+        self.run.ex.limit_stream_passes(passes);
     }
 
     /// The configuration.
@@ -413,10 +431,17 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
     }
 
     /// The image `[out_channels, h * f, w * f]` of a decoder input `[latent_channels, h, w]`.
+    #[cfg(feature = "native")]
     pub fn decode(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
+        crate::io::folder::block_on(self.decode_async(z))
+    }
+
+    /// [`VaeDecoder::decode`], awaiting the result where the runner was opened on an event
+    /// loop.
+    pub async fn decode_async(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
         let (h, w) = self.shape;
         let input = HostTensor::f32(&[self.config.latent_channels, h, w], z.to_vec())?;
-        let (image, stats) = self.run.run(&[input], "the VAE's image")?;
+        let (image, stats) = self.run.run(&[input], "the VAE's image").await?;
         Ok((image, stats))
     }
 }
@@ -482,13 +507,35 @@ struct Tile {
 /// Decodes `z` (`[c, h, w]`, the decoder's input) in tiles on `backend`, one decoder graph per
 /// tile shape at a time; returns the image `[out_channels, h * f, w * f]`, the backend and the
 /// weight bytes streamed.
+#[cfg(feature = "native")]
 pub fn tiled_decode<B: crate::backend::Backend>(
+    model: &ModelIndex,
+    backend: B,
+    z: &[f32],
+    shape: (usize, usize, usize),
+    tiling: Tiling,
+    opts: ExecOptions,
+) -> Result<(Vec<f32>, B, u64)> {
+    crate::io::folder::block_on(tiled_decode_with(
+        model,
+        backend,
+        z,
+        shape,
+        tiling,
+        opts,
+        &Drive::Blocking,
+    ))
+}
+
+/// [`tiled_decode`], reading as `drive` says.
+pub async fn tiled_decode_with<B: crate::backend::Backend>(
     model: &ModelIndex,
     mut backend: B,
     z: &[f32],
     (c, h, w): (usize, usize, usize),
     tiling: Tiling,
     opts: ExecOptions,
+    drive: &Drive<'_>,
 ) -> Result<(Vec<f32>, B, u64)> {
     let cfg = VaeConfig::of(model)?;
     tiling.check(cfg.scale_factor())?;
@@ -512,7 +559,18 @@ pub fn tiled_decode<B: crate::backend::Backend>(
         .map(|_| starts_w.iter().map(|_| None).collect())
         .collect();
     for (th, tw) in tiling.shapes(h, w) {
-        let mut dec = VaeDecoder::new(model, backend, th, tw, opts)?;
+        let mut dec = VaeDecoder::open(model, backend, (th, tw), opts, drive).await?;
+        let uses = starts_h
+            .iter()
+            .flat_map(|&i| starts_w.iter().map(move |&j| (i, j)))
+            .filter(|&(i, j)| {
+                (
+                    (h - i).min(tiling.latent_tile),
+                    (w - j).min(tiling.latent_tile),
+                ) == (th, tw)
+            })
+            .count();
+        dec.limit_passes(uses as u64);
         for (a, &i) in starts_h.iter().enumerate() {
             for (b, &j) in starts_w.iter().enumerate() {
                 if (
@@ -528,7 +586,7 @@ pub fn tiled_decode<B: crate::backend::Backend>(
                         tile.extend_from_slice(&z[(ch * h + y) * w + j..(ch * h + y) * w + j + tw]);
                     }
                 }
-                let (v, st) = dec.decode(&tile)?;
+                let (v, st) = dec.decode_async(&tile).await?;
                 streamed += st.stream.bytes;
                 grid[a][b] = Some(Tile {
                     v,

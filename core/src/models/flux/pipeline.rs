@@ -20,6 +20,7 @@ use crate::models::flux::tokens::{ClipTokenizer, T5Tokenizer};
 use crate::models::flux::{latent_grid, latent_image_ids, unpack_latents};
 use crate::models::t5::{self, T5Encoder};
 use crate::models::vae::{self, VaeConfig, VaeDecoder};
+use crate::models::Drive;
 use crate::plan::MemoryPlan;
 
 /// The components a Flux pipeline folder must list in `model_index.json`, with the classes
@@ -35,7 +36,6 @@ const COMPONENTS: [(&str, &[&str]); 7] = [
 ];
 
 /// Small files are read whole up to this size.
-#[cfg(feature = "native")]
 const SMALL: u64 = 64 << 20;
 
 /// An opened pipeline folder: configs, tokenizers and the four models' indexes (headers only;
@@ -108,20 +108,22 @@ pub fn check_model_index(file: &str, json: &serde_json::Value) -> Result<()> {
 }
 
 #[cfg(feature = "native")]
-use crate::io::folder::{block_on, ModelFolder};
+use crate::io::folder::block_on;
+use crate::io::folder::ModelFolder;
 
-#[cfg(feature = "native")]
-fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
-    let bytes = block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))?;
+async fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
+    folder
+        .read_small(name, SMALL)
+        .await?
+        .ok_or_else(|| folder.missing(name))
+}
+
+async fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
+    let bytes = read(folder, name).await?;
     serde_json::from_slice(&bytes).map_err(|e| Error::Model {
         file: folder.locate(name),
         msg: e.to_string(),
     })
-}
-
-#[cfg(feature = "native")]
-fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
-    block_on(folder.read_small(name, SMALL))?.ok_or_else(|| folder.missing(name))
 }
 
 impl FluxPipeline {
@@ -149,26 +151,47 @@ impl FluxPipeline {
     pub fn open(root: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
         let url = root.starts_with("http://") || root.starts_with("https://");
         let root = root.trim_end_matches('/').to_string();
-        let folder: std::sync::Arc<dyn ModelFolder> = if url {
-            std::sync::Arc::new(crate::io::http::HttpFolder::new(&root, Default::default()))
-        } else {
-            std::sync::Arc::new(crate::io::file::LocalFolder::new(
-                std::path::Path::new(&root),
-                mode,
-            )?)
+        let base = root.clone();
+        let folder = move |sub: &str| -> Result<std::sync::Arc<dyn ModelFolder>> {
+            let at = if sub.is_empty() {
+                base.clone()
+            } else {
+                format!("{base}/{sub}")
+            };
+            Ok(if url {
+                std::sync::Arc::new(crate::io::http::HttpFolder::new(&at, Default::default()))
+            } else {
+                std::sync::Arc::new(crate::io::file::LocalFolder::new(
+                    std::path::Path::new(&at),
+                    mode,
+                )?)
+            })
         };
-        let index = read_json(folder.as_ref(), "model_index.json")?;
-        check_model_index(&folder.locate("model_index.json"), &index)?;
+        block_on(Self::open_in(&root, &folder))
+    }
+
+    /// [`FluxPipeline::open`] over the folders `folder` gives for the root (`""`) and each
+    /// component (`"vae"`, ...): the one routine for local folders, URLs and the browser's
+    /// fetch.
+    pub async fn open_in(
+        root: &str,
+        folder: &dyn Fn(&str) -> Result<std::sync::Arc<dyn ModelFolder>>,
+    ) -> Result<Self> {
+        let top = folder("")?;
+        let top = top.as_ref();
+        let index = read_json(top, "model_index.json").await?;
+        check_model_index(&top.locate("model_index.json"), &index)?;
         let sched_name = "scheduler/scheduler_config.json";
         let scheduler = SchedulerConfig::from_json(
-            &folder.locate(sched_name),
-            &read_json(folder.as_ref(), sched_name)?,
+            &top.locate(sched_name),
+            &read_json(top, sched_name).await?,
         )?;
         // CLIP's tokenizer config, with special_tokens_map.json's entries where it has none.
-        let mut cfg = read_json(folder.as_ref(), "tokenizer/tokenizer_config.json")?;
-        if let Some(Ok(map)) =
-            block_on(folder.read_small("tokenizer/special_tokens_map.json", SMALL))?
-                .map(|b| serde_json::from_slice::<serde_json::Value>(&b))
+        let mut cfg = read_json(top, "tokenizer/tokenizer_config.json").await?;
+        if let Some(Ok(map)) = top
+            .read_small("tokenizer/special_tokens_map.json", SMALL)
+            .await?
+            .map(|b| serde_json::from_slice::<serde_json::Value>(&b))
         {
             if let (Some(c), Some(m)) = (cfg.as_object_mut(), map.as_object()) {
                 for (k, v) in m {
@@ -177,30 +200,35 @@ impl FluxPipeline {
             }
         }
         let clip_tokenizer = ClipTokenizer::from_files(
-            &read(folder.as_ref(), "tokenizer/vocab.json")?,
-            &read(folder.as_ref(), "tokenizer/merges.txt")?,
+            &read(top, "tokenizer/vocab.json").await?,
+            &read(top, "tokenizer/merges.txt").await?,
             &cfg,
         )?;
-        let t5_tokenizer =
-            match block_on(folder.read_small("tokenizer_2/tokenizer.json", SMALL))? {
-                Some(b) => T5Tokenizer::from_json(&b)?,
-                None => return Err(Error::Model {
-                    file: folder.locate("tokenizer_2/tokenizer.json"),
-                    msg: "missing: T5's tokenizer is read from tokenizer.json (a folder with only \
-                          spiece.model is not supported)"
+        let t5_tokenizer = match top.read_small("tokenizer_2/tokenizer.json", SMALL).await? {
+            Some(b) => T5Tokenizer::from_json(&b)?,
+            None => {
+                return Err(Error::Model {
+                    file: top.locate("tokenizer_2/tokenizer.json"),
+                    msg: "missing: T5's tokenizer is read from tokenizer.json (a folder with \
+                          only spiece.model is not supported)"
                         .into(),
-                }),
-            };
-        let open = |c: &str| ModelIndex::open_path_or_url(&format!("{root}/{c}"), mode);
+                })
+            }
+        };
+        let open = |c: &'static str| async move {
+            let mut m = crate::io::model::open_model(folder(c)?, None).await?;
+            m.root = format!("{}/{c}", root.trim_end_matches('/'));
+            Ok::<_, Error>(m)
+        };
         Ok(FluxPipeline {
             scheduler,
             clip_tokenizer,
             t5_tokenizer,
-            text_encoder: open("text_encoder")?,
-            text_encoder_2: open("text_encoder_2")?,
-            transformer: open("transformer")?,
-            vae: open("vae")?,
-            root,
+            text_encoder: open("text_encoder").await?,
+            text_encoder_2: open("text_encoder_2").await?,
+            transformer: open("transformer").await?,
+            vae: open("vae").await?,
+            root: root.trim_end_matches('/').to_string(),
         })
     }
 
@@ -409,13 +437,28 @@ impl FluxPipeline {
     }
 
     /// Runs the four phases on `backend`, reporting each phase and step to `on`.
+    #[cfg(feature = "native")]
     pub fn run<B: Backend>(
         &self,
         p: &Prepared,
         backend: B,
         opts: ExecOptions,
-        mut on: impl FnMut(Event<'_>),
+        on: impl FnMut(Event<'_>),
     ) -> Result<FluxOutput> {
+        crate::io::folder::block_on(self.run_with(p, backend, opts, &Drive::Blocking, on))
+            .map(|(out, _)| out)
+    }
+
+    /// [`FluxPipeline::run`], each phase reading as `drive` says (the browser awaits); the
+    /// backend comes back with the output, its device memory released.
+    pub async fn run_with<B: Backend>(
+        &self,
+        p: &Prepared,
+        backend: B,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+        mut on: impl FnMut(Event<'_>),
+    ) -> Result<(FluxOutput, B)> {
         let mut tensors = BTreeMap::new();
         let ids_f32 = |v: &[u32]| v.iter().map(|&i| i as f32).collect::<Vec<_>>();
         tensors.insert(
@@ -447,15 +490,21 @@ impl FluxPipeline {
             None => {
                 on(Event::PhaseStart { phase: "CLIP" });
                 let t0 = web_time::Instant::now();
-                let mut clip = ClipText::new(&self.text_encoder, backend, p.clip_ids.len(), opts)?;
-                let (_, pooled, st) = clip.forward(&p.clip_ids)?;
+                let mut clip =
+                    ClipText::open(&self.text_encoder, backend, p.clip_ids.len(), opts, drive)
+                        .await?;
+                clip.limit_passes(1);
+                let (_, pooled, st) = clip.forward_async(&p.clip_ids).await?;
                 let backend = clip.into_backend();
                 phase(&mut on, "CLIP", t0, st.stream.bytes);
 
                 on(Event::PhaseStart { phase: "T5" });
                 let t0 = web_time::Instant::now();
-                let mut t5 = T5Encoder::new(&self.text_encoder_2, backend, p.t5_ids.len(), opts)?;
-                let (context, st) = t5.forward(&p.t5_ids)?;
+                let mut t5 =
+                    T5Encoder::open(&self.text_encoder_2, backend, p.t5_ids.len(), opts, drive)
+                        .await?;
+                t5.limit_passes(1);
+                let (context, st) = t5.forward_async(&p.t5_ids).await?;
                 let backend = t5.into_backend();
                 phase(&mut on, "T5", t0, st.stream.bytes);
                 (pooled, context, backend)
@@ -495,10 +544,31 @@ impl FluxPipeline {
             img_ids: latent_image_ids(p.grid.0 / 2, p.grid.1 / 2),
             txt_ids: vec![0.0; p.t5_ids.len() * 3],
         };
-        let mut d = Denoiser::new(&self.transformer, backend, inputs, p.sigmas.clone(), opts)?;
-        let mut streamed = 0;
+        let sigmas = p.sigmas.clone();
+        let mut d = match drive {
+            Drive::Blocking => Denoiser::new(&self.transformer, backend, inputs, sigmas, opts)?,
+            Drive::EventLoop(maker) => {
+                let mut make = maker(&self.transformer);
+                Denoiser::with_source_async(
+                    &self.transformer,
+                    backend,
+                    inputs,
+                    sigmas,
+                    opts,
+                    &mut make,
+                )
+                .await?
+            }
+        };
         let steps = p.sigmas.len() - 1;
-        while let Some(s) = d.step()? {
+        d.executor_mut().limit_stream_passes(steps as u64);
+        let mut streamed = 0;
+        loop {
+            let s = match drive {
+                Drive::Blocking => d.step()?,
+                Drive::EventLoop(_) => d.step_async().await?,
+            };
+            let Some(s) = s else { break };
             streamed += s.stats.stream.bytes;
             on(Event::Step {
                 step: s.step,
@@ -519,16 +589,25 @@ impl FluxPipeline {
         let (h, w) = p.grid;
         let z = vae::decoder_input(&unpack_latents(&packed, p.channels, h, w), &p.vae);
         tensors.insert("vae_input".into(), (vec![1, p.channels, h, w], z.clone()));
-        let (image, bytes) = match p.tiling {
+        let (image, backend, bytes) = match p.tiling {
             Some(t) => {
-                let (image, _, bytes) =
-                    vae::tiled_decode(&self.vae, backend, &z, (p.channels, h, w), t, opts)?;
-                (image, bytes)
+                let (image, backend, bytes) = vae::tiled_decode_with(
+                    &self.vae,
+                    backend,
+                    &z,
+                    (p.channels, h, w),
+                    t,
+                    opts,
+                    drive,
+                )
+                .await?;
+                (image, backend, bytes)
             }
             None => {
-                let mut dec = VaeDecoder::new(&self.vae, backend, h, w, opts)?;
-                let (image, st) = dec.decode(&z)?;
-                (image, st.stream.bytes)
+                let mut dec = VaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
+                dec.limit_passes(1);
+                let (image, st) = dec.decode_async(&z).await?;
+                (image, dec.into_backend(), st.stream.bytes)
             }
         };
         phase(&mut on, "VAE", t0, bytes);
@@ -536,12 +615,15 @@ impl FluxPipeline {
         let (ih, iw) = (h * f, w * f);
         let rgb = vae::to_rgb8(&image, ih, iw)?;
         tensors.insert("image_f32".into(), (vec![1, 3, ih, iw], image));
-        Ok(FluxOutput {
-            height: ih,
-            width: iw,
-            rgb,
-            tensors,
-        })
+        Ok((
+            FluxOutput {
+                height: ih,
+                width: iw,
+                rgb,
+                tensors,
+            },
+            backend,
+        ))
     }
 }
 

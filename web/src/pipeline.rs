@@ -1,0 +1,303 @@
+//! Flux pipeline folders in the browser: `loadPipeline(url)` opens a diffusers folder through
+//! the same routine as `nibble run --model URL` (configs, tokenizers, the four models' headers
+//! and quant states), `generateImage(opts, onEvent)` runs the same four phases on WebGPU, each
+//! planned before the first weight byte is read, weights fetched by Range requests, and resolves
+//! to the 8-bit RGB image.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::folder::ModelFolder;
+use nibble_core::io::model::ModelIndex;
+use nibble_core::models::flux::noise::NoiseMath;
+use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Noise, VaeTiling};
+use nibble_core::models::{Drive, SourceMaker};
+use nibble_core::plan::Budgets;
+use serde_json::{json, Value};
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::future_to_promise;
+use web_time::Instant;
+
+use crate::api::{
+    backend_of, from_js, js_err, plan_json, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
+    Settings,
+};
+use crate::fetch::{FetchFolder, FetchSource};
+
+/// A whole number option, `d` when absent.
+fn uint(v: &Value, k: &str, d: u64) -> Result<u64, JsValue> {
+    match v.get(k).filter(|x| !x.is_null()) {
+        None => Ok(d),
+        Some(x) => x
+            .as_u64()
+            .ok_or_else(|| js_err(format!("{k}: {x} is not a whole number >= 0"))),
+    }
+}
+
+/// The request from `{ prompt, height, width, steps, guidance, maxSequenceLength, seed,
+/// torchNoise: "avx2" | "scalar", vaeTiling: "auto" | "on" | "off", vaeTileSize }` (defaults
+/// as diffusers' `FluxPipeline.__call__`, as `nibble run`'s).
+fn request_from(v: &Value) -> Result<FluxRequest, JsValue> {
+    let prompt = v
+        .get("prompt")
+        .and_then(Value::as_str)
+        .ok_or_else(|| js_err("prompt: a string is needed"))?
+        .to_string();
+    let guidance = match v.get("guidance").filter(|x| !x.is_null()) {
+        None => 3.5,
+        Some(x) => {
+            x.as_f64()
+                .filter(|g| g.is_finite())
+                .ok_or_else(|| js_err(format!("guidance: {x} is not a number")))? as f32
+        }
+    };
+    let math = match v.get("torchNoise").and_then(Value::as_str) {
+        None | Some("avx2") => NoiseMath::AvxMathfun,
+        Some("scalar") => NoiseMath::Libm,
+        Some(o) => return Err(js_err(format!("torchNoise: {o} (avx2 or scalar)"))),
+    };
+    let vae_tiling = match v.get("vaeTiling").and_then(Value::as_str) {
+        None | Some("auto") => VaeTiling::Auto,
+        Some("on") => VaeTiling::On,
+        Some("off") => VaeTiling::Off,
+        Some(o) => return Err(js_err(format!("vaeTiling: {o} (auto, on or off)"))),
+    };
+    Ok(FluxRequest {
+        prompt,
+        height: uint(v, "height", 1024)? as usize,
+        width: uint(v, "width", 1024)? as usize,
+        steps: uint(v, "steps", 28)? as usize,
+        guidance,
+        max_sequence_length: uint(v, "maxSequenceLength", 512)? as usize,
+        noise: Noise::Seed(uint(v, "seed", 0)?, math),
+        vae_tiling,
+        vae_tile: v
+            .get("vaeTileSize")
+            .and_then(Value::as_u64)
+            .map(|n| n as usize),
+    })
+}
+
+#[wasm_bindgen]
+impl Nibble {
+    /// Opens the diffusers Flux pipeline folder at `url` (its `model_index.json`, scheduler
+    /// config, tokenizers and the four models' headers and quant states; no weight byte) with
+    /// memory settings as `load`'s (`deviceBudget` absent: the largest phase with every weight
+    /// resident); resolves to the components' sizes.
+    #[wasm_bindgen(js_name = loadPipeline)]
+    pub fn load_pipeline(&self, url: String, settings: JsValue) -> js_sys::Promise {
+        let (state, traffic) = (self.state.clone(), self.traffic.clone());
+        let settings = from_js(&settings);
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let s = settings_from(
+                &settings,
+                Settings {
+                    device_bytes: None,
+                    ..Settings::default()
+                },
+            )?;
+            let resident = settings.get("deviceBudget").is_none_or(Value::is_null);
+            if let Ok(mut t) = traffic.lock() {
+                t.forget_validators();
+            }
+            let t0 = Instant::now();
+            let base = url.trim_end_matches('/').to_string();
+            let t = traffic.clone();
+            let folder = move |sub: &str| -> nibble_core::Result<Arc<dyn ModelFolder>> {
+                let at = if sub.is_empty() {
+                    base.clone()
+                } else {
+                    format!("{base}/{sub}")
+                };
+                Ok(Arc::new(FetchFolder::new(&at, t.clone())))
+            };
+            let pipe = FluxPipeline::open_in(&url, &folder).await.map_err(js_err)?;
+            let models = [
+                ("text_encoder", &pipe.text_encoder),
+                ("text_encoder_2", &pipe.text_encoder_2),
+                ("transformer", &pipe.transformer),
+                ("vae", &pipe.vae),
+            ];
+            // The graph builders and the planner read the quant states synchronously.
+            for (_, m) in models {
+                m.load_quant_states().await.map_err(js_err)?;
+            }
+            let components: Vec<Value> = models
+                .iter()
+                .map(|(name, m)| json!({"name": name, "bytes": m.file_bytes(), "tensors": m.len()}))
+                .collect();
+            let v = json!({
+                "url": url,
+                "kind": "pipeline",
+                "components": components,
+                "bytes": models.iter().map(|(_, m)| m.file_bytes()).sum::<u64>(),
+                "open_ms": t0.elapsed().as_secs_f64() * 1e3,
+                "open_bytes": traffic_bytes(&traffic, "header") + traffic_bytes(&traffic, "quant-state"),
+            });
+            let mut st = state.borrow_mut();
+            st.pipeline = Some(Rc::new(pipe));
+            st.pipeline_resident = resident;
+            st.model = None;
+            st.kind = None;
+            st.settings = s;
+            to_js(&v)
+        })
+    }
+
+    /// Text to image with the loaded pipeline: `opts` as `nibble run` on a pipeline folder
+    /// (`{ prompt, height, width, steps, guidance, maxSequenceLength, seed, torchNoise,
+    /// vaeTiling, vaeTileSize }` and memory settings); `on_event` gets `{ type: "plans", plans
+    /// }` before the first weight byte is read, then `{ type: "phase", phase, state: "start" |
+    /// "done" | "cached", ms, bytes_streamed }` and `{ type: "step", step, steps, wall_ms,
+    /// bytes_streamed }`. Resolves to `{ width, height, rgb (Uint8Array, [h, w, 3]), plans,
+    /// phases, steps, weight_bytes, predicted_weight_bytes }`.
+    #[wasm_bindgen(js_name = generateImage)]
+    pub fn generate_image(&self, opts: JsValue, on_event: js_sys::Function) -> js_sys::Promise {
+        let (state, traffic) = (self.state.clone(), self.traffic.clone());
+        let opts_v = from_js(&opts);
+        future_to_promise(async move {
+            let _busy = BusyGuard::take(&state)?;
+            let (pipe, s, resident) = {
+                let st = state.borrow();
+                let p = st
+                    .pipeline
+                    .clone()
+                    .ok_or_else(|| js_err("load a pipeline first (loadPipeline)"))?;
+                (
+                    p,
+                    settings_from(&opts_v, st.settings)?,
+                    st.pipeline_resident,
+                )
+            };
+            let resident = resident && opts_v.get("deviceBudget").is_none_or(Value::is_null);
+            let req = request_from(&opts_v)?;
+            let mut prepared = pipe.prepare(&req).map_err(js_err)?;
+            let mut backend = backend_of(&state).await?;
+            let planned = (|| {
+                let device_bytes = match s.device_bytes {
+                    Some(b) => b,
+                    None if resident => pipe.resident_device_bytes(&prepared, &mut backend)?,
+                    None => {
+                        let mut most = 0;
+                        for (_, g, m) in pipe.graphs(&prepared)? {
+                            most =
+                                most.max(nibble_core::plan::min_device_bytes(&g, m, &mut backend)?);
+                        }
+                        most
+                    }
+                };
+                let opts = ExecOptions {
+                    budgets: Budgets {
+                        device_bytes,
+                        ring_slots: s.slots,
+                        slot_bytes: s.slot_bytes,
+                    },
+                    readers: 1,
+                    // "min": every group of every phase streamed (as `load`'s "min").
+                    stream_all: s.device_bytes.is_none() && !resident,
+                    naive: false,
+                };
+                let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
+                Ok::<_, nibble_core::Error>((opts, plans))
+            })();
+            let (opts, plans) = match planned {
+                Ok(x) => x,
+                Err(e) => {
+                    state.borrow_mut().backend = Some(backend);
+                    return Err(js_err(e));
+                }
+            };
+            let plans_v: Vec<Value> = plans
+                .iter()
+                .map(|(phase, p)| {
+                    let mut v = plan_json(p);
+                    v["phase"] = json!(phase);
+                    v
+                })
+                .collect();
+            let predicted: u64 = plans
+                .iter()
+                .map(|(phase, p)| {
+                    let passes = if *phase == "transformer" {
+                        req.steps as u64
+                    } else {
+                        1
+                    };
+                    if prepared.embeds.is_some() && (*phase == "CLIP" || *phase == "T5") {
+                        0
+                    } else {
+                        p.read_bytes(passes)
+                    }
+                })
+                .sum();
+            let emit = |v: Value| {
+                if let Ok(js) = to_js(&v) {
+                    let _ = on_event.call1(&JsValue::NULL, &js);
+                }
+            };
+            emit(json!({"type": "plans", "plans": plans_v}));
+            let before = traffic_bytes(&traffic, "weights");
+            let t = traffic.clone();
+            let maker =
+                move |m: &ModelIndex| -> SourceMaker { Box::new(FetchSource::maker(m, &t)) };
+            let (mut phases, mut steps) = (Vec::new(), Vec::new());
+            let out = pipe
+                .run_with(&prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
+                    let v = match e {
+                        Event::PhaseStart { phase } => {
+                            json!({"type": "phase", "phase": phase, "state": "start"})
+                        }
+                        Event::Cached { phase } => {
+                            json!({"type": "phase", "phase": phase, "state": "cached"})
+                        }
+                        Event::PhaseDone {
+                            phase,
+                            ms,
+                            bytes_streamed,
+                        } => {
+                            let v = json!({"type": "phase", "phase": phase, "state": "done",
+                                           "ms": ms, "bytes_streamed": bytes_streamed});
+                            phases.push(v.clone());
+                            v
+                        }
+                        Event::Step {
+                            step,
+                            steps: n,
+                            info,
+                        } => {
+                            let v = json!({"type": "step", "step": step, "steps": n,
+                                "wall_ms": info.wall.as_secs_f64() * 1e3,
+                                "bytes_streamed": info.stats.stream.bytes,
+                                "stall_ms": info.stats.stream.stall.as_secs_f64() * 1e3});
+                            steps.push(v.clone());
+                            v
+                        }
+                    };
+                    emit(v);
+                })
+                .await;
+            let (out, backend) = out.map_err(js_err)?;
+            state.borrow_mut().backend = Some(backend);
+            let v = json!({
+                "width": out.width,
+                "height": out.height,
+                "plans": plans_v,
+                "phases": phases,
+                "steps": steps,
+                "mu": prepared.mu,
+                "weight_bytes": traffic_bytes(&traffic, "weights") - before,
+                "predicted_weight_bytes": predicted,
+                "vae_tile": prepared.tiling.map(|t| t.latent_tile),
+            });
+            let js = to_js(&v)?;
+            js_sys::Reflect::set(
+                &js,
+                &JsValue::from_str("rgb"),
+                &js_sys::Uint8Array::from(out.rgb.as_slice()),
+            )?;
+            Ok(js)
+        })
+    }
+}
