@@ -7,3 +7,4 @@
 
 pub mod fuzzing;
 pub mod synth;
+pub mod synth_flux;

@@ -38,11 +38,13 @@ pub enum Arch {
 }
 
 #[derive(Debug, Clone)]
-enum Kind {
+pub(crate) enum Kind {
     /// A Linear weight stored as NF4 double-quant, logical shape.
     Quant(Vec<u64>),
     /// A dense bfloat16 tensor; `center` is the mean value (1 for norm weights).
     Dense(Vec<u64>, f32),
+    /// A dense bfloat16 tensor of mean 0 and this standard deviation.
+    Normal(Vec<u64>, f32),
 }
 
 /// What will be written.
@@ -73,7 +75,7 @@ fn quant_json(shape: &[u64]) -> QuantStateJson {
 fn specs_of(name: &str, kind: &Kind) -> Vec<TensorSpec> {
     match kind {
         Kind::Quant(shape) => state_tensor_specs(name, &quant_json(shape)),
-        Kind::Dense(shape, _) => vec![TensorSpec {
+        Kind::Dense(shape, _) | Kind::Normal(shape, _) => vec![TensorSpec {
             name: name.to_string(),
             dtype: Dtype::BF16,
             shape: shape.clone(),
@@ -88,7 +90,7 @@ fn bytes_of(name: &str, kind: &Kind) -> u64 {
         .sum()
 }
 
-fn quantization_config() -> serde_json::Value {
+pub(crate) fn quantization_config() -> serde_json::Value {
     json!({
         "_load_in_4bit": true, "_load_in_8bit": false, "bnb_4bit_compute_dtype": "bfloat16",
         "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": "nf4",
@@ -394,6 +396,24 @@ fn dit(size: u64, seed: u64) -> SynthModel {
 }
 
 impl SynthModel {
+    /// A model of these tensors (in this order) and this config, written as `single_file` (or
+    /// shards of it with `index_file`).
+    pub(crate) fn from_parts(
+        config: serde_json::Value,
+        tensors: Vec<(String, Kind)>,
+        single_file: &'static str,
+        index_file: &'static str,
+        seed: u64,
+    ) -> Self {
+        SynthModel {
+            config,
+            tensors,
+            single_file,
+            index_file,
+            seed,
+        }
+    }
+
     /// A synthetic Llama-style decoder of exactly this shape (a text encoder for the demo).
     pub fn llama_with(shape: LlamaSynthShape, seed: u64) -> Self {
         llama_shaped(shape, seed, json!({"seed": seed, "shape": "explicit"}))
@@ -421,6 +441,12 @@ impl SynthModel {
                 let scale = if *center == 0.0 { 0.02 } else { 0.05 };
                 for c in out.chunks_mut(2) {
                     let v = center + scale * rng.normal();
+                    c.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+                }
+            }
+            Kind::Normal(_, sd) => {
+                for c in out.chunks_mut(2) {
+                    let v = sd * rng.normal();
                     c.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
                 }
             }

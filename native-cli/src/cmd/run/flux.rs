@@ -5,11 +5,14 @@
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
+use nibble_core::exec::ExecOptions;
 use nibble_core::format::dtype::{f32_to_bytes, Dtype};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
-use nibble_core::models::flux::pipeline::{Embeds, Event, FluxPipeline, FluxRequest, Noise};
-use nibble_core::plan::fmt_bytes;
+use nibble_core::models::flux::pipeline::{
+    Embeds, Event, FluxPipeline, FluxRequest, Noise, Prepared,
+};
+use nibble_core::plan::{fmt_bytes, MemoryPlan};
 use serde_json::json;
 
 use super::options::{NoiseArg, RunArgs, TilingArg};
@@ -86,118 +89,207 @@ struct Run<'a> {
     req: FluxRequest,
 }
 
+/// What one pipeline run produced, with its plans and figures.
+pub struct Generated {
+    /// The image and the named intermediate tensors.
+    pub out: nibble_core::models::flux::pipeline::FluxOutput,
+    /// Token ids, grid, schedule and the VAE tiling chosen.
+    pub prepared: Prepared,
+    /// Each phase's memory plan, in run order.
+    pub plans: Vec<(&'static str, MemoryPlan)>,
+    /// Per phase: name, ms, bytes streamed, peak RSS (or `cached`).
+    pub phases: Vec<serde_json::Value>,
+    /// Per denoising step: [`super::dit::step_row`].
+    pub steps: Vec<serde_json::Value>,
+    /// RSS before the first phase allocated.
+    pub baseline: u64,
+    /// The run's peak RSS (the largest phase's).
+    pub peak: u64,
+    /// `off`, `hit` or `miss`.
+    pub cache: &'static str,
+}
+
+/// Prepares, plans (printing the plans unless `quiet`) and runs the pipeline on `backend`,
+/// printing progress per phase and step; `budget` gives the executor options once the request
+/// is prepared. The encoders' outputs come from and go to `embed_cache` when given. `nibble
+/// run` on a pipeline folder and `nibble demo` both run through here.
+pub fn generate<B: Backend + 'static>(
+    pipe: &FluxPipeline,
+    req: &FluxRequest,
+    mut backend: B,
+    label: &str,
+    quiet: bool,
+    embed_cache: Option<&std::path::Path>,
+    budget: impl FnOnce(&FluxPipeline, &Prepared, &mut B) -> Result<ExecOptions>,
+) -> Result<Generated> {
+    let mut prepared = pipe.prepare(req)?;
+    let cache =
+        embed_cache.map(|dir| dir.join(format!("{}.safetensors", pipe.embed_key(&prepared))));
+    let hit = match &cache {
+        Some(path) if path.is_file() => match read_embeds(path, prepared.t5_ids.len()) {
+            Ok(e) => {
+                prepared.embeds = Some(e);
+                true
+            }
+            Err(e) => {
+                // A damaged entry is recomputed (and rewritten), not fatal.
+                eprintln!("warning: {e:#}; encoding the prompt again");
+                false
+            }
+        },
+        _ => false,
+    };
+    let opts = budget(pipe, &prepared, &mut backend)?;
+    let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
+    if !quiet {
+        eprintln!("backend {label}");
+        eprintln!(
+            "{} x {} image, {} steps, mu {:.4}, {} T5 tokens",
+            req.width,
+            req.height,
+            req.steps,
+            prepared.mu,
+            prepared.t5_ids.len()
+        );
+        for (i, (phase, plan)) in plans.iter().enumerate() {
+            eprintln!("phase {} of 4, {phase}:", i + 1);
+            eprint!("{}", plan.explain());
+        }
+        if let Some(t) = prepared.tiling {
+            let shapes = t.shapes(prepared.grid.0, prepared.grid.1);
+            eprintln!(
+                "VAE decodes in tiles of {} latent positions (overlap {}, stride {}; {} tile \
+                 shapes, the largest planned above)",
+                t.latent_tile,
+                t.overlap,
+                t.stride(),
+                shapes.len()
+            );
+        }
+    }
+    let mut phases = Vec::new();
+    let mut steps = Vec::new();
+    // The process's own memory before the first phase allocates (binary, libraries, driver
+    // state, the opened indexes): each phase's plan comes on top of it.
+    nibble_core::io::machine::reset_peak_rss();
+    let baseline = nibble_core::io::machine::rss_bytes().unwrap_or(0);
+    let mut peak = baseline;
+    let t_run = std::time::Instant::now();
+    let out = pipe.run(&prepared, backend, opts, |e| match e {
+        Event::PhaseStart { phase } => {
+            // Each phase's peak is its own.
+            nibble_core::io::machine::reset_peak_rss();
+            if !quiet {
+                eprintln!("{phase} ...");
+            }
+        }
+        Event::Cached { phase } => {
+            if !quiet {
+                eprintln!("{phase}: outputs from the embedding cache");
+            }
+            phases.push(json!({"phase": phase, "cached": true, "ms": 0.0,
+                               "bytes_streamed": 0}));
+        }
+        Event::Step {
+            step,
+            steps: n,
+            info,
+        } => {
+            if !quiet {
+                let done = t_run.elapsed().as_secs_f64();
+                eprintln!(
+                    "  {} step {step:>3}/{n}: {:>7.0} ms, {} streamed, stall {:.0} ms, RSS {} \
+                     ({:.0} s in)",
+                    bar(step, n),
+                    info.wall.as_secs_f64() * 1e3,
+                    fmt_bytes(info.stats.stream.bytes),
+                    info.stats.stream.stall.as_secs_f64() * 1e3,
+                    fmt_bytes(info.rss_bytes),
+                    done
+                );
+            }
+            steps.push(super::dit::step_row(info));
+        }
+        Event::PhaseDone {
+            phase,
+            ms,
+            bytes_streamed,
+        } => {
+            let rss = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
+            peak = peak.max(rss);
+            if !quiet {
+                eprintln!(
+                    "{phase} done in {ms:.0} ms, {} streamed, peak RSS {}",
+                    fmt_bytes(bytes_streamed),
+                    fmt_bytes(rss)
+                );
+            }
+            phases.push(
+                json!({"phase": phase, "ms": ms, "bytes_streamed": bytes_streamed,
+                               "peak_rss_bytes": rss}),
+            );
+        }
+    })?;
+    if let (Some(path), false) = (&cache, hit) {
+        write_embeds(path, &out.tensors)?;
+    }
+    Ok(Generated {
+        out,
+        prepared,
+        plans,
+        phases,
+        steps,
+        baseline,
+        peak,
+        cache: match (&cache, hit) {
+            (None, _) => "off",
+            (Some(_), true) => "hit",
+            (Some(_), false) => "miss",
+        },
+    })
+}
+
+/// A progress bar of `done` of `total`.
+pub fn bar(done: usize, total: usize) -> String {
+    let w = 24;
+    let filled = (done * w).div_ceil(total.max(1)).min(w);
+    format!("[{}{}]", "#".repeat(filled), "-".repeat(w - filled))
+}
+
+/// Each phase's planned device and host bytes, as `--json` reports them.
+pub fn plans_json(plans: &[(&'static str, MemoryPlan)]) -> serde_json::Value {
+    plans
+        .iter()
+        .map(|(phase, p)| {
+            json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes,
+                   "peak_host_bytes": p.peak_host_bytes,
+                   "streamed_bytes_per_pass": p.streamed_bytes_per_step,
+                   "resident_groups": p.counts().0, "streamed_groups": p.counts().1})
+        })
+        .collect()
+}
+
 impl crate::backends::WithBackend for Run<'_> {
     type Output = ();
-    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
+    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         let Run { o, pipe, req } = self;
         let quiet = o.json;
-        let mut prepared = pipe.prepare(&req)?;
-        let cache = o
-            .dit
-            .embed_cache
-            .as_ref()
-            .map(|dir| dir.join(format!("{}.safetensors", pipe.embed_key(&prepared))));
-        let hit = match &cache {
-            Some(path) if path.is_file() => match read_embeds(path, prepared.t5_ids.len()) {
-                Ok(e) => {
-                    prepared.embeds = Some(e);
-                    true
-                }
-                Err(e) => {
-                    // A damaged entry is recomputed (and rewritten), not fatal.
-                    eprintln!("warning: {e:#}; encoding the prompt again");
-                    false
-                }
+        let g = generate(
+            &pipe,
+            &req,
+            backend,
+            label,
+            quiet,
+            o.dit.embed_cache.as_deref(),
+            |pipe, prepared, backend| {
+                // The device budget: as given, else the largest phase's everything-resident
+                // size.
+                super::options::exec_options(&o.memory, || {
+                    Ok(pipe.resident_device_bytes(prepared, backend)?)
+                })
             },
-            _ => false,
-        };
-        // The device budget: as given, else the largest phase's everything-resident size.
-        let opts = super::options::exec_options(&o.memory, || {
-            Ok(pipe.resident_device_bytes(&prepared, &mut backend)?)
-        })?;
-        let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
-        if !quiet {
-            eprintln!("backend {label}");
-            eprintln!(
-                "{} x {} image, {} steps, mu {:.4}, {} T5 tokens",
-                req.width,
-                req.height,
-                req.steps,
-                prepared.mu,
-                prepared.t5_ids.len()
-            );
-            for (i, (phase, plan)) in plans.iter().enumerate() {
-                eprintln!("phase {} of 4, {phase}:", i + 1);
-                eprint!("{}", plan.explain());
-            }
-            if let Some(t) = prepared.tiling {
-                let shapes = t.shapes(prepared.grid.0, prepared.grid.1);
-                eprintln!(
-                    "VAE decodes in tiles of {} latent positions (overlap {}, stride {}; {} tile \
-                     shapes, the largest planned above)",
-                    t.latent_tile,
-                    t.overlap,
-                    t.stride(),
-                    shapes.len()
-                );
-            }
-        }
-        let mut phases = Vec::new();
-        let mut steps = Vec::new();
-        // The process's own memory before the first phase allocates (binary, libraries, driver
-        // state, the opened indexes): each phase's plan comes on top of it.
-        nibble_core::io::machine::reset_peak_rss();
-        let baseline = nibble_core::io::machine::rss_bytes().unwrap_or(0);
-        let out = pipe.run(&prepared, backend, opts, |e| match e {
-            Event::PhaseStart { phase } => {
-                if !quiet {
-                    eprintln!("{phase} ...");
-                }
-            }
-            Event::Cached { phase } => {
-                if !quiet {
-                    eprintln!("{phase}: outputs from the embedding cache");
-                }
-                phases.push(json!({"phase": phase, "cached": true, "ms": 0.0,
-                                   "bytes_streamed": 0}));
-            }
-            Event::Step {
-                step,
-                steps: n,
-                info,
-            } => {
-                if !quiet {
-                    eprintln!(
-                        "  step {step}/{n}: {:.0} ms, {} streamed, RSS {}",
-                        info.wall.as_secs_f64() * 1e3,
-                        fmt_bytes(info.stats.stream.bytes),
-                        fmt_bytes(info.rss_bytes)
-                    );
-                }
-                steps.push(super::dit::step_row(info));
-            }
-            Event::PhaseDone {
-                phase,
-                ms,
-                bytes_streamed,
-            } => {
-                let rss = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
-                if !quiet {
-                    eprintln!(
-                        "{phase} done in {ms:.0} ms, {} streamed, peak RSS {}",
-                        fmt_bytes(bytes_streamed),
-                        fmt_bytes(rss)
-                    );
-                }
-                phases.push(
-                    json!({"phase": phase, "ms": ms, "bytes_streamed": bytes_streamed,
-                                   "peak_rss_bytes": rss}),
-                );
-            }
-        })?;
-        if let (Some(path), false) = (&cache, hit) {
-            write_embeds(path, &out.tensors)?;
-        }
+        )?;
+        let out = &g.out;
         if let Some(path) = &o.dit.out {
             write_png(path, &out.rgb, out.width, out.height)?;
             if !quiet {
@@ -220,26 +312,15 @@ impl crate::backends::WithBackend for Run<'_> {
             nibble_core::format::writer::write_safetensors(path, &tensors, &Default::default())?;
         }
         if quiet {
-            let plans: Vec<_> = plans
-                .iter()
-                .map(|(phase, p)| {
-                    json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes,
-                           "peak_host_bytes": p.peak_host_bytes})
-                })
-                .collect();
             crate::output::write_stdout(
                 &(json!({
                     "model": o.model, "backend": label, "width": out.width, "height": out.height,
-                    "steps": steps, "phases": phases, "plans": plans,
-                    "mu": prepared.mu, "sigmas": prepared.sigmas,
-                    "baseline_rss_bytes": baseline,
-                    "peak_rss_bytes": nibble_core::io::machine::peak_rss_bytes().unwrap_or(0),
-                    "embed_cache": match (&cache, hit) {
-                        (None, _) => "off",
-                        (Some(_), true) => "hit",
-                        (Some(_), false) => "miss",
-                    },
-                    "vae_tile": prepared.tiling.map(|t| t.latent_tile),
+                    "steps": g.steps, "phases": g.phases, "plans": plans_json(&g.plans),
+                    "mu": g.prepared.mu, "sigmas": g.prepared.sigmas,
+                    "baseline_rss_bytes": g.baseline,
+                    "peak_rss_bytes": g.peak,
+                    "embed_cache": g.cache,
+                    "vae_tile": g.prepared.tiling.map(|t| t.latent_tile),
                 })
                 .to_string()
                     + "\n"),
@@ -300,7 +381,7 @@ fn write_embeds(
 }
 
 /// 8-bit RGB `[h, w, 3]` as a PNG.
-fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> Result<()> {
+pub fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> Result<()> {
     let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
     let mut enc = png::Encoder::new(std::io::BufWriter::new(f), w as u32, h as u32);
     enc.set_color(png::ColorType::Rgb);

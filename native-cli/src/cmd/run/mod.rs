@@ -4,7 +4,7 @@
 
 mod dit;
 mod embed;
-mod flux;
+pub mod flux;
 mod llm;
 mod options;
 
@@ -13,7 +13,7 @@ use nibble_core::backend::Backend;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::ModelKind;
 
-pub use dit::{step_row, write_latent, write_preview};
+pub use dit::step_row;
 pub use options::RunArgs;
 
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
