@@ -4,6 +4,8 @@
 //      layer streamed through 2 x 64 KiB slots;
 //   2. run tiny-dit's Euler loop (as many steps as the fixture's euler_sigmas minus one) from
 //      euler_x0 to within 1e-4 x max of euler_final;
+//   2b. open tiny-flux-pipeline/pipeline and paint each prompt's image, which must equal the PNG
+//      diffusers wrote (within 1 per channel, >= 99% equal);
 // and for both: the weight bytes fetched equal the plan's prediction (resident once + streamed
 // bytes per step x steps), the opening reads equal 8 + header per file plus the quant-state
 // tensors, and no request to a weight file comes without a Range header. Saves a screenshot.
@@ -189,6 +191,55 @@ async function main() {
     check("tiny-dit weight bytes fetched equal the plan's prediction", d.weight_bytes === d.predicted_weight_bytes,
       `${d.weight_bytes} fetched, ${d.predicted_weight_bytes} predicted (${ditSteps} x ${d.plan.streamed_bytes_per_step})`);
     report.dit = { steps: d.steps, wall_s: ditWall, rel_err: maxErr / maxAbs, weight_bytes: d.weight_bytes, predicted: d.predicted_weight_bytes };
+
+    // 2b. The Flux pipeline folder: prompt to image through CLIP, T5, the transformer and the VAE
+    // on WebGPU, every phase streamed; the image painted into the page's canvas equals the PNG
+    // diffusers wrote (every channel within 1, at least 99% equal), and the weight bytes fetched
+    // equal the four plans' prediction.
+    const fluxDir = join(fixturesDir, "tiny-flux-pipeline");
+    const man = JSON.parse(readFileSync(join(fluxDir, "manifest.json"), "utf8"));
+    const fluxUrl = `${base}/fixtures/tiny-flux-pipeline/pipeline`;
+    const fm = await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [fluxUrl, mem]);
+    check("tiny-flux-pipeline opens as a pipeline", fm.kind === "pipeline" && fm.components.length === 4,
+      JSON.stringify(fm.components));
+    report.flux = [];
+    for (const pr of man.prompts) {
+      const t3 = Date.now();
+      const img = await page.evaluate(async ([o, m]) => {
+        const r = await window.nibbleDemo.runPipeline({ ...m, ...o });
+        const c = document.getElementById("image");
+        const got = Array.from(c.getContext("2d").getImageData(0, 0, c.width, c.height).data);
+        const png = await (await fetch(o.png)).blob();
+        const bmp = await createImageBitmap(png);
+        const ref = new OffscreenCanvas(bmp.width, bmp.height).getContext("2d");
+        ref.drawImage(bmp, 0, 0);
+        const want = Array.from(ref.getImageData(0, 0, bmp.width, bmp.height).data);
+        return { w: r.width, h: r.height, rw: bmp.width, rh: bmp.height, got, want, steps: r.steps.length,
+          phases: r.phases.map((p) => p.phase), plans: r.plans.map((p) => ({ phase: p.phase, streamed: p.streamed_groups, resident: p.resident_groups })),
+          weight_bytes: r.weight_bytes, predicted: r.predicted_weight_bytes };
+      }, [{ prompt: pr.text, height: man.run.height, width: man.run.width, steps: man.run.num_inference_steps,
+        guidance: man.run.guidance_scale, maxSequenceLength: man.run.max_sequence_length, seed: pr.generator_seed,
+        png: `${base}/fixtures/tiny-flux-pipeline/images/p${pr.index}.png` }, mem]);
+      let within = img.got.length === img.want.length, equal = 0, n = 0, worst = 0;
+      for (let i = 0; within && i < img.got.length; i++) {
+        if (i % 4 === 3) continue;
+        const d = Math.abs(img.got[i] - img.want[i]);
+        worst = Math.max(worst, d);
+        if (d === 0) equal++;
+        n++;
+      }
+      within = within && worst <= 1;
+      check(`tiny-flux-pipeline p${pr.index}: the painted image equals diffusers' PNG (within 1, >= 99% equal)`,
+        img.w === img.rw && img.h === img.rh && within && equal >= 0.99 * n,
+        `${img.w} x ${img.h} (PNG ${img.rw} x ${img.rh}), worst difference ${worst}, ${(100 * equal / Math.max(n, 1)).toFixed(2)}% equal`);
+      check(`tiny-flux-pipeline p${pr.index}: four phases, every one streamed, bytes fetched equal the plans'`,
+        JSON.stringify(img.phases) === JSON.stringify(["CLIP", "T5", "transformer", "VAE"]) && img.steps === man.run.num_inference_steps &&
+        img.plans.every((p) => p.streamed > 0) && img.weight_bytes === img.predicted,
+        `${JSON.stringify(img.plans)}; ${img.weight_bytes} weight bytes fetched, ${img.predicted} predicted`);
+      report.flux.push({ prompt: pr.index, wall_s: (Date.now() - t3) / 1000, worst, equal_pct: 100 * equal / Math.max(n, 1),
+        weight_bytes: img.weight_bytes, predicted: img.predicted, plans: img.plans });
+    }
+    await page.screenshot({ path: join(outDir, "browser-flux.png"), fullPage: true });
 
     // 3. SmolLM2-135M-Instruct (when scripts/get-smollm2.sh has converted it): the tokenizer and
     // chat template in wasm give transformers' prompt ids; 8 greedy tokens (within the robust

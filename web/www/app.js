@@ -1,5 +1,5 @@
 // nibble's browser demo: opens a model over HTTP Range requests, shows the memory plan, then
-// generates text (LLMs) or denoises (DiTs) on WebGPU, one streaming pass over the layers per
+// generates text (LLMs), denoises (DiTs) or turns a prompt into an image (Flux pipeline folders) on WebGPU, one streaming pass over the layers per
 // step. The page's functions are also what the browser test drives (window.nibbleDemo).
 import init, { Nibble } from "./pkg/nibble_web.js";
 
@@ -66,7 +66,16 @@ function watchStep(perStep) {
   return () => { live = false; $("stepBar").style.width = "100%"; };
 }
 
+// A diffusers pipeline folder has a model_index.json at its root.
+async function isPipeline(url) {
+  try {
+    const r = await fetch(`${url.replace(/\/+$/, "")}/model_index.json`);
+    return r.ok;
+  } catch { return false; }
+}
+
 export async function openModel(url, s = settings()) {
+  if (await isPipeline(url)) return openPipeline(url, s);
   $("url").value = url;
   $("budget").value = s.deviceBudget ?? "min";
   if (s.slots) $("slots").value = s.slots;
@@ -84,6 +93,7 @@ export async function openModel(url, s = settings()) {
     `(headers and quant states) in ${(performance.now() - t0).toFixed(0)} ms` +
     (model.kind === "llm" ? (model.tokenizer ? `; tokenizer${model.chat_template ? " and chat template" : ""}` : "; no tokenizer.json: prompts are token ids") : "");
   $("runCard").hidden = false;
+  $("pipelineControls").hidden = true;
   $("llmControls").hidden = model.kind !== "llm";
   $("ditControls").hidden = model.kind !== "dit";
   $("runTitle").textContent = model.kind === "llm" ? "Generate" : "Denoise";
@@ -156,10 +166,82 @@ export async function runDit(opts = {}) {
   } finally { stop(); }
 }
 
+// A Flux pipeline folder: CLIP, T5, the transformer and the VAE, each phase planned before the
+// first weight byte; the image is painted into the canvas.
+export async function openPipeline(url, s = settings()) {
+  $("url").value = url;
+  $("openStatus").textContent = `opening the pipeline ${url} …`;
+  $("openBar").style.width = "15%";
+  const t0 = performance.now();
+  model = await nb.loadPipeline(url, s);
+  window.nibbleDemo.lastModel = model;
+  $("openBar").style.width = "100%";
+  $("openStatus").textContent =
+    `Flux pipeline: ${model.components.map((c) => `${c.name} ${fmt(c.bytes)}`).join(", ")}; opened with ` +
+    `${fmt(model.open_bytes)} (configs, tokenizers, headers, quant states) in ${(performance.now() - t0).toFixed(0)} ms`;
+  $("plan").textContent = "(each phase's plan is printed when the run starts, before the first weight byte is read)";
+  $("runCard").hidden = false;
+  $("pipelineControls").hidden = false;
+  $("llmControls").hidden = true;
+  $("ditControls").hidden = true;
+  $("runTitle").textContent = "Text to image";
+  return model;
+}
+
+export async function runPipeline(opts = {}) {
+  const o = {
+    prompt: $("imagePrompt").value, height: Number($("imgHeight").value), width: Number($("imgWidth").value),
+    steps: Number($("imgSteps").value), guidance: Number($("guidance").value),
+    maxSequenceLength: Number($("maxSeqLen").value), seed: Number($("imgSeed").value), ...opts,
+  };
+  $("imagePrompt").value = o.prompt;
+  for (const [k, id] of [["height", "imgHeight"], ["width", "imgWidth"], ["steps", "imgSteps"], ["guidance", "guidance"], ["maxSequenceLength", "maxSeqLen"], ["seed", "imgSeed"]]) $(id).value = o[k];
+  chart.rows = []; drawChart();
+  $("output").textContent = "";
+  let stop = () => {};
+  try {
+    const r = await nb.generateImage(o, (ev) => {
+      if (ev.type === "plans") {
+        $("plan").textContent = ev.plans.map((p, i) => `phase ${i + 1} of ${ev.plans.length}, ${p.phase}:\n${p.text}`).join("");
+        const dit = ev.plans.find((p) => p.phase === "transformer");
+        stop = watchStep(dit ? dit.streamed_bytes_per_step : 0);
+      } else if (ev.type === "phase") {
+        $("runStatus").textContent = ev.state === "done"
+          ? `${ev.phase} done in ${ev.ms.toFixed(0)} ms, ${fmt(ev.bytes_streamed)} streamed`
+          : ev.state === "cached" ? `${ev.phase}: from the cache` : `${ev.phase} …`;
+        $("output").textContent += `${$("runStatus").textContent}\n`;
+      } else if (ev.type === "step") {
+        chart.rows.push(ev);
+        drawChart();
+        $("runStatus").textContent =
+          `step ${ev.step} of ${ev.steps}: ${ev.wall_ms.toFixed(0)} ms, ${fmt(ev.bytes_streamed)} streamed, stall ${ev.stall_ms.toFixed(0)} ms`;
+      }
+    });
+    paint(r.rgb, r.width, r.height);
+    $("runStatus").textContent =
+      `${r.width} x ${r.height} image; streamed ${fmt(r.weight_bytes)} (plan: ${fmt(r.predicted_weight_bytes)})`;
+    return r;
+  } finally { stop(); }
+}
+
+// 8-bit RGB [h, w, 3] into the image canvas.
+function paint(rgb, w, h) {
+  const c = $("image");
+  c.width = w; c.height = h;
+  const img = new ImageData(w, h);
+  for (let i = 0; i < w * h; i++) {
+    img.data[4 * i] = rgb[3 * i];
+    img.data[4 * i + 1] = rgb[3 * i + 1];
+    img.data[4 * i + 2] = rgb[3 * i + 2];
+    img.data[4 * i + 3] = 255;
+  }
+  c.getContext("2d").putImageData(img, 0, 0);
+}
+
 async function main() {
   await init();
   nb = new Nibble();
-  window.nibbleDemo = { nb, openModel, showPlan, runLlm, runDit, promptIds };
+  window.nibbleDemo = { nb, openModel, openPipeline, showPlan, runLlm, runDit, runPipeline, promptIds };
   try {
     const a = await nb.adapter();
     // Browsers give wgpu no adapter name; ask WebGPU itself for vendor and architecture.
@@ -186,13 +268,17 @@ async function main() {
     openModel($("url").value.trim()).catch((e) => { $("openStatus").textContent = `error: ${e.message ?? e}`; });
   });
   $("showPlan").addEventListener("click", () => {
+    if (model?.kind === "pipeline") {
+      $("plan").textContent = "(a pipeline's four plans are printed when the run starts, before any weight byte is read)";
+      return;
+    }
     const o = model?.kind === "llm"
       ? { promptTokens: promptIds().length, maxTokens: Number($("maxTokens").value) }
       : { height: Number($("height").value), width: Number($("width").value), textTokens: Number($("textTokens").value) };
     showPlan({ ...settings(), ...o }).catch((e) => { $("plan").textContent = `error: ${e.message ?? e}`; });
   });
   $("run").addEventListener("click", () => {
-    const p = model?.kind === "llm"
+    const p = model?.kind === "pipeline" ? runPipeline({ ...settings() }) : model?.kind === "llm"
       ? runLlm(promptIds(), {
         ...settings(), stopAtEos: $("stopAtEos").checked,
         temperature: Number($("temperature").value), topK: Number($("topK").value),
