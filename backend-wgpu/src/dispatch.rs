@@ -363,7 +363,9 @@ impl WgpuBackend {
         let splittable = matches!(op, OpKind::Linear { .. } | OpKind::Embedding);
         for (i, o) in inputs.iter().chain(std::iter::once(out)).enumerate() {
             let bytes = o.slice.len as u64 * 4;
-            if bytes > self.max_binding && !(splittable && i == 1) {
+            let at = (i < inputs.len()).then_some(i);
+            let limit = nibble_core::backend::Backend::operand_limit(self, op, at);
+            if limit.is_some_and(|l| bytes > l) {
                 return Err(nibble_core::Error::Invalid(format!(
                     "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes",
                     op.name(),

@@ -394,6 +394,13 @@ impl Backend for WgpuBackend {
         WgpuBackend::supports(self, op)
     }
 
+    fn operand_limit(&self, op: &OpKind, input: Option<usize>) -> Option<u64> {
+        // A dense weight over the binding limit (an lm_head, an embedding table) is bound as
+        // row pieces; any other operand must fit one binding.
+        let pieces = matches!(op, OpKind::Linear { .. } | OpKind::Embedding) && input == Some(1);
+        (!pieces).then_some(self.max_binding)
+    }
+
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
         self.flush().map_err(core_err)?;
         let arena_bytes = (arena_words.max(1) as u64).saturating_mul(4);

@@ -274,3 +274,79 @@ fn tiled_vae_decoding_on_cpu_ref_cpu_and_wgpu() {
         check_tiled(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
     }
 }
+
+/// On a WebGPU adapter whose storage bindings cannot hold the whole image's decoder operands,
+/// the untiled decoder is refused when it is planned (before a weight byte is read, naming the
+/// op), and `--vae-tiling auto` decodes in tiles whose operands fit instead.
+#[test]
+fn a_binding_limit_is_met_at_plan_time_by_tiling_or_refused() {
+    use nibble_core::models::flux::noise::NoiseMath;
+    use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+    use nibble_core::models::vae;
+    if wgpu_or_absent("binding limit").is_none() {
+        return;
+    }
+    let m = component("vae");
+    let largest = |g: &nibble_core::graph::Graph| {
+        g.nodes()
+            .iter()
+            .flat_map(|n| n.inputs.iter().copied().chain([n.output]))
+            .map(|v| g.info(v).words() as u64 * 4)
+            .max()
+            .unwrap_or(0)
+    };
+    let (h, w) = (16, 16);
+    let tile = 8;
+    let (full, _) = vae::build(&m, h, w).expect("graph");
+    let (tiled, _) = vae::build(&m, tile, tile).expect("graph");
+    let limit = largest(&tiled);
+    assert!(
+        largest(&full) > limit,
+        "the test needs a full decoder larger than a tile's"
+    );
+    let mut b = nibble_wgpu::WgpuBackend::new()
+        .expect("wgpu")
+        .with_max_binding(limit);
+    let o = ExecOptions {
+        budgets: nibble_core::plan::Budgets {
+            device_bytes: 1 << 30,
+            ring_slots: 2,
+            slot_bytes: 1 << 20,
+        },
+        readers: 1,
+        stream_all: false,
+        naive: false,
+    };
+    let err = nibble_core::exec::Executor::plan_only(&full, &m, &mut b, o)
+        .expect_err("an operand over the limit");
+    assert!(
+        err.to_string().contains("limit of") && err.to_string().contains(&limit.to_string()),
+        "{err}"
+    );
+    nibble_core::exec::Executor::plan_only(&tiled, &m, &mut b, o).expect("a tile's decoder fits");
+    let root = fixture("tiny-flux-pipeline/pipeline");
+    let pipe = FluxPipeline::open(&root.to_string_lossy(), Default::default()).expect("open");
+    let req = |vae_tiling| FluxRequest {
+        prompt: "a red fox".into(),
+        height: h * 2,
+        width: w * 2,
+        steps: 1,
+        guidance: 3.5,
+        max_sequence_length: 8,
+        noise: Noise::Seed(0, NoiseMath::Libm),
+        vae_tiling,
+        vae_tile: Some(tile),
+    };
+    let p = pipe.prepare(&req(VaeTiling::Auto)).expect("prepare");
+    assert_eq!((p.grid.0, p.grid.1), (h, w));
+    let t = pipe.vae_tiling(&p, &mut b, o).expect("tiling");
+    assert_eq!(
+        t.map(|t| t.latent_tile),
+        Some(tile),
+        "auto tiles under the limit"
+    );
+    // Without that limit the whole image's decoder fits, and auto does not tile.
+    let mut unlimited = nibble_wgpu::WgpuBackend::new().expect("wgpu");
+    let t = pipe.vae_tiling(&p, &mut unlimited, o).expect("tiling");
+    assert_eq!(t, None);
+}

@@ -153,6 +153,13 @@ pub trait Backend {
     fn workspace_bytes(&self, _graph: &crate::graph::Graph) -> u64 {
         0
     }
+    /// The most bytes one operand of `op` may take (`input`: its index among the op's inputs,
+    /// `None`: the output), `None` where the backend has no such limit (a WebGPU adapter's
+    /// storage binding size). A graph with a larger operand is refused when it is planned,
+    /// before a weight byte is read, instead of failing mid-run.
+    fn operand_limit(&self, _op: &OpKind, _input: Option<usize>) -> Option<u64> {
+        None
+    }
 }
 
 /// What a backend whose arena and pool are plain host memory does besides [`Backend`]: read

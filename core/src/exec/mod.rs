@@ -191,6 +191,7 @@ impl<B: Backend> Executor<B> {
         make_source: &mut dyn FnMut() -> Box<dyn ByteSource>,
     ) -> Result<(Self, ResidentLoad)> {
         let rules = Rules::of(&mut backend, &graph);
+        let host_memory = rules.host_memory;
         let planner = Planner::new(graph, model, rules)?;
         let (plan, lay) = planner.plan(opts.budgets, opts.stream_all)?;
         let roles = load::roles(&planner);
@@ -235,7 +236,7 @@ impl<B: Backend> Executor<B> {
             roles,
             scratch,
             group_buf,
-            host_memory: rules.host_memory,
+            host_memory,
             prefetch: None,
             state_slices,
             absmax_bytes: Vec::new(),

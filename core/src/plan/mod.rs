@@ -58,7 +58,7 @@ pub struct GroupPlan {
 }
 
 /// What a backend's layout must respect, and what it can do with host memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rules {
     /// Every arena slice starts at a multiple of this many 4-byte words.
     pub arena_align_words: usize,
@@ -70,6 +70,39 @@ pub struct Rules {
     /// Host bytes of the backend's kernel workspace for the graph
     /// ([`Backend::workspace_bytes`]).
     pub workspace_bytes: u64,
+    /// The first operand over the backend's limit for it ([`Backend::operand_limit`]), said
+    /// as the planner's error.
+    pub oversized: Option<String>,
+}
+
+/// The first operand of `graph` larger than `backend` takes, described.
+fn oversized<B: Backend + ?Sized>(backend: &B, graph: &Graph) -> Option<String> {
+    for node in graph.nodes() {
+        let operands = node
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (Some(i), v))
+            .chain(std::iter::once((None, node.output)));
+        for (i, v) in operands {
+            let Some(limit) = backend.operand_limit(&node.op, i) else {
+                continue;
+            };
+            let info = graph.info(v);
+            let bytes = info.words() as u64 * 4;
+            if bytes > limit {
+                return Some(format!(
+                    "{}: {} of shape {:?} takes {bytes} bytes, over {}'s limit of {limit} bytes \
+                     for one operand (a smaller input, a smaller tile, or another backend)",
+                    node.op.name(),
+                    i.map_or("the output".to_string(), |i| format!("input {i}")),
+                    info.shape,
+                    backend.name()
+                ));
+            }
+        }
+    }
+    None
 }
 
 impl Rules {
@@ -81,6 +114,7 @@ impl Rules {
             pool_align_bytes: a.pool_bytes.max(4),
             host_memory: backend.host_memory().is_some(),
             workspace_bytes: backend.workspace_bytes(graph),
+            oversized: oversized(backend, graph),
         }
     }
 }
@@ -218,6 +252,9 @@ impl Planner {
     /// dtypes, quant states), before any weight byte is read.
     pub fn new(graph: Graph, model: &ModelIndex, rules: Rules) -> Result<Self> {
         graph.check()?;
+        if let Some(e) = &rules.oversized {
+            return Err(Error::Invalid(e.clone()));
+        }
         if let Some(c) = &model.config {
             QuantizationConfig::of_config(&model.locate("config.json"), c)?;
         }
@@ -305,7 +342,7 @@ impl Planner {
 
     /// The backend's rules the plans follow.
     pub fn rules(&self) -> Rules {
-        self.rules
+        self.rules.clone()
     }
 
     /// Per 4-bit weight of the graph: its state-dict keys.

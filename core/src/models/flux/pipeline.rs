@@ -408,6 +408,26 @@ impl FluxPipeline {
         backend: &mut B,
         opts: ExecOptions,
     ) -> Result<Vec<(&'static str, MemoryPlan)>> {
+        p.tiling = self.vae_tiling(p, backend, opts)?;
+        let mut out = Vec::new();
+        for (phase, g, m) in self.graphs(p)? {
+            let plan = Executor::plan_only(&g, m, backend, opts)
+                .map_err(|e| Error::Invalid(format!("{phase} phase: {e}")))?;
+            out.push((phase, plan));
+        }
+        Ok(out)
+    }
+
+    /// The VAE's tiling for `p` on `backend` with `opts`: `Off` none, `On` tiles when the
+    /// latent is larger than a tile, `Auto` tiles when it is larger and the whole image's
+    /// decoder cannot be planned within the device budget (or within the backend's limit for
+    /// one operand, a WebGPU adapter's storage binding size).
+    pub fn vae_tiling<B: Backend>(
+        &self,
+        p: &Prepared,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Option<vae::Tiling>> {
         let mut tiling = p.vae.default_tiling();
         if let Some(t) = p.tile {
             if t == 0 {
@@ -417,7 +437,7 @@ impl FluxPipeline {
         }
         tiling.check(p.vae.scale_factor())?;
         let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
-        p.tiling = match p.tiling_choice {
+        Ok(match p.tiling_choice {
             VaeTiling::Off => None,
             VaeTiling::On => larger.then_some(tiling),
             VaeTiling::Auto => {
@@ -426,14 +446,7 @@ impl FluxPipeline {
                     .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
                 (larger && !fits).then_some(tiling)
             }
-        };
-        let mut out = Vec::new();
-        for (phase, g, m) in self.graphs(p)? {
-            let plan = Executor::plan_only(&g, m, backend, opts)
-                .map_err(|e| Error::Invalid(format!("{phase} phase: {e}")))?;
-            out.push((phase, plan));
-        }
-        Ok(out)
+        })
     }
 
     /// Runs the four phases on `backend`, reporting each phase and step to `on`.
