@@ -144,3 +144,86 @@ fn both_prompt_tokenizers_give_the_pipelines_ids() {
         );
     }
 }
+
+/// The prompt-embedding cache's key follows the encoders' files: over HTTP their `ETag`
+/// (replacing a model under the same URL with a same-shaped one gives another key), locally
+/// their modification time; the same files give the same key.
+#[test]
+fn the_embedding_key_follows_the_encoders_etags_and_modification_times() {
+    use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+    use nibble_tests::http_server::{Fault, TestServer};
+    let dir = fixture("tiny-flux-pipeline/pipeline");
+    let mut files = std::collections::HashMap::new();
+    fn walk(
+        root: &std::path::Path,
+        at: &std::path::Path,
+        files: &mut std::collections::HashMap<String, Vec<u8>>,
+    ) {
+        for e in std::fs::read_dir(at).expect("dir") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                walk(root, &p, files);
+            } else {
+                let rel = p.strip_prefix(root).expect("rel").display().to_string();
+                files.insert(format!("pipeline/{rel}"), std::fs::read(&p).expect("read"));
+            }
+        }
+    }
+    walk(&dir, &dir, &mut files);
+    let srv = TestServer::start(files, Fault::None);
+    let req = FluxRequest {
+        prompt: "a red fox".into(),
+        height: 32,
+        width: 32,
+        steps: 1,
+        guidance: 3.5,
+        max_sequence_length: 8,
+        noise: Noise::Seed(0, NoiseMath::Libm),
+        vae_tiling: VaeTiling::Off,
+        vae_tile: None,
+    };
+    let key = |root: &str| {
+        let pipe = FluxPipeline::open(root, Default::default()).expect("open");
+        let p = pipe.prepare(&req).expect("prepare");
+        pipe.embed_key(&p)
+    };
+    let url = format!("{}/pipeline", srv.base);
+    let first = key(&url);
+    assert_eq!(key(&url), first, "the same files give the same key");
+    srv.set_fault(Fault::EtagChangesAfter(0));
+    let changed = key(&url);
+    assert_ne!(changed, first, "a new ETag gives a new key");
+    srv.set_fault(Fault::None);
+    assert_eq!(key(&url), first);
+    // Locally: a copy whose T5 weights were rewritten (same bytes, new modification time).
+    let tmp = tempfile::tempdir().expect("tmp");
+    let copy = tmp.path().join("pipeline");
+    let cp = |from: &std::path::Path, to: &std::path::Path| {
+        fn rec(a: &std::path::Path, b: &std::path::Path) {
+            std::fs::create_dir_all(b).expect("mkdir");
+            for e in std::fs::read_dir(a).expect("dir") {
+                let p = e.expect("entry").path();
+                let t = b.join(p.file_name().expect("name"));
+                if p.is_dir() {
+                    rec(&p, &t);
+                } else {
+                    std::fs::copy(&p, &t).expect("copy");
+                }
+            }
+        }
+        rec(from, to)
+    };
+    cp(&dir, &copy);
+    let local = copy.to_string_lossy().to_string();
+    let before = key(&local);
+    assert_eq!(key(&local), before);
+    let t5 = copy.join("text_encoder_2/model.safetensors");
+    let bytes = std::fs::read(&t5).expect("read");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&t5, bytes).expect("rewrite");
+    assert_ne!(
+        key(&local),
+        before,
+        "a rewritten encoder file gives a new key"
+    );
+}

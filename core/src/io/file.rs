@@ -198,6 +198,11 @@ impl RangeSource for FileSource {
         &self.files
     }
 
+    fn version(&self, file: usize) -> Option<String> {
+        let m = std::fs::metadata(&self.files.get(file)?.name).ok()?;
+        Some(format!("modified {:?} len {}", m.modified().ok()?, m.len()))
+    }
+
     fn read_exact_at(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()> {
         let info = self
             .files

@@ -516,6 +516,17 @@ impl RangeSource for HttpSource {
         self.check_range(file, offset, buf.len() as u64, what)?;
         self.client.read(file, offset, buf, what)
     }
+
+    fn version(&self, file: usize) -> Option<String> {
+        let v = self.client.validators(file)?;
+        (v.etag.is_some() || v.last_modified.is_some()).then(|| {
+            format!(
+                "etag {} last-modified {}",
+                v.etag.unwrap_or_default(),
+                v.last_modified.unwrap_or_default()
+            )
+        })
+    }
 }
 
 /// A model folder at an HTTP(S) base URL (or the folder of a `.safetensors` URL).

@@ -96,6 +96,13 @@ pub trait RangeSource: Send + Sync {
     /// A range is no longer needed (lets a source drop its page cache or mapped pages).
     fn consumed(&self, _file: usize, _offset: u64, _len: u64) {}
 
+    /// What changes when file `file`'s bytes change, where the source can tell: a local file's
+    /// modification time, an HTTP file's `ETag` and `Last-Modified` as pinned when it was
+    /// opened. Keys of derived data (the prompt-embedding cache) include it.
+    fn version(&self, _file: usize) -> Option<String> {
+        None
+    }
+
     /// A name for the source in messages.
     fn describe(&self) -> String {
         self.files()

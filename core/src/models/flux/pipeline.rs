@@ -364,15 +364,16 @@ impl FluxPipeline {
         h.update(b"nibble flux embeds v1\0");
         for m in [&self.text_encoder, &self.text_encoder_2] {
             h.update(m.config.as_ref().map(|c| c.to_string()).unwrap_or_default());
-            for s in &m.shards {
+            let source = m.source();
+            for (i, s) in m.shards.iter().enumerate() {
                 let hd = &s.header;
                 h.update(format!(
                     "{}|{}|{}|{}\0",
                     s.name, hd.file, hd.file_len, hd.header_len
                 ));
-                #[cfg(feature = "native")]
-                if let Ok(t) = std::fs::metadata(&hd.file).and_then(|m| m.modified()) {
-                    h.update(format!("{t:?}"));
+                // A local file's modification time, an HTTP file's ETag / Last-Modified.
+                if let Some(v) = source.version(i) {
+                    h.update(v);
                 }
                 for t in &hd.tensors {
                     h.update(format!("{}:{:?}:{}:{}\0", t.name, t.dtype, t.offset, t.len));
