@@ -370,3 +370,55 @@ fn a_cached_prompt_reads_no_encoder_weights() {
         "the same picture"
     );
 }
+
+/// One device budget serves every phase: a budget too small for any of them is refused before
+/// a weight byte is read, naming the smallest budget that runs all four, and that budget runs.
+#[test]
+fn an_impossible_budget_names_the_smallest_that_runs_every_phase() {
+    let dir = fixture().join("pipeline");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let run = |budget: &str| {
+        Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(["run", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt",
+                "a red fox",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--steps",
+                "1",
+                "--max-sequence-length",
+                "64",
+                "--backend",
+                "cpu",
+                "--device-budget",
+                budget,
+                "--out",
+            ])
+            .arg(tmp.path().join("fox.png"))
+            .output()
+            .expect("run nibble")
+    };
+    let o = run("1KiB");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "1 KiB ran");
+    let at = err
+        .find("smallest that runs all four is")
+        .unwrap_or_else(|| panic!("no smallest budget named: {err}"));
+    let need = err[at..]
+        .split("use --device-budget ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no budget to use: {err}"))
+        .to_string();
+    let o = run(&need);
+    assert!(
+        o.status.success(),
+        "the budget named ({need}) does not run: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(tmp.path().join("fox.png").is_file());
+}

@@ -410,11 +410,37 @@ impl FluxPipeline {
         opts: ExecOptions,
     ) -> Result<Vec<(&'static str, MemoryPlan)>> {
         p.tiling = self.vae_tiling(p, backend, opts)?;
+        let graphs = self.graphs(p)?;
         let mut out = Vec::new();
-        for (phase, g, m) in self.graphs(p)? {
-            let plan = Executor::plan_only(&g, m, backend, opts)
-                .map_err(|e| Error::Invalid(format!("{phase} phase: {e}")))?;
-            out.push((phase, plan));
+        for (phase, g, m) in &graphs {
+            match Executor::plan_only(g, m, backend, opts) {
+                Ok(plan) => out.push((*phase, plan)),
+                Err(e) => {
+                    // One budget serves every phase: name the smallest that runs them all.
+                    let e = e.to_string();
+                    let mut need = Vec::new();
+                    for (ph, g, m) in &graphs {
+                        if let Ok(b) = crate::plan::min_device_bytes(g, m, backend) {
+                            need.push((b, *ph));
+                        }
+                    }
+                    let Some(&(most, which)) = need.iter().max() else {
+                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                    };
+                    if most <= opts.budgets.device_bytes {
+                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                    }
+                    return Err(Error::Invalid(format!(
+                        "device budget {} cannot hold the {phase} phase; every phase runs with \
+                         the same budget, and the smallest that runs all four is {} (the \
+                         {which} phase's, every group streamed): use --device-budget {} or more",
+                        crate::plan::fmt_bytes(opts.budgets.device_bytes),
+                        crate::plan::fmt_bytes(most),
+                        // Rounded up, so that the size given runs.
+                        format!("{:.2}MiB", (most as f64 / 1048576.0 * 100.0).ceil() / 100.0)
+                    )));
+                }
+            }
         }
         Ok(out)
     }
