@@ -430,14 +430,15 @@ impl FluxPipeline {
                     if most <= opts.budgets.device_bytes {
                         return Err(Error::Invalid(format!("{phase} phase: {e}")));
                     }
+                    // Rounded up, so that the size given runs.
+                    let use_mib = (most as f64 / 1048576.0 * 100.0).ceil() / 100.0;
                     return Err(Error::Invalid(format!(
                         "device budget {} cannot hold the {phase} phase; every phase runs with \
                          the same budget, and the smallest that runs all four is {} (the \
                          {which} phase's, every group streamed): use --device-budget {} or more",
                         crate::plan::fmt_bytes(opts.budgets.device_bytes),
                         crate::plan::fmt_bytes(most),
-                        // Rounded up, so that the size given runs.
-                        format!("{:.2}MiB", (most as f64 / 1048576.0 * 100.0).ceil() / 100.0)
+                        format_args!("{use_mib:.2}MiB")
                     )));
                 }
             }
