@@ -58,10 +58,17 @@ impl From<FileModeArg> for FileReadMode {
 /// Memory of a run: the device budget and the staging ring.
 #[derive(Debug, Clone, Args)]
 pub struct MemoryArgs {
-    /// Device memory for weights, activations and the KV cache (default: everything
-    /// resident). Weight groups that do not fit stream through the ring every step.
-    #[arg(long, value_parser = size, value_name = "SIZE")]
-    pub device_budget: Option<u64>,
+    /// Device memory for weights, activations and the KV cache: a size, or `auto` (every weight
+    /// resident, capped on the CPU backends, whose device memory is host memory, by the host
+    /// budget). Weight groups that do not fit stream through the ring every step.
+    #[arg(long, value_parser = budget, default_value = "auto", value_name = "SIZE|auto")]
+    pub device_budget: Budget,
+    /// Host memory the run may use: a size, or `auto` (the memory available to this process:
+    /// MemAvailable capped by its cgroup's limit less usage, less a margin of a tenth, at least
+    /// 256 MiB). The plan's host peak (the process's own memory, the ring, the loader and
+    /// kernel buffers, and on the CPU backends the device memory too) must fit it.
+    #[arg(long, value_parser = budget, default_value = "auto", value_name = "SIZE|auto")]
+    pub host_budget: Budget,
     /// Staging-ring slots (reads kept in flight).
     #[arg(long, default_value_t = 4)]
     pub slots: u64,
@@ -72,6 +79,24 @@ pub struct MemoryArgs {
     /// keep resident (the lowest-memory plan).
     #[arg(long)]
     pub stream_all: bool,
+}
+
+/// A memory budget: `auto` (from the machine) or a size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// Decided from the model and the machine.
+    Auto,
+    /// This many bytes.
+    Bytes(u64),
+}
+
+/// `auto` or a size.
+pub fn budget(s: &str) -> Result<Budget, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        Ok(Budget::Auto)
+    } else {
+        size(s).map(Budget::Bytes)
+    }
 }
 
 /// A size that must fit this machine's address space.

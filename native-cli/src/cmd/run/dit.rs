@@ -10,7 +10,7 @@ use nibble_core::models::dit::{schedule, Checkpoint, DenoiseStep, Denoiser, DitI
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, RunArgs};
 
 /// Reads inputs named like the fixture's (`hidden_states`, `encoder_hidden_states`, ...).
 pub fn read_inputs(path: &std::path::Path, cfg: &DitConfig) -> Result<DitInputs> {
@@ -120,10 +120,12 @@ pub(super) fn run<B: Backend>(
     if resumed.is_none() && d.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let opts = exec_options(&o.memory, || {
-        let graph = Denoiser::<B>::graph_for(model, &inputs)?;
-        resident_budget(&graph, model, &mut backend)
-    })?;
+    let graph = Denoiser::<B>::graph_for(model, &inputs)?;
+    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&graph, model)])?;
+    drop(graph);
+    if !o.json {
+        eprintln!("{}", budget_note.note);
+    }
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {
         den.restore(c)?;
@@ -168,6 +170,7 @@ pub(super) fn run<B: Backend>(
     if o.json {
         let v = json!({"steps": rows, "summary": {"total_ms": total * 1e3, "ms_per_step": total * 1e3 / ran,
             "rss_max_bytes": nibble_core::io::machine::peak_rss_bytes(),
+            "budget": budget_note.json(),
             "plan": {"peak_device_bytes": den.executor().plan().peak_device_bytes,
                      "peak_host_bytes": den.executor().plan().peak_host_bytes}}});
         crate::output::write_stdout(&format!("{v}\n"))?;

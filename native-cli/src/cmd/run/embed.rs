@@ -11,7 +11,7 @@ use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, RunArgs};
 
 /// Embeds `o.prompt` (or `o.text.prompt_ids`) and prints the vector.
 pub(super) fn run<B: Backend>(
@@ -44,14 +44,13 @@ pub(super) fn run<B: Backend>(
     }
     let pooling = Pooling::for_model(model)?;
     let bg = bert::build(model, ids.len())?;
-    let opts = exec_options(&o.memory, || {
-        resident_budget(&bg.graph, model, &mut backend)
-    })?;
+    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&bg.graph, model)])?;
     let t_setup = Instant::now();
     let mut enc = Encoder::from_graph(bg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;
     if !o.json {
         eprintln!("backend {label}");
+        eprintln!("{}", budget_note.note);
         eprint!("{}", enc.executor().plan().explain());
         eprintln!(
             "{} tokens; setup {:.0} ms",
@@ -79,6 +78,7 @@ pub(super) fn run<B: Backend>(
             "rss_max_bytes": rss_max,
             "bytes_streamed": stats.stream.bytes,
             "bytes_in_place": stats.in_place_bytes,
+            "budget": budget_note.json(),
             "plan": {
                 "resident_groups": enc.executor().plan().counts().0,
                 "streamed_groups": enc.executor().plan().counts().1,

@@ -282,11 +282,13 @@ impl crate::backends::WithBackend for Run<'_> {
             quiet,
             o.dit.embed_cache.as_deref(),
             |pipe, prepared, backend| {
-                // The device budget: as given, else the largest phase's everything-resident
-                // size.
-                super::options::exec_options(&o.memory, || {
-                    Ok(pipe.resident_device_bytes(prepared, backend)?)
-                })
+                let phases = pipe.graphs(prepared)?;
+                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+                let (opts, note) = super::options::exec_options(&o.memory, backend, &graphs)?;
+                if !quiet {
+                    eprintln!("{}", note.note);
+                }
+                Ok(opts)
             },
         )?;
         let out = &g.out;

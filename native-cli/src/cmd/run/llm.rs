@@ -16,7 +16,7 @@ use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, resident_budget, RunArgs};
+use super::options::{exec_options, RunArgs};
 
 pub(super) fn run<B: Backend>(
     o: &RunArgs,
@@ -62,14 +62,13 @@ pub(super) fn run<B: Backend>(
         hidden_states: false,
     };
     let lg = llama::build(model, shape)?;
-    let opts = exec_options(&o.memory, || {
-        resident_budget(&lg.graph, model, &mut backend)
-    })?;
+    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&lg.graph, model)])?;
     let t_setup = Instant::now();
     let mut dec = Decoder::from_graph(lg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;
     if !o.json {
         eprintln!("backend {label}");
+        eprintln!("{}", budget_note.note);
         eprint!("{}", dec.executor().plan().explain());
         eprintln!(
             "prompt {} tokens, up to {} new; setup {:.0} ms",
@@ -169,6 +168,7 @@ pub(super) fn run<B: Backend>(
             "bytes_streamed": bytes_streamed,
             "bytes_in_place": bytes_in_place,
             "rss_bytes_per_token": rss_per_token,
+            "budget": budget_note.json(),
             "plan": {
                 "resident_groups": dec.executor().plan().counts().0,
                 "streamed_groups": dec.executor().plan().counts().1,

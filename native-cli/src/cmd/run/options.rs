@@ -156,17 +156,144 @@ pub struct DitArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// The executor options of a run: the device budget given (`default_budget()` without one), the
-/// ring.
-pub(crate) fn exec_options(
+/// The executor options of a run of `graphs` (its phases) and a line saying where the device
+/// budget came from: the size given, or `auto`: every weight of the largest phase resident,
+/// capped on a backend whose device memory is host memory (the CPU backends) by the host budget
+/// less the ring and the process's memory now. Each phase's plan must then fit the host budget
+/// with the process's memory (its device bytes count too where they are host memory); a run
+/// that would not is refused before anything is allocated or read.
+pub(crate) fn exec_options<B: Backend>(
     m: &MemoryArgs,
-    default_budget: impl FnOnce() -> Result<u64>,
-) -> Result<ExecOptions> {
-    let device_bytes = match m.device_budget {
-        Some(b) => b,
-        None => default_budget()?,
+    backend: &mut B,
+    graphs: &[(&nibble_core::graph::Graph, &ModelIndex)],
+) -> Result<(ExecOptions, BudgetNote)> {
+    let resident = |backend: &mut B| -> Result<u64> {
+        let mut most = 0;
+        for (g, model) in graphs {
+            most = most.max(nibble_core::plan::resident_device_bytes(g, model, backend)?);
+        }
+        Ok(most)
     };
-    Ok(ExecOptions {
+    use crate::args::Budget;
+    use nibble_core::plan::fmt_bytes;
+    let ring = m.slots.saturating_mul(m.slot_size);
+    let rss = nibble_core::io::machine::rss_bytes().unwrap_or(0);
+    let (host, host_note) = match m.host_budget {
+        Budget::Bytes(b) => (Some(b), format!("host budget {} (given)", fmt_bytes(b))),
+        Budget::Auto => match nibble_core::io::machine::host_memory() {
+            Some(h) => (
+                Some(h.budget()),
+                format!(
+                    "host budget auto {} ({}; margin {})",
+                    fmt_bytes(h.budget()),
+                    h.source,
+                    fmt_bytes(h.margin())
+                ),
+            ),
+            None => (None, "host memory unknown on this system".to_string()),
+        },
+    };
+    if let Some(h) = host {
+        if rss.saturating_add(ring) > h {
+            anyhow::bail!(
+                "{host_note} cannot hold the process ({}) and the ring ({} x {} = {})",
+                fmt_bytes(rss),
+                m.slots,
+                fmt_bytes(m.slot_size),
+                fmt_bytes(ring)
+            );
+        }
+    }
+    let shares_host = backend.host_memory().is_some();
+    let (device_bytes, note) = match m.device_budget {
+        Budget::Bytes(b) => (
+            b,
+            format!("device budget {} (given); {host_note}", fmt_bytes(b)),
+        ),
+        Budget::Auto => {
+            let need = resident(backend)?;
+            match host.filter(|_| shares_host) {
+                Some(h) => {
+                    // The host budget less the process and the ring, less what the plans add
+                    // besides (loader and kernel buffers), found by planning.
+                    let mut room = h - rss - ring;
+                    for _ in 0..3 {
+                        let mut host_bytes = ring;
+                        for (g, model) in graphs {
+                            let o = ExecOptions {
+                                budgets: Budgets {
+                                    device_bytes: room.min(need),
+                                    ring_slots: m.slots,
+                                    slot_bytes: m.slot_size,
+                                },
+                                readers: 2,
+                                stream_all: m.stream_all,
+                                naive: false,
+                            };
+                            if let Ok(p) =
+                                nibble_core::exec::Executor::plan_only(g, model, backend, o)
+                            {
+                                host_bytes = host_bytes.max(p.peak_host_bytes);
+                            }
+                        }
+                        // The device memory allocated never exceeds its budget.
+                        let fits = h.saturating_sub(rss).saturating_sub(host_bytes);
+                        if fits >= room {
+                            break;
+                        }
+                        room = fits;
+                    }
+                    let mut least = 0;
+                    for (g, model) in graphs {
+                        least = least.max(nibble_core::plan::min_device_bytes(g, model, backend)?);
+                    }
+                    if room.min(need) < least {
+                        anyhow::bail!(
+                            "the {host_note} leaves {} for device memory (host memory on this \
+                             backend) after the process ({}) and the ring ({} x {}) and their \
+                             buffers; the run needs at least {} with every group streamed: give \
+                             a larger --host-budget, or fewer or smaller ring slots",
+                            fmt_bytes(room),
+                            fmt_bytes(rss),
+                            m.slots,
+                            fmt_bytes(m.slot_size),
+                            fmt_bytes(least)
+                        );
+                    }
+                    if need <= room {
+                        (
+                            need,
+                            format!(
+                                "device budget auto {}: every weight resident, within the {host_note}",
+                                fmt_bytes(need)
+                            ),
+                        )
+                    } else {
+                        (
+                            room,
+                            format!(
+                                "device budget auto {}: the {host_note} less the process ({}) and the \
+                                 ring ({}), on this backend device memory is host memory; every \
+                                 weight resident would need {}",
+                                fmt_bytes(room),
+                                fmt_bytes(rss),
+                                fmt_bytes(ring),
+                                fmt_bytes(need)
+                            ),
+                        )
+                    }
+                }
+                None => (
+                    need,
+                    format!(
+                        "device budget auto {}: every weight resident; {host_note}",
+                        fmt_bytes(need)
+                    ),
+                ),
+            }
+        }
+    };
+    let opts = ExecOptions {
         budgets: Budgets {
             device_bytes,
             ring_slots: m.slots,
@@ -175,18 +302,75 @@ pub(crate) fn exec_options(
         readers: 2,
         stream_all: m.stream_all,
         naive: false,
-    })
+    };
+    if let Some(h) = host {
+        for (g, model) in graphs {
+            // A budget the planner refuses is reported by the run itself, with its minimum.
+            let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) else {
+                continue;
+            };
+            let device = if shares_host {
+                plan.peak_device_bytes
+            } else {
+                0
+            };
+            let need = rss
+                .saturating_add(plan.peak_host_bytes)
+                .saturating_add(device);
+            if need > h {
+                anyhow::bail!(
+                    "the plan needs {} of host memory (the process {} + ring, loader and kernel \
+                     buffers {}{}), over the {host_note}: give a smaller --device-budget, \
+                     --slots or --slot-size, or a larger --host-budget",
+                    fmt_bytes(need),
+                    fmt_bytes(rss),
+                    fmt_bytes(plan.peak_host_bytes),
+                    if shares_host {
+                        format!(
+                            " + device memory, which is host memory here, {}",
+                            fmt_bytes(device)
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
+    }
+    Ok((
+        opts,
+        BudgetNote {
+            note,
+            rss_at_plan: rss,
+            host_budget: host,
+            device_budget: device_bytes,
+        },
+    ))
 }
 
-/// Everything resident: the device bytes the planner lays out with every group resident.
-pub(crate) fn resident_budget<B: Backend>(
-    graph: &nibble_core::graph::Graph,
-    model: &ModelIndex,
-    backend: &mut B,
-) -> Result<u64> {
-    Ok(nibble_core::plan::resident_device_bytes(
-        graph, model, backend,
-    )?)
+/// Where a run's budgets came from.
+#[derive(Debug, Clone)]
+pub(crate) struct BudgetNote {
+    /// One line for the plan's printout.
+    pub note: String,
+    /// The process's RSS when the budgets were decided.
+    pub rss_at_plan: u64,
+    /// The host budget, where known.
+    pub host_budget: Option<u64>,
+    /// The device budget decided.
+    pub device_budget: u64,
+}
+
+impl BudgetNote {
+    /// As `--json` reports it.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "note": self.note,
+            "rss_at_plan_bytes": self.rss_at_plan,
+            "host_budget_bytes": self.host_budget,
+            "device_budget_bytes": self.device_budget,
+        })
+    }
 }
 
 /// Which of torch's noise transforms `--seed` reproduces.

@@ -1,0 +1,120 @@
+//! The host budget: on the CPU backend device memory is host memory, so `--device-budget auto`
+//! (the default) keeps every weight resident only while that fits the host budget less the
+//! process and the ring; with a host budget below the resident size, the decoder layers that do
+//! not fit stream, and the tokens equal the resident run's. A host budget too small for the
+//! plan is refused before anything is read, naming the figures. Needs models/smollm2-135m-nf4
+//! (scripts/get-smollm2.sh, which the README's test command runs).
+
+use std::process::{Command, Output};
+
+const MIB: u64 = 1 << 20;
+
+fn run(extra: &[&str]) -> Output {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-nf4");
+    assert!(
+        model.join("model.safetensors").is_file(),
+        "{} is missing: run scripts/get-smollm2.sh",
+        model.display()
+    );
+    Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--prompt-ids",
+            "1,504,3575,282,4649,314",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--backend",
+            "cpu",
+            "--slots",
+            "2",
+            "--slot-size",
+            "4MiB",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .expect("run nibble")
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert!(
+        o.status.success(),
+        "nibble run failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).expect("json")
+}
+
+#[test]
+fn auto_device_budget_stays_within_the_host_budget() {
+    let resident = json(&run(&["--host-budget", "1TiB"]));
+    assert_eq!(
+        resident["plan"]["streamed_groups"], 0,
+        "{}",
+        resident["plan"]
+    );
+    let device = resident["plan"]["device_bytes"]
+        .as_u64()
+        .expect("device bytes");
+    let rss = resident["budget"]["rss_at_plan_bytes"]
+        .as_u64()
+        .expect("rss at plan");
+    // Room for three quarters of the resident device memory besides the process and the ring
+    // (more than the smallest budget: the embedding table stays in the arena).
+    let host = rss + 8 * MIB + device * 3 / 4;
+    let capped = json(&run(&["--host-budget", &host.to_string()]));
+    let plan = &capped["plan"];
+    assert!(
+        plan["streamed_groups"].as_u64().unwrap_or(0) > 0,
+        "with a {host} B host budget some layers stream: {plan}"
+    );
+    assert!(
+        plan["device_bytes"].as_u64().unwrap_or(u64::MAX) <= device * 3 / 4 + 2 * MIB,
+        "the device budget was capped: {plan} (resident {device})"
+    );
+    assert!(
+        capped["budget"]["note"]
+            .as_str()
+            .unwrap_or("")
+            .contains("every weight resident would need"),
+        "{}",
+        capped["budget"]
+    );
+    assert_eq!(
+        capped["tokens"], resident["tokens"],
+        "the streamed run's tokens equal the resident run's"
+    );
+    assert!(
+        capped["rss_max_bytes"].as_u64().unwrap_or(u64::MAX) <= host + 16 * MIB,
+        "peak RSS {} over the host budget {host} + 16 MiB",
+        capped["rss_max_bytes"]
+    );
+}
+
+#[test]
+fn a_host_budget_the_plan_cannot_fit_is_refused_before_reading() {
+    // Below the process's own memory and the ring.
+    let o = run(&["--host-budget", "1MiB"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("cannot hold the process"), "{err}");
+    // Room for the process and the ring, but not for the smallest device memory of the run.
+    let o = run(&["--host-budget", "60MiB"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("leaves") && err.contains("needs at least"),
+        "{err}"
+    );
+    // A given device budget whose plan (every weight resident, ~110 MiB on the CPU backend,
+    // which is host memory) needs more host memory than the host budget.
+    let o = run(&["--host-budget", "90MiB", "--device-budget", "190MiB"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("of host memory") && err.contains("over the host budget"),
+        "{err}"
+    );
+}
