@@ -118,3 +118,116 @@ fn a_host_budget_the_plan_cannot_fit_is_refused_before_reading() {
         "{err}"
     );
 }
+
+fn run_wgpu(extra: &[&str]) -> serde_json::Value {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-nf4");
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--prompt-ids",
+            "1,504,3575,282,4649,314",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--backend",
+            "wgpu",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .expect("run nibble");
+    json(&o)
+}
+
+fn u(v: &serde_json::Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("{v} is not a number"))
+}
+
+fn tier<'a>(plan: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    plan["tiers"]
+        .as_array()
+        .expect("tiers")
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("no {name} tier in {plan}"))
+}
+
+/// On a GPU backend (wgpu) all three tiers: groups the device budget does not hold stay in host
+/// memory after their first read, as far as the host budget allows, and the rest stream from
+/// the source; after the first token only the source tier is read from the source, and the
+/// bytes per step from each equal the plan's. Tokens equal the resident run's.
+#[test]
+fn three_tiers_on_wgpu_move_the_planned_bytes() {
+    if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
+        && nibble_wgpu::WgpuBackend::new().is_err()
+    {
+        println!("wgpu absent: not run");
+        return;
+    }
+    let resident = run_wgpu(&[]);
+    assert_eq!(u(&resident["plan"]["streamed_groups"]), 0);
+    let mem = [
+        "--device-budget",
+        "130MiB",
+        "--slots",
+        "2",
+        "--slot-size",
+        "4MiB",
+    ];
+    // Everything the device does not hold fits the host tier.
+    let all = run_wgpu(&[&mem[..], &["--host-budget", "1TiB"]].concat());
+    let plan = &all["plan"];
+    let held = u(&tier(plan, "host")["bytes"]);
+    assert!(held > 0 && u(&tier(plan, "source")["bytes"]) == 0, "{plan}");
+    // A host budget that holds about half of those groups besides the process and the buffers.
+    let rss = u(&all["budget"]["rss_at_plan_bytes"]);
+    let buffers = u(&plan["peak_host_bytes"]) - held;
+    let host = rss + buffers + held / 2;
+    let three = run_wgpu(&[&mem[..], &["--host-budget", &host.to_string()]].concat());
+    let plan = &three["plan"];
+    let (h, s) = (tier(plan, "host"), tier(plan, "source"));
+    assert!(
+        !h["groups"].as_array().expect("groups").is_empty()
+            && !s["groups"].as_array().expect("groups").is_empty()
+            && !tier(plan, "device")["groups"]
+                .as_array()
+                .expect("groups")
+                .is_empty(),
+        "all three tiers in use with a {host} B host budget: {plan}"
+    );
+    let src: Vec<u64> = three["bytes_source_per_step"]
+        .as_array()
+        .expect("source per step")
+        .iter()
+        .map(u)
+        .collect();
+    let hst: Vec<u64> = three["bytes_host_per_step"]
+        .as_array()
+        .expect("host per step")
+        .iter()
+        .map(u)
+        .collect();
+    let (s_bytes, h_bytes) = (u(&s["bytes_per_step"]), u(&h["bytes_per_step"]));
+    assert_eq!(u(&plan["source_bytes_per_step"]), s_bytes);
+    // The first pass reads both tiers from the source; later ones the source tier only.
+    assert_eq!((src[0], hst[0]), (s_bytes + h_bytes, 0), "first step");
+    for (i, (a, b)) in src.iter().zip(&hst).enumerate().skip(1) {
+        assert_eq!((*a, *b), (s_bytes, h_bytes), "step {i}");
+    }
+    // Measured where the reads happen: the host tier's groups were read from the source once.
+    let totals = &three["bytes_read_totals"];
+    let passes = src.len() as u64;
+    assert!(
+        u(&totals["source"]) >= h_bytes + s_bytes * passes
+            && u(&totals["source"]) <= h_bytes + s_bytes * passes + 8 * MIB,
+        "source reads {} for {passes} passes of {s_bytes} + the host tier's {h_bytes} once",
+        totals["source"]
+    );
+    for r in [&all, &three] {
+        assert_eq!(
+            r["tokens"], resident["tokens"],
+            "tokens equal the resident run's"
+        );
+    }
+}

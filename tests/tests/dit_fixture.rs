@@ -28,6 +28,7 @@ fn forward<B: Backend>(mut backend: B, streamed: bool) -> (Vec<f32>, (usize, usi
         device_bytes: 1 << 30,
         ring_slots: 2,
         slot_bytes: 64 << 10,
+        host_tier_bytes: 0,
     };
     if streamed {
         budgets.device_bytes =
@@ -147,6 +148,7 @@ fn tiny_dit_euler_loop_streamed() {
             .expect("min budget"),
         ring_slots: 2,
         slot_bytes: 64 << 10,
+        host_tier_bytes: 0,
     };
     let mut ex = Executor::new(
         dg.graph,

@@ -30,12 +30,14 @@ fn opts(streamed: bool) -> ExecOptions {
             device_bytes: 0,
             ring_slots: 2,
             slot_bytes: 64 << 10,
+            host_tier_bytes: 0,
         }
     } else {
         Budgets {
             device_bytes: 1 << 30,
             ring_slots: 4,
             slot_bytes: 1 << 20,
+            host_tier_bytes: 0,
         }
     };
     ExecOptions {

@@ -78,6 +78,7 @@ fn opts(m: &ModelIndex, seq_len: usize, streamed: bool, backend: &mut impl Backe
         device_bytes: 1 << 30,
         ring_slots: 2,
         slot_bytes: 64 << 10,
+        host_tier_bytes: 0,
     };
     if streamed {
         let bg = bert::build(m, seq_len).expect("graph");

@@ -22,6 +22,7 @@ fn opts(device_bytes: u64, slots: u64, slot_bytes: u64) -> ExecOptions {
             device_bytes,
             ring_slots: slots,
             slot_bytes,
+            host_tier_bytes: 0,
         },
         readers: 1,
         stream_all: false,

@@ -53,6 +53,7 @@ fn opts() -> ExecOptions {
             device_bytes: 2 << 30,
             ring_slots: 4,
             slot_bytes: 16 << 20,
+            host_tier_bytes: 0,
         },
         readers: 2,
         stream_all: false,

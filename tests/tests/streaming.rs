@@ -265,6 +265,7 @@ fn impossible_budget_is_refused_before_any_io_with_the_exact_smallest_budget() {
             device_bytes,
             ring_slots: 2,
             slot_bytes: 4096,
+            host_tier_bytes: 0,
         },
         readers: 1,
         stream_all: false,

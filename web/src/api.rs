@@ -132,6 +132,7 @@ fn exec_options(
             device_bytes,
             ring_slots: s.slots,
             slot_bytes: s.slot_bytes,
+            host_tier_bytes: 0,
         },
         readers: 1,
         stream_all: s.device_bytes.is_none(),

@@ -193,6 +193,7 @@ impl Nibble {
                         device_bytes,
                         ring_slots: s.slots,
                         slot_bytes: s.slot_bytes,
+                        host_tier_bytes: 0,
                     },
                     readers: 1,
                     // "min": every group of every phase streamed (as `load`'s "min").

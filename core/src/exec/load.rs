@@ -243,6 +243,15 @@ impl<B: Backend> Executor<B> {
         g: usize,
     ) -> Result<bool> {
         let per = pf.chunks_per_step();
+        if self.streamed_group.get(g) == Some(&true) {
+            let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
+            let len = chunk.spec.len as u64;
+            if self.host_group.get(g) == Some(&true) && !self.host_seen.insert(key) {
+                self.step_tier_bytes.1 += len;
+            } else {
+                self.step_tier_bytes.0 += len;
+            }
+        }
         if chunk.spec.group != g {
             return Err(Error::Invalid(format!(
                 "stream out of order: expected group {g}, got {}",

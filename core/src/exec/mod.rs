@@ -47,6 +47,11 @@ pub struct ExecStats {
     /// Streamed bytes the backend read in place from ring slots instead of copying them into
     /// its pool (the optimized CPU backend; zero on GPUs).
     pub in_place_bytes: u64,
+    /// Of the bytes uploaded through the ring this step, those the model's source delivered.
+    pub source_bytes: u64,
+    /// Of the bytes uploaded through the ring this step, those the host tier delivered (groups
+    /// read once and kept in host memory).
+    pub host_bytes: u64,
 }
 
 /// The resident groups' single pass, between planning and streaming.
@@ -98,6 +103,14 @@ pub struct Executor<B: Backend> {
     held: Vec<Held>,
     /// Bytes lent in place during the current step.
     in_place_bytes: u64,
+    /// Per group: in the host tier.
+    host_group: Vec<bool>,
+    /// Host-tier chunks consumed at least once (later ones come from host memory).
+    host_seen: std::collections::HashSet<crate::stream::host_tier::ChunkKey>,
+    /// This step's bytes from the source and from the host tier.
+    step_tier_bytes: (u64, u64),
+    /// What the host tier's source counted (source, host) over the run.
+    tier_counters: Option<std::sync::Arc<crate::stream::host_tier::TierCounters>>,
     /// Per group: its weights were seen finite when it was first loaded (dense values, quant
     /// maps, absmax after double quantization is undone); later loads skip the check.
     finite_seen: Vec<bool>,
@@ -249,6 +262,10 @@ impl<B: Backend> Executor<B> {
             held: Vec::new(),
             finite_seen: vec![false; n_groups],
             in_place_bytes: 0,
+            host_group: vec![false; n_groups],
+            host_seen: Default::default(),
+            step_tier_bytes: (0, 0),
+            tier_counters: None,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -311,9 +328,36 @@ impl<B: Backend> Executor<B> {
         } else if chunks.is_empty() {
             self.spare_ring = Some(ring);
         } else {
-            self.prefetch = Some(Prefetcher::new(make_source(), ring, chunks, None)?);
+            // The host tier sits in front of the source: its groups' chunks are kept after
+            // their first read and later served from host memory.
+            for (g, gp) in self.plan.groups.iter().enumerate() {
+                self.host_group[g] = gp.placement == crate::plan::Placement::Host;
+            }
+            let keep = chunks
+                .iter()
+                .filter(|c| self.host_group.get(c.group) == Some(&true))
+                .map(|c| (c.file, c.offset, c.len))
+                .collect();
+            let counters = std::sync::Arc::new(crate::stream::host_tier::TierCounters::default());
+            let source = crate::stream::host_tier::HostTierSource::new(
+                make_source(),
+                keep,
+                counters.clone(),
+            );
+            self.tier_counters = Some(counters);
+            let source: Box<dyn ByteSource> = Box::new(source);
+            self.prefetch = Some(Prefetcher::new(source, ring, chunks, None)?);
         }
         Ok(())
+    }
+
+    /// Bytes the stream's source delivered from the model's source and from the host tier so
+    /// far (measured where they were read; reads run ahead of the steps by up to the ring).
+    pub fn tier_totals(&self) -> (u64, u64) {
+        self.tier_counters
+            .as_ref()
+            .map(|c| c.get())
+            .unwrap_or_default()
     }
 
     /// Limits the weight stream to `passes` more passes (steps or decoded tokens), so that no
@@ -449,6 +493,7 @@ impl<B: Backend> Executor<B> {
             self.return_stream(pf, &mut c, r)?;
         }
         c.stats.in_place_bytes = std::mem::take(&mut self.in_place_bytes);
+        (c.stats.source_bytes, c.stats.host_bytes) = std::mem::take(&mut self.step_tier_bytes);
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
             words.push(self.backend.read_arena(s)?);
@@ -487,6 +532,7 @@ impl<B: Backend> Executor<B> {
             self.return_stream(pf, &mut c, r)?;
         }
         c.stats.in_place_bytes = std::mem::take(&mut self.in_place_bytes);
+        (c.stats.source_bytes, c.stats.host_bytes) = std::mem::take(&mut self.step_tier_bytes);
         let mut words = Vec::new();
         for s in self.output_slices(p)? {
             words.push(self.backend.read_arena_async(s).await?);

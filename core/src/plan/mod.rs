@@ -34,6 +34,11 @@ pub struct Budgets {
     pub ring_slots: u64,
     /// Bytes per ring slot (a larger tensor streams through in chunks).
     pub slot_bytes: u64,
+    /// Host memory for the host tier: groups the device budget does not hold, kept in RAM after
+    /// their first read so that later steps upload them without reading the source (0: none).
+    /// A backend whose device memory is host memory gets none (its device budget is that
+    /// memory already).
+    pub host_tier_bytes: u64,
 }
 
 /// Where a group lives during the run.
@@ -43,6 +48,9 @@ pub enum Placement {
     Resident,
     /// Read through the ring every step.
     Streamed,
+    /// The host tier: read from the source once, kept in host memory, uploaded through the ring
+    /// every step without reading the source again.
+    Host,
 }
 
 /// One weight group (usually one layer's weights) in the plan.
@@ -141,8 +149,13 @@ pub struct MemoryPlan {
     pub loader_bytes: u64,
     /// Reads kept in flight ahead of the consumer (one per ring slot).
     pub prefetch_depth: u64,
-    /// Bytes read from the source per step (after the first).
+    /// Bytes uploaded through the ring per step: the streamed and host-tier groups.
     pub streamed_bytes_per_step: u64,
+    /// Of those, the bytes read from the source per step after the first (the streamed groups;
+    /// the host tier's come from host memory).
+    pub source_bytes_per_step: u64,
+    /// Host memory holding the host tier's groups (their bytes, read once).
+    pub host_tier_bytes: u64,
     /// Of those, the most that kernels read in place from the ring slots instead of copying
     /// them (packed weights no larger than a slot, on a backend that reads host memory: the
     /// optimized CPU backend); a slot is lent only while another stays free, so a run may read
@@ -152,15 +165,89 @@ pub struct MemoryPlan {
     pub peak_device_bytes: u64,
     /// Host bytes of the backend's kernel workspace ([`Backend::workspace_bytes`]).
     pub workspace_bytes: u64,
-    /// Peak host bytes the plan adds: ring + loader buffers + kernel workspace.
+    /// Peak host bytes the plan adds: ring + loader buffers + kernel workspace + host tier.
     pub peak_host_bytes: u64,
+    /// Host and device are the same memory (the CPU backends): the host tier is merged into the
+    /// device budget.
+    pub shared_memory: bool,
+}
+
+/// One tier of a plan: where its groups' bytes come from each step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tier {
+    /// `device`, `host` or `source`.
+    pub name: &'static str,
+    /// Its groups, by name, in schedule order.
+    pub groups: Vec<String>,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Bytes moved from it per step after the first: 0 on the device, uploaded from host
+    /// memory for the host tier, read from the source for the streamed groups.
+    pub bytes_per_step: u64,
+}
+
+/// Group names as ranges: `model.layers.0-11` for a run of numbered siblings.
+pub fn name_ranges(names: &[String]) -> String {
+    let split = |n: &str| -> Option<(String, u64)> {
+        let (head, num) = n.rsplit_once('.')?;
+        Some((head.to_string(), num.parse().ok()?))
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut run: Option<(String, u64, u64)> = None;
+    let flush = |run: &mut Option<(String, u64, u64)>, out: &mut Vec<String>| {
+        if let Some((h, a, b)) = run.take() {
+            out.push(if a == b {
+                format!("{h}.{a}")
+            } else {
+                format!("{h}.{a}-{b}")
+            });
+        }
+    };
+    for n in names {
+        match (split(n), run.as_mut()) {
+            (Some((h, k)), Some((rh, _, b))) if *rh == h && k == *b + 1 => *b = k,
+            (Some((h, k)), _) => {
+                flush(&mut run, &mut out);
+                run = Some((h, k, k));
+            }
+            (None, _) => {
+                flush(&mut run, &mut out);
+                out.push(n.clone());
+            }
+        }
+    }
+    flush(&mut run, &mut out);
+    out.join(", ")
 }
 
 impl MemoryPlan {
-    /// Number of groups (resident, streamed).
+    /// Number of groups (resident, streamed through the ring: from the source or the host
+    /// tier).
     pub fn counts(&self) -> (usize, usize) {
         let c = |p| self.groups.iter().filter(|g| g.placement == p).count();
-        (c(Placement::Resident), c(Placement::Streamed))
+        (
+            c(Placement::Resident),
+            c(Placement::Streamed) + c(Placement::Host),
+        )
+    }
+
+    /// The three tiers: on the device, in host memory, streamed from the source.
+    pub fn tiers(&self) -> Vec<Tier> {
+        let tier = |name, p: Placement, per_step: bool| {
+            let groups: Vec<&GroupPlan> = self.groups.iter().filter(|g| g.placement == p).collect();
+            let bytes = groups.iter().map(|g| g.bytes).sum();
+            Tier {
+                name,
+                groups: groups.iter().map(|g| g.name.clone()).collect(),
+                bytes,
+                bytes_per_step: if per_step { bytes } else { 0 },
+            }
+        };
+        vec![
+            tier("device", Placement::Resident, false),
+            tier("host", Placement::Host, true),
+            tier("source", Placement::Streamed, true),
+        ]
     }
 
     /// Bytes read once, before the first step: the resident groups.
@@ -173,9 +260,34 @@ impl MemoryPlan {
     }
 
     /// Bytes a run of `passes` steps (or decoded tokens) reads from the source: the resident
-    /// groups once, the streamed ones every pass.
+    /// and host-tier groups once, the streamed ones every pass.
     pub fn read_bytes(&self, passes: u64) -> u64 {
-        self.resident_read_bytes() + self.streamed_bytes_per_step * passes
+        if passes == 0 {
+            return self.resident_read_bytes();
+        }
+        self.resident_read_bytes() + self.host_tier_bytes + self.source_bytes_per_step * passes
+    }
+
+    /// The plan as `--json` reports it: the tiers, the bytes per step from each, the peaks.
+    pub fn to_json(&self) -> serde_json::Value {
+        let (resident, streamed) = self.counts();
+        serde_json::json!({
+            "resident_groups": resident,
+            "streamed_groups": streamed,
+            "tiers": self.tiers().iter().map(|t| serde_json::json!({
+                "name": t.name, "groups": t.groups, "bytes": t.bytes,
+                "bytes_per_step": t.bytes_per_step,
+            })).collect::<Vec<_>>(),
+            "device_budget": self.budgets.device_bytes,
+            "host_tier_budget": self.budgets.host_tier_bytes,
+            "source_bytes_per_step": self.source_bytes_per_step,
+            "host_tier_bytes": self.host_tier_bytes,
+            "streamed_bytes_per_step": self.streamed_bytes_per_step,
+            "peak_device_bytes": self.peak_device_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "device_bytes": self.peak_device_bytes,
+            "shared_memory": self.shared_memory,
+        })
     }
 
     /// The text printed before a run.
@@ -201,12 +313,14 @@ impl MemoryPlan {
             fmt_bytes(self.state_bytes)
         ));
         t.push_str(&format!(
-            "  host    ring {} x {} = {}, loader buffers {}, kernel workspace {}: peak {}\n",
+            "  host    ring {} x {} = {}, loader buffers {}, kernel workspace {}, host tier {}: peak \
+             {}\n",
             b.ring_slots,
             fmt_bytes(b.slot_bytes),
             fmt_bytes(self.ring_bytes),
             fmt_bytes(self.loader_bytes),
             fmt_bytes(self.workspace_bytes),
+            fmt_bytes(self.host_tier_bytes),
             fmt_bytes(self.peak_host_bytes)
         ));
         let copied = if self.in_place_bytes_per_step > 0 {
@@ -220,11 +334,49 @@ impl MemoryPlan {
                 fmt_bytes(self.streamed_bytes_per_step)
             )
         };
+        let read = if self.host_tier_bytes > 0 {
+            format!(
+                "{} per step through the ring ({} read from the source, {} from the host tier)",
+                fmt_bytes(self.streamed_bytes_per_step),
+                fmt_bytes(self.source_bytes_per_step),
+                fmt_bytes(self.host_tier_bytes)
+            )
+        } else {
+            format!("{} read per step", fmt_bytes(self.streamed_bytes_per_step))
+        };
         t.push_str(&format!(
-            "  stream  {s} groups, {} read per step, {copied}, prefetch depth {}\n",
-            fmt_bytes(self.streamed_bytes_per_step),
+            "  stream  {s} groups, {read}, {copied}, prefetch depth {}\n",
             self.prefetch_depth
         ));
+        let b = &self.budgets;
+        for tier in self.tiers() {
+            if tier.groups.is_empty() {
+                continue;
+            }
+            let why = match tier.name {
+                "device" => format!(
+                    "on the device: {} of the {} budget",
+                    fmt_bytes(tier.bytes),
+                    fmt_bytes(b.device_bytes)
+                ),
+                "host" => format!(
+                    "in host memory: {} of the {} host tier, uploaded every step",
+                    fmt_bytes(tier.bytes),
+                    fmt_bytes(b.host_tier_bytes)
+                ),
+                _ => format!(
+                    "streamed from the source: {} per step",
+                    fmt_bytes(tier.bytes)
+                ),
+            };
+            t.push_str(&format!("  tier    {} {why}\n", name_ranges(&tier.groups)));
+        }
+        if self.shared_memory && b.host_tier_bytes > 0 {
+            t.push_str(
+                "  tier    host and device are the same memory on this backend: no host tier, \
+                 the device budget holds what RAM can\n",
+            );
+        }
         t
     }
 }
@@ -463,7 +615,7 @@ impl Planner {
 
     /// The plan's figures for a layout.
     fn describe(&self, lay: &Layout, budgets: Budgets) -> MemoryPlan {
-        let groups: Vec<GroupPlan> = (0..self.graph.groups.len())
+        let mut groups: Vec<GroupPlan> = (0..self.graph.groups.len())
             .map(|g| GroupPlan {
                 name: self.graph.groups[g].clone(),
                 bytes: lay.reads[g].iter().map(|t| t.len).sum(),
@@ -474,7 +626,20 @@ impl Planner {
                 },
             })
             .collect();
-        let streamed_bytes_per_step = lay.streamed.iter().map(|&g| groups[g].bytes).sum();
+        // The host tier: streamed groups, in schedule order, while they fit its budget; none
+        // where host and device are the same memory.
+        let mut host_tier_bytes = 0u64;
+        if !self.rules.host_memory {
+            for &g in &lay.streamed {
+                let b = groups[g].bytes;
+                if host_tier_bytes + b > budgets.host_tier_bytes {
+                    break;
+                }
+                host_tier_bytes += b;
+                groups[g].placement = Placement::Host;
+            }
+        }
+        let streamed_bytes_per_step: u64 = lay.streamed.iter().map(|&g| groups[g].bytes).sum();
         let in_place_bytes_per_step = if self.rules.host_memory && budgets.ring_slots >= 2 {
             // What the loader may lend: a streamed packed weight that arrives whole in one slot.
             lay.streamed
@@ -501,12 +666,16 @@ impl Planner {
             loader_bytes: self.loader_bytes,
             prefetch_depth: budgets.ring_slots,
             streamed_bytes_per_step,
+            source_bytes_per_step: streamed_bytes_per_step - host_tier_bytes,
+            host_tier_bytes,
             in_place_bytes_per_step,
             peak_device_bytes: lay.device_bytes(),
             workspace_bytes: self.rules.workspace_bytes,
             peak_host_bytes: ring_bytes
                 .saturating_add(self.loader_bytes)
-                .saturating_add(self.rules.workspace_bytes),
+                .saturating_add(self.rules.workspace_bytes)
+                .saturating_add(host_tier_bytes),
+            shared_memory: self.rules.host_memory,
         }
     }
 }

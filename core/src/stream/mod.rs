@@ -5,5 +5,6 @@
 //! Owns: the bounded pipeline from a [`crate::io::source::ByteSource`] to the executor.
 //! May import: `io`, `format`, `error`.
 
+pub mod host_tier;
 pub mod prefetch;
 pub mod ring;

@@ -140,6 +140,7 @@ impl crate::backends::WithBackend for Demo<'_> {
                 device_bytes: o.device_budget,
                 ring_slots: o.slots,
                 slot_bytes: o.slot_size,
+                host_tier_bytes: 0,
             },
             readers: 2,
             stream_all: false,

@@ -40,6 +40,7 @@ impl crate::backends::WithBackend for OneMode<'_> {
                 device_bytes,
                 ring_slots: b.slots,
                 slot_bytes: b.slot_size,
+                host_tier_bytes: 0,
             },
             readers: 2,
             stream_all: false,

@@ -77,6 +77,8 @@ pub fn write_latent(path: &std::path::Path, x: &[f32], n: usize, c: usize) -> Re
 pub fn step_row(s: &DenoiseStep) -> serde_json::Value {
     json!({"step": s.step, "wall_ms": s.wall.as_secs_f64() * 1e3,
            "bytes_streamed": s.stats.stream.bytes,
+           "bytes_source": s.stats.source_bytes,
+           "bytes_host": s.stats.host_bytes,
            "stall_ms": s.stats.stream.stall.as_secs_f64() * 1e3,
            "read_ms": s.stats.stream.read_busy.as_secs_f64() * 1e3,
            "rss_bytes": s.rss_bytes})
@@ -171,8 +173,9 @@ pub(super) fn run<B: Backend>(
         let v = json!({"steps": rows, "summary": {"total_ms": total * 1e3, "ms_per_step": total * 1e3 / ran,
             "rss_max_bytes": nibble_core::io::machine::peak_rss_bytes(),
             "budget": budget_note.json(),
-            "plan": {"peak_device_bytes": den.executor().plan().peak_device_bytes,
-                     "peak_host_bytes": den.executor().plan().peak_host_bytes}}});
+            "bytes_source_per_step": rows.iter().map(|r| r["bytes_source"].clone()).collect::<Vec<_>>(),
+            "bytes_host_per_step": rows.iter().map(|r| r["bytes_host"].clone()).collect::<Vec<_>>(),
+            "plan": den.executor().plan().to_json()}});
         crate::output::write_stdout(&format!("{v}\n"))?;
     } else {
         eprintln!(

@@ -97,7 +97,10 @@ pub(super) fn run<B: Backend>(
     let (mut prefill_s, mut decode_s, mut decode_steps) = (0f64, 0f64, 0usize);
     let mut out = std::io::stdout().lock();
     let mut rss_per_token = Vec::with_capacity(o.llm.max_tokens);
+    let (mut source_per_step, mut host_per_step) = (Vec::new(), Vec::new());
     while let Some(t) = gen.next_token()? {
+        source_per_step.push(t.stats.source_bytes);
+        host_per_step.push(t.stats.host_bytes);
         bytes_streamed += t.stats.stream.bytes;
         bytes_in_place += t.stats.in_place_bytes;
         if t.index == 0 {
@@ -169,11 +172,13 @@ pub(super) fn run<B: Backend>(
             "bytes_in_place": bytes_in_place,
             "rss_bytes_per_token": rss_per_token,
             "budget": budget_note.json(),
-            "plan": {
-                "resident_groups": dec.executor().plan().counts().0,
-                "streamed_groups": dec.executor().plan().counts().1,
-                "device_bytes": dec.executor().plan().peak_device_bytes,
+            "bytes_source_per_step": source_per_step,
+            "bytes_host_per_step": host_per_step,
+            "bytes_read_totals": {
+                "source": dec.executor().tier_totals().0,
+                "host_tier": dec.executor().tier_totals().1,
             },
+            "plan": dec.executor().plan().to_json(),
         });
         crate::output::write_stdout(&format!("{v}\n"))?;
     } else {

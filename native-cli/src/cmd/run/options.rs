@@ -225,6 +225,7 @@ pub(crate) fn exec_options<B: Backend>(
                                     device_bytes: room.min(need),
                                     ring_slots: m.slots,
                                     slot_bytes: m.slot_size,
+                                    host_tier_bytes: 0,
                                 },
                                 readers: 2,
                                 stream_all: m.stream_all,
@@ -298,11 +299,33 @@ pub(crate) fn exec_options<B: Backend>(
             device_bytes,
             ring_slots: m.slots,
             slot_bytes: m.slot_size,
+            host_tier_bytes: 0,
         },
         readers: 2,
         stream_all: m.stream_all,
         naive: false,
     };
+    let mut opts = opts;
+    let mut note = note;
+    if let (Some(h), false) = (host, shares_host) {
+        // The host tier: what the host budget holds besides the process and each phase's
+        // ring, loader and kernel buffers keeps streamed groups in RAM after their first read.
+        let mut room = u64::MAX;
+        let mut streams = false;
+        for (g, model) in graphs {
+            if let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) {
+                streams |= plan.counts().1 > 0;
+                room = room.min(h.saturating_sub(rss).saturating_sub(plan.peak_host_bytes));
+            }
+        }
+        if streams && room != u64::MAX && room > 0 {
+            opts.budgets.host_tier_bytes = room;
+            note.push_str(&format!(
+                "; host tier up to {} for groups the device budget does not hold",
+                fmt_bytes(room)
+            ));
+        }
+    }
     if let Some(h) = host {
         for (g, model) in graphs {
             // A budget the planner refuses is reported by the run itself, with its minimum.
