@@ -26,9 +26,13 @@ enum Command {
     /// embed with a BERT encoder (the kind is read from config.json), or make a picture with a
     /// diffusers Flux pipeline folder (model_index.json), streamed through the ring.
     Run(Box<cmd::run::RunArgs>),
-    /// The main job on a built-in default: a synthetic text encoder, then 50 denoising steps of a
-    /// ~1.5 GiB NF4 Flux-style DiT streamed through a 512 MiB device budget and a 4 x 32 MiB
-    /// ring; per-step figures, a summary and a chart of RSS and step time.
+    /// Print the memory plan of a run without reading a weight byte: the budgets and where they
+    /// came from, each phase's tiers, the smallest device budget that would run (takes
+    /// `nibble run`'s options).
+    Plan(Box<cmd::run::RunArgs>),
+    /// The main job on a built-in default: a synthetic diffusers Flux folder (random weights, a
+    /// ~1.5 GiB NF4 transformer) turns a prompt into a PNG in a 512 MiB device budget, 50 steps
+    /// streamed through a 4 x 32 MiB ring; per-step figures, a summary and a chart.
     Demo(cmd::demo::DemoArgs),
     /// List a model's tensors, its 4-bit weights with their quant state, totals and config.
     Inspect(cmd::inspect::InspectArgs),
@@ -97,6 +101,11 @@ fn main() -> ExitCode {
     };
     let result = match &cli.command {
         Command::Run(a) => cmd::run::run(a),
+        Command::Plan(a) => {
+            let mut a = a.clone();
+            a.plan_only = true;
+            cmd::run::run(&a)
+        }
         Command::Demo(a) => cmd::demo::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::quant::dequant(a),

@@ -124,6 +124,10 @@ pub(super) fn run<B: Backend>(
     }
     let graph = Denoiser::<B>::graph_for(model, &inputs)?;
     let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&graph, model)])?;
+    if o.plan_only {
+        let phases = [("transformer", &graph, model)];
+        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
+    }
     drop(graph);
     if !o.json {
         eprintln!("{}", budget_note.note);

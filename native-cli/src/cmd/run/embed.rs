@@ -45,6 +45,10 @@ pub(super) fn run<B: Backend>(
     let pooling = Pooling::for_model(model)?;
     let bg = bert::build(model, ids.len())?;
     let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&bg.graph, model)])?;
+    if o.plan_only {
+        let phases = [("encoder", &bg.graph, model)];
+        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
+    }
     let t_setup = Instant::now();
     let mut enc = Encoder::from_graph(bg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;

@@ -271,9 +271,21 @@ pub fn plans_json(plans: &[(&'static str, MemoryPlan)]) -> serde_json::Value {
 
 impl crate::backends::WithBackend for Run<'_> {
     type Output = ();
-    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
+    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
         let Run { o, pipe, req } = self;
         let quiet = o.json;
+        if o.plan_only {
+            let mut prepared = pipe.prepare(&req)?;
+            let phases = pipe.graphs(&prepared)?;
+            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+            let (opts, note) = super::options::exec_options(&o.memory, &mut backend, &graphs)?;
+            drop(graphs);
+            drop(phases);
+            prepared.tiling = pipe.vae_tiling(&prepared, &mut backend, opts)?;
+            let phases = pipe.graphs(&prepared)?;
+            let named: Vec<_> = phases.iter().map(|(n, g, m)| (*n, g, *m)).collect();
+            return super::plan::print(o, &mut backend, label, &note, opts, &named);
+        }
         let g = generate(
             &pipe,
             &req,

@@ -40,6 +40,12 @@ pub(super) fn run<B: Backend>(
         (Some(text), Some(tok)) => tok.prompt_ids(text, o.text.chat)?,
         _ => o.text.prompt_ids.clone(),
     };
+    // `nibble plan` without a prompt: the plan of a one-token prompt.
+    let prompt_ids = if prompt_ids.is_empty() && o.plan_only {
+        vec![0]
+    } else {
+        prompt_ids
+    };
     if prompt_ids.is_empty() {
         bail!("the prompt has no tokens");
     }
@@ -63,6 +69,10 @@ pub(super) fn run<B: Backend>(
     };
     let lg = llama::build(model, shape)?;
     let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&lg.graph, model)])?;
+    if o.plan_only {
+        let phases = [("decoder", &lg.graph, model)];
+        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
+    }
     let t_setup = Instant::now();
     let mut dec = Decoder::from_graph(lg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;

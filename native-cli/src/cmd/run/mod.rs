@@ -7,6 +7,7 @@ mod embed;
 pub mod flux;
 mod llm;
 mod options;
+mod plan;
 
 use anyhow::{bail, Result};
 use nibble_core::backend::Backend;
@@ -37,7 +38,11 @@ pub fn run(o: &RunArgs) -> Result<()> {
             o.model
         );
     };
-    if k != ModelKind::Dit && o.text.prompt_ids.is_empty() && o.text.prompt.is_none() {
+    if k != ModelKind::Dit
+        && !o.plan_only
+        && o.text.prompt_ids.is_empty()
+        && o.text.prompt.is_none()
+    {
         bail!("a language model or an encoder needs --prompt TEXT or --prompt-ids 1,2,3");
     }
     crate::backends::select(o.backend)?.run(Dispatch {

@@ -41,6 +41,9 @@ pub struct RunArgs {
     pub llm: LlmArgs,
     #[command(flatten)]
     pub dit: DitArgs,
+    /// `nibble plan`: print the plans and stop before anything is allocated or read.
+    #[arg(skip)]
+    pub plan_only: bool,
 }
 
 /// The prompt of a language model or an encoder.

@@ -1,0 +1,87 @@
+//! `nibble plan`: the plan of a run without reading a weight byte. Over HTTP the server sees
+//! only the config, the header and the quant-state JSONs of the weights file; the plan names its
+//! tiers and the smallest device budget, which then runs.
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use nibble_tests::http_server::{Fault, TestServer};
+
+#[test]
+fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
+    let dir = nibble_tests::fixture("tiny-llama-nf4/model");
+    let mut files = HashMap::new();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        files.insert(
+            format!("m/{f}"),
+            std::fs::read(dir.join(f)).expect("fixture file"),
+        );
+    }
+    let srv = TestServer::start(files, Fault::None);
+    let url = format!("{}/m", srv.base);
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["plan", "--model", &url, "--backend", "cpu", "--json"])
+        .args(["--prompt-ids", "1,2,3", "--max-tokens", "8"])
+        .output()
+        .expect("nibble plan");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let phase = &v["phases"][0];
+    let tiers: Vec<&str> = phase["plan"]["tiers"]
+        .as_array()
+        .expect("tiers")
+        .iter()
+        .map(|t| t["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(tiers, ["device", "host", "source"]);
+    assert!(v["budget"]["note"]
+        .as_str()
+        .unwrap_or("")
+        .contains("device budget auto"));
+    // What the server sent of the weights file: its first 8 bytes, the header, the quant-state
+    // JSON tensors, nothing else.
+    let h = nibble_core::io::model::read_header(&dir.join("model.safetensors")).expect("header");
+    let allowed: u64 = 8
+        + h.header_len
+        + h.tensors
+            .iter()
+            .filter(|t| t.name.contains(".quant_state."))
+            .map(|t| t.len)
+            .sum::<u64>();
+    let sent = srv
+        .stats()
+        .bytes_by_path
+        .get("m/model.safetensors")
+        .copied()
+        .unwrap_or(0);
+    assert!(sent >= 8 + h.header_len, "the header was read: {sent} bytes");
+    assert!(
+        sent <= allowed,
+        "the plan read {sent} bytes of the weights file, more than the {allowed} of its header and quant states"
+    );
+    // The smallest budget it names runs.
+    let least = phase["min_device_bytes"].as_u64().expect("min");
+    let run = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args([
+            "--backend",
+            "cpu",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "8",
+        ])
+        .args(["--device-budget", &least.to_string()])
+        .output()
+        .expect("nibble run");
+    assert!(
+        run.status.success(),
+        "the smallest budget {least} does not run: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
