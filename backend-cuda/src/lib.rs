@@ -568,6 +568,11 @@ impl Backend for CudaBackend {
         format!("cuda: {}", self.describe())
     }
 
+    fn device_memory(&mut self) -> Option<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().ok()?;
+        Some((free as u64, total as u64))
+    }
+
     fn supports(&self, op: &OpKind) -> bool {
         match op {
             OpKind::Attention { .. } => true,

@@ -160,6 +160,12 @@ pub trait Backend {
     fn operand_limit(&self, _op: &OpKind, _input: Option<usize>) -> Option<u64> {
         None
     }
+    /// The device's free and total memory in bytes, where the driver says (CUDA); `None`
+    /// where it does not (wgpu adapters tell limits, not free memory) or where device memory is
+    /// host memory. `--device-budget auto` takes the free memory less a margin from it.
+    fn device_memory(&mut self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// What a backend whose arena and pool are plain host memory does besides [`Backend`]: read

@@ -287,13 +287,49 @@ pub(crate) fn exec_options<B: Backend>(
                         )
                     }
                 }
-                None => (
-                    need,
-                    format!(
-                        "device budget auto {}: every weight resident; {host_note}",
-                        fmt_bytes(need)
+                None => match backend.device_memory() {
+                    // The driver's free memory less a margin of a tenth of the total (at least
+                    // 256 MiB): what the other users of the device and its driver keep.
+                    Some((free, total)) => {
+                        let margin = (total / 10).max(256 << 20);
+                        let cap = free.saturating_sub(margin);
+                        if need <= cap {
+                            (
+                                need,
+                                format!(
+                                    "device budget auto {}: every weight resident, within the \
+                                     device's free {} of {} less a margin of {}; {host_note}",
+                                    fmt_bytes(need),
+                                    fmt_bytes(free),
+                                    fmt_bytes(total),
+                                    fmt_bytes(margin)
+                                ),
+                            )
+                        } else {
+                            (
+                                cap,
+                                format!(
+                                    "device budget auto {}: the device's free {} of {} less a \
+                                     margin of {}; every weight resident would need {}; \
+                                     {host_note}",
+                                    fmt_bytes(cap),
+                                    fmt_bytes(free),
+                                    fmt_bytes(total),
+                                    fmt_bytes(margin),
+                                    fmt_bytes(need)
+                                ),
+                            )
+                        }
+                    }
+                    None => (
+                        need,
+                        format!(
+                            "device budget auto {}: every weight resident (this adapter does not \
+                             tell its free memory: give --device-budget to cap it); {host_note}",
+                            fmt_bytes(need)
+                        ),
                     ),
-                ),
+                },
             }
         }
     };
