@@ -58,7 +58,10 @@ fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
         .get("m/model.safetensors")
         .copied()
         .unwrap_or(0);
-    assert!(sent >= 8 + h.header_len, "the header was read: {sent} bytes");
+    assert!(
+        sent >= 8 + h.header_len,
+        "the header was read: {sent} bytes"
+    );
     assert!(
         sent <= allowed,
         "the plan read {sent} bytes of the weights file, more than the {allowed} of its header and quant states"

@@ -63,19 +63,23 @@ fn request_from(v: &Value) -> Result<FluxRequest, JsValue> {
         Some("off") => VaeTiling::Off,
         Some(o) => return Err(js_err(format!("vaeTiling: {o} (auto, on or off)"))),
     };
+    let size = |k: &str, d: u64| -> Result<usize, JsValue> {
+        usize::try_from(uint(v, k, d)?).map_err(|_| js_err(format!("{k}: too large")))
+    };
+    let vae_tile = match v.get("vaeTileSize").filter(|x| !x.is_null()) {
+        None => None,
+        Some(_) => Some(size("vaeTileSize", 0)?),
+    };
     Ok(FluxRequest {
         prompt,
-        height: uint(v, "height", 1024)? as usize,
-        width: uint(v, "width", 1024)? as usize,
-        steps: uint(v, "steps", 28)? as usize,
+        height: size("height", 1024)?,
+        width: size("width", 1024)?,
+        steps: size("steps", 28)?,
         guidance,
-        max_sequence_length: uint(v, "maxSequenceLength", 512)? as usize,
+        max_sequence_length: size("maxSequenceLength", 512)?,
         noise: Noise::Seed(uint(v, "seed", 0)?, math),
         vae_tiling,
-        vae_tile: v
-            .get("vaeTileSize")
-            .and_then(Value::as_u64)
-            .map(|n| n as usize),
+        vae_tile,
     })
 }
 
@@ -181,7 +185,7 @@ impl Nibble {
                     None if resident => pipe.resident_device_bytes(&prepared, &mut backend)?,
                     None => {
                         let mut most = 0;
-                        for (_, g, m) in pipe.graphs(&prepared)? {
+                        for (_, g, m) in pipe.budget_graphs(&prepared)? {
                             most =
                                 most.max(nibble_core::plan::min_device_bytes(&g, m, &mut backend)?);
                         }
@@ -289,7 +293,8 @@ impl Nibble {
                 "steps": steps,
                 "mu": prepared.mu,
                 "weight_bytes": traffic_bytes(&traffic, "weights") - before,
-                "predicted_weight_bytes": predicted,
+                // A tiled decode opens one decoder per tile shape: predicted only untiled.
+                "predicted_weight_bytes": if prepared.tiling.is_some() { None } else { Some(predicted) },
                 "vae_tile": prepared.tiling.map(|t| t.latent_tile),
             });
             let js = to_js(&v)?;

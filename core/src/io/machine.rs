@@ -59,6 +59,7 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
 /// A cgroup memory limit and usage as the kernel writes them (v2 `memory.max` /
 /// `memory.current`, v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`): the bytes left
 /// under the limit, `None` where there is no limit (`max`, or v1's "unlimited" near 2^63).
+/// The usage counts page cache; [`cgroup_room_of`] gives back its reclaimable part.
 pub fn cgroup_room(limit: &str, usage: &str) -> Option<u64> {
     let limit = limit.trim();
     if limit == "max" {
@@ -119,7 +120,9 @@ impl HostMemory {
 /// The tightest room under the cgroup limits of `path` and its parents, reading files through
 /// `read` (`rel` is the file's path below the hierarchy's mount point): v2 when `v2` is true
 /// (`memory.max` / `memory.current`), else v1 (`memory.limit_in_bytes` /
-/// `memory.usage_in_bytes`). Each level's usage counts its children's.
+/// `memory.usage_in_bytes`). Each level's usage counts its children's, and its page cache: the
+/// inactive file pages (`memory.stat`'s `inactive_file`, v1 `total_inactive_file`), which the
+/// kernel reclaims before it would kill, count as room, as the kubelet counts them.
 pub fn cgroup_room_of(
     path: &str,
     v2: bool,
@@ -142,7 +145,20 @@ pub fn cgroup_room_of(
             read(&format!("{dir}{limit}")),
             read(&format!("{dir}{usage}")),
         ) {
-            if let Some(room) = cgroup_room(&l, &u) {
+            let key = if v2 {
+                "inactive_file"
+            } else {
+                "total_inactive_file"
+            };
+            let inactive: u64 = read(&format!("{dir}memory.stat"))
+                .and_then(|st| {
+                    st.lines().find_map(|line| {
+                        let (k, v) = line.split_once(' ')?;
+                        (k == key).then(|| v.trim().parse().ok()).flatten()
+                    })
+                })
+                .unwrap_or(0);
+            if let Some(room) = cgroup_room(&l, &u).map(|r| r.saturating_add(inactive)) {
                 if best.as_ref().is_none_or(|b| room < b.0) {
                     best = Some((
                         room,
@@ -297,6 +313,26 @@ mod tests {
         ]);
         let (room, what) = cgroup_room_of("/kubepods/pod1", true, &read).expect("limited");
         assert_eq!(room, 3 << 30);
+        // Its page cache's inactive part counts as room.
+        let read2 = files(&[
+            ("pod/memory.max", "4294967296"),
+            ("pod/memory.current", "4000000000"),
+            (
+                "pod/memory.stat",
+                "anon 1000000000\nfile 2900000000\ninactive_file 2000000000\n",
+            ),
+        ]);
+        let (room2, _) = cgroup_room_of("/pod", true, &read2).expect("limited");
+        assert_eq!(room2, 4294967296 - 4000000000 + 2000000000);
+        let read1 = files(&[
+            ("memory.limit_in_bytes", "1073741824"),
+            ("memory.usage_in_bytes", "1073741824"),
+            ("memory.stat", "cache 5\ntotal_inactive_file 536870912\n"),
+        ]);
+        assert_eq!(
+            cgroup_room_of("/", false, &read1).map(|r| r.0),
+            Some(512 << 20)
+        );
         assert!(what.contains("kubepods/pod1/memory.max"), "{what}");
         // v1 with no limit anywhere.
         let read = files(&[

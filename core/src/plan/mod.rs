@@ -12,6 +12,8 @@
 pub mod layout;
 mod size;
 
+use std::collections::HashMap;
+
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::format::bnb::{Bnb4bitKeys, QuantStateJson, QuantizationConfig};
@@ -628,12 +630,22 @@ impl Planner {
             .collect();
         // The host tier: streamed groups, in schedule order, while they fit its budget; none
         // where host and device are the same memory.
+        // A group that shares a tensor with another streamed group (tied embeddings) stays with
+        // the source: the host tier keeps chunks by their place in the file, and both groups
+        // would read the one copy.
         let mut host_tier_bytes = 0u64;
         if !self.rules.host_memory {
+            let mut readers: HashMap<&str, usize> = HashMap::new();
             for &g in &lay.streamed {
+                for t in &lay.reads[g] {
+                    *readers.entry(t.name.as_str()).or_default() += 1;
+                }
+            }
+            for &g in &lay.streamed {
+                let shared = lay.reads[g].iter().any(|t| readers[t.name.as_str()] > 1);
                 let b = groups[g].bytes;
-                if host_tier_bytes + b > budgets.host_tier_bytes {
-                    break;
+                if shared || host_tier_bytes + b > budgets.host_tier_bytes {
+                    continue;
                 }
                 host_tier_bytes += b;
                 groups[g].placement = Placement::Host;

@@ -40,6 +40,9 @@ pub struct HostTierSource {
     held: HashMap<ChunkKey, Vec<u8>>,
     /// Reads sent to the source, by tag: the chunk and whether to keep its bytes.
     pending: HashMap<u64, (ChunkKey, bool)>,
+    /// Later reads of a kept chunk whose first read is still in flight (a ring deeper than one
+    /// step): served from host memory when it arrives, never read twice.
+    waiting: HashMap<ChunkKey, Vec<ReadRequest>>,
     ready: VecDeque<ReadCompletion>,
     counters: Arc<TierCounters>,
 }
@@ -65,6 +68,7 @@ impl HostTierSource {
             keep,
             held: HashMap::new(),
             pending: HashMap::new(),
+            waiting: HashMap::new(),
             ready: VecDeque::new(),
             counters,
         }
@@ -75,7 +79,8 @@ impl HostTierSource {
         self.held.values().map(|v| v.len() as u64).sum()
     }
 
-    /// A completion from the source: counted, and its bytes kept when asked.
+    /// A completion from the source: counted, its bytes kept when asked, and the reads that
+    /// waited for it answered (from host memory; with its error if it failed).
     fn arrived(&mut self, c: ReadCompletion) -> ReadCompletion {
         if let Some((key, keep)) = self.pending.remove(&c.tag) {
             if c.result.is_ok() {
@@ -86,8 +91,38 @@ impl HostTierSource {
                     self.held.insert(key, c.slot.bytes()[..key.2].to_vec());
                 }
             }
+            for req in self.waiting.remove(&key).unwrap_or_default() {
+                match &c.result {
+                    Ok(()) => self.serve(req, key.2),
+                    Err(e) => self.ready.push_back(ReadCompletion {
+                        tag: req.tag,
+                        slot: req.slot,
+                        result: Err(crate::error::Error::Invalid(format!(
+                            "{}: the read this chunk waited for failed: {e}",
+                            req.what
+                        ))),
+                        elapsed: Duration::ZERO,
+                    }),
+                }
+            }
         }
         c
+    }
+
+    /// Answers `req` from host memory.
+    fn serve(&mut self, mut req: ReadRequest, bytes_len: usize) {
+        if let Some(bytes) = self.held.get(&(req.file, req.offset, req.len)) {
+            req.slot.bytes_mut()[..bytes_len].copy_from_slice(bytes);
+        }
+        self.counters
+            .host
+            .fetch_add(bytes_len as u64, Ordering::Relaxed);
+        self.ready.push_back(ReadCompletion {
+            tag: req.tag,
+            slot: req.slot,
+            result: Ok(()),
+            elapsed: Duration::ZERO,
+        });
     }
 }
 
@@ -96,24 +131,21 @@ impl ByteSource for HostTierSource {
         self.inner.files()
     }
 
-    fn submit(&mut self, mut req: ReadRequest) -> Result<()> {
+    fn submit(&mut self, req: ReadRequest) -> Result<()> {
         let key = (req.file, req.offset, req.len);
-        if let Some(bytes) = self.held.get(&key) {
-            req.slot.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
-            self.counters
-                .host
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            self.ready.push_back(ReadCompletion {
-                tag: req.tag,
-                slot: req.slot,
-                result: Ok(()),
-                elapsed: Duration::ZERO,
-            });
+        if let Some(n) = self.held.get(&key).map(|b| b.len()) {
+            self.serve(req, n);
             return Ok(());
         }
-        self.pending
-            .insert(req.tag, (key, self.keep.contains(&key)));
-        self.inner.submit(req)
+        let keep = self.keep.contains(&key);
+        if keep && self.pending.values().any(|(k, _)| *k == key) {
+            self.waiting.entry(key).or_default().push(req);
+            return Ok(());
+        }
+        let tag = req.tag;
+        self.inner.submit(req)?;
+        self.pending.insert(tag, (key, keep));
+        Ok(())
     }
 
     fn poll_completion(&mut self) -> Option<ReadCompletion> {
@@ -133,7 +165,9 @@ impl ByteSource for HostTierSource {
     }
 
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.ready.len()
+        self.inner.in_flight()
+            + self.ready.len()
+            + self.waiting.values().map(Vec::len).sum::<usize>()
     }
 
     fn busy_time(&self) -> Duration {
@@ -216,5 +250,54 @@ mod tests {
         assert_eq!(reads.load(Ordering::Relaxed), 1000 + 3 * 3000);
         assert_eq!(counters.get(), (1000 + 3 * 3000, 2 * 1000));
         assert_eq!(s.held_bytes(), 1000);
+    }
+
+    #[test]
+    fn a_kept_chunk_asked_again_before_it_arrives_is_read_once() {
+        let data: Vec<u8> = (0..2048u32).map(|i| (i % 253) as u8).collect();
+        let reads = Arc::new(AtomicU64::new(0));
+        let src = Arc::new(Bytes(
+            vec![SourceFile {
+                name: "f".into(),
+                len: data.len() as u64,
+            }],
+            data.clone(),
+            reads.clone(),
+        ));
+        let counters = Arc::new(TierCounters::default());
+        let keep: HashSet<ChunkKey> = [(0, 100, 500)].into_iter().collect();
+        let mut s = HostTierSource::new(
+            Box::new(ThreadedSource::new(src, 2)),
+            keep,
+            counters.clone(),
+        );
+        // A ring deeper than a step: the next pass asks for the chunk while the first read is
+        // still in flight.
+        for tag in 0..3 {
+            s.submit(ReadRequest {
+                tag,
+                file: 0,
+                offset: 100,
+                len: 500,
+                slot: Box::new(HostSlot::new(512)),
+                what: "t".into(),
+            })
+            .expect("submit");
+        }
+        assert_eq!(s.in_flight(), 3);
+        let mut tags = Vec::new();
+        while let Some(c) = s.wait_completion() {
+            c.result.expect("ok");
+            assert_eq!(&c.slot.bytes()[..500], &data[100..600]);
+            tags.push(c.tag);
+        }
+        tags.sort_unstable();
+        assert_eq!(tags, [0, 1, 2]);
+        assert_eq!(
+            reads.load(Ordering::Relaxed),
+            500,
+            "read from the source once"
+        );
+        assert_eq!(counters.get(), (500, 1000));
     }
 }

@@ -219,6 +219,9 @@ impl Backend for CpuBackend {
         self.arena = Vec::new();
         self.pool = Vec::new();
         self.pool_len = 0;
+        // The kernels' shared workspace belongs to the phase that sized it: the next phase's
+        // plan counts its own.
+        self.scratch = Vec::new();
     }
     fn workspace_bytes(&self, g: &crate::graph::Graph) -> u64 {
         // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear

@@ -393,7 +393,7 @@ impl FluxPipeline {
     /// phase's).
     pub fn resident_device_bytes<B: Backend>(&self, p: &Prepared, backend: &mut B) -> Result<u64> {
         let mut most = 0;
-        for (_, g, m) in self.graphs(p)? {
+        for (_, g, m) in self.budget_graphs(p)? {
             most = most.max(crate::plan::resident_device_bytes(&g, m, backend)?);
         }
         Ok(most)
@@ -418,6 +418,11 @@ impl FluxPipeline {
                 Err(e) => {
                     // One budget serves every phase: name the smallest that runs them all.
                     let e = e.to_string();
+                    // Only a phase refused for its budget gets a budget to use.
+                    let own = crate::plan::min_device_bytes(g, m, backend);
+                    if !own.is_ok_and(|b| b > opts.budgets.device_bytes) {
+                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                    }
                     let mut need = Vec::new();
                     for (ph, g, m) in &graphs {
                         if let Ok(b) = crate::plan::min_device_bytes(g, m, backend) {
@@ -456,15 +461,7 @@ impl FluxPipeline {
         backend: &mut B,
         opts: ExecOptions,
     ) -> Result<Option<vae::Tiling>> {
-        let mut tiling = p.vae.default_tiling();
-        if let Some(t) = p.tile {
-            if t == 0 {
-                return Err(Error::Invalid("a VAE tile of 0 latent positions".into()));
-            }
-            tiling.latent_tile = t;
-        }
-        tiling.check(p.vae.scale_factor())?;
-        let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
+        let (tiling, larger) = Self::tile_settings(p)?;
         Ok(match p.tiling_choice {
             VaeTiling::Off => None,
             VaeTiling::On => larger.then_some(tiling),
@@ -475,6 +472,34 @@ impl FluxPipeline {
                 (larger && !fits).then_some(tiling)
             }
         })
+    }
+
+    /// The VAE tiling `p` asks for (the VAE's default tile, or `--vae-tile-size`), checked, and
+    /// whether the latent is larger than one tile.
+    fn tile_settings(p: &Prepared) -> Result<(vae::Tiling, bool)> {
+        let mut tiling = p.vae.default_tiling();
+        if let Some(t) = p.tile {
+            if t == 0 {
+                return Err(Error::Invalid("a VAE tile of 0 latent positions".into()));
+            }
+            tiling.latent_tile = t;
+        }
+        tiling.check(p.vae.scale_factor())?;
+        let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
+        Ok((tiling, larger))
+    }
+
+    /// The phases' graphs to size budgets from before the VAE's tiling is decided: the VAE at
+    /// its tile size wherever tiling may be chosen (`on` or `auto` with a latent larger than a
+    /// tile), so that a whole-image decoder that tiling would avoid does not set the budget.
+    pub fn budget_graphs(&self, p: &Prepared) -> Result<Vec<(&'static str, Graph, &ModelIndex)>> {
+        let (tiling, larger) = Self::tile_settings(p)?;
+        if p.tiling.is_none() && larger && p.tiling_choice != VaeTiling::Off {
+            let mut q = p.clone();
+            q.tiling = Some(tiling);
+            return self.graphs(&q);
+        }
+        self.graphs(p)
     }
 
     /// Runs the four phases on `backend`, reporting each phase and step to `on`.

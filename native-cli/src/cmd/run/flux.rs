@@ -276,7 +276,7 @@ impl crate::backends::WithBackend for Run<'_> {
         let quiet = o.json;
         if o.plan_only {
             let mut prepared = pipe.prepare(&req)?;
-            let phases = pipe.graphs(&prepared)?;
+            let phases = pipe.budget_graphs(&prepared)?;
             let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
             let (opts, note) = super::options::exec_options(&o.memory, &mut backend, &graphs)?;
             drop(graphs);
@@ -294,7 +294,7 @@ impl crate::backends::WithBackend for Run<'_> {
             quiet,
             o.dit.embed_cache.as_deref(),
             |pipe, prepared, backend| {
-                let phases = pipe.graphs(prepared)?;
+                let phases = pipe.budget_graphs(prepared)?;
                 let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
                 let (opts, note) = super::options::exec_options(&o.memory, backend, &graphs)?;
                 if !quiet {

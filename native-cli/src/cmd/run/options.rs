@@ -183,12 +183,14 @@ pub(crate) fn exec_options<B: Backend>(
     let rss = nibble_core::io::machine::rss_bytes().unwrap_or(0);
     let (host, host_note) = match m.host_budget {
         Budget::Bytes(b) => (Some(b), format!("host budget {} (given)", fmt_bytes(b))),
+        // What is available now is in addition to what this process already holds.
         Budget::Auto => match nibble_core::io::machine::host_memory() {
             Some(h) => (
-                Some(h.budget()),
+                Some(h.budget() + rss),
                 format!(
-                    "host budget auto {} ({}; margin {})",
-                    fmt_bytes(h.budget()),
+                    "host budget auto {} (the process's {} + {}; margin {})",
+                    fmt_bytes(h.budget() + rss),
+                    fmt_bytes(rss),
                     h.source,
                     fmt_bytes(h.margin())
                 ),
