@@ -231,3 +231,59 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
         );
     }
 }
+
+/// The plan is a contract for RSS: the run's peak stays within the process's memory when it
+/// planned plus the plan's host bytes (plus its device bytes, host memory on the CPU backend),
+/// with 16 MiB of slack, for a language model and a DiT whose layers stream.
+#[test]
+fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
+    let check = |what: &str, v: &serde_json::Value, plan: &serde_json::Value, peak: u64| {
+        let at_plan = u(&v["budget"]["rss_at_plan_bytes"]);
+        let device = if plan["shared_memory"] == true {
+            u(&plan["peak_device_bytes"])
+        } else {
+            0
+        };
+        let predicted = at_plan + u(&plan["peak_host_bytes"]) + device;
+        println!("{what}: peak RSS {peak} B, predicted {predicted} B");
+        assert!(
+            peak <= predicted + 16 * MIB,
+            "{what}: peak RSS {peak} over the predicted {predicted} + 16 MiB"
+        );
+        assert!(u(&plan["streamed_groups"]) > 0, "{what} streams: {plan}");
+    };
+    let llm = json(&run(&["--device-budget", "80MiB"]));
+    check("SmolLM2", &llm, &llm["plan"], u(&llm["rss_max_bytes"]));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dit = tmp.path().join("dit");
+    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "synth", "--arch", "dit", "--size", "64MiB", "--seed", "5", "-o",
+        ])
+        .arg(&dit)
+        .output()
+        .expect("synth");
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["run", "--model"])
+        .arg(&dit)
+        .args([
+            "--backend",
+            "cpu",
+            "--steps",
+            "4",
+            "--json",
+            "--device-budget",
+            "40MiB",
+        ])
+        .args(["--slots", "2", "--slot-size", "4MiB"])
+        .output()
+        .expect("run");
+    let v = json(&o);
+    let s = &v["summary"];
+    check("DiT", s, &s["plan"], u(&s["rss_max_bytes"]));
+}
