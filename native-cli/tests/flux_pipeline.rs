@@ -277,19 +277,7 @@ fn prompt_to_png_on_wgpu() {
 fn a_cached_prompt_reads_no_encoder_weights() {
     use nibble_tests::http_server::{Fault, TestServer};
     let dir = fixture().join("pipeline");
-    let mut files = std::collections::HashMap::new();
-    fn walk(root: &Path, at: &Path, files: &mut std::collections::HashMap<String, Vec<u8>>) {
-        for e in std::fs::read_dir(at).expect("dir") {
-            let p = e.expect("entry").path();
-            if p.is_dir() {
-                walk(root, &p, files);
-            } else {
-                let rel = p.strip_prefix(root).expect("rel").display().to_string();
-                files.insert(format!("pipeline/{rel}"), std::fs::read(&p).expect("read"));
-            }
-        }
-    }
-    walk(&dir, &dir, &mut files);
+    let files = nibble_tests::http_server::files_under(&dir, "pipeline");
     let srv = TestServer::start(files, Fault::None);
     let cache = tempfile::tempdir().expect("tmp");
     let out = tempfile::tempdir().expect("tmp");

@@ -264,3 +264,26 @@ fn serve_conn(
         }
     }
 }
+
+/// Every file below `root`, keyed `prefix/relative/path` (what [`TestServer::start`] serves).
+pub fn files_under(root: &std::path::Path, prefix: &str) -> HashMap<String, Vec<u8>> {
+    fn walk(
+        root: &std::path::Path,
+        at: &std::path::Path,
+        prefix: &str,
+        files: &mut HashMap<String, Vec<u8>>,
+    ) {
+        for e in std::fs::read_dir(at).expect("dir") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                walk(root, &p, prefix, files);
+            } else {
+                let rel = p.strip_prefix(root).expect("rel").display().to_string();
+                files.insert(format!("{prefix}/{rel}"), std::fs::read(&p).expect("read"));
+            }
+        }
+    }
+    let mut files = HashMap::new();
+    walk(root, root, prefix, &mut files);
+    files
+}

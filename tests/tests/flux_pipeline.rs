@@ -153,23 +153,7 @@ fn the_embedding_key_follows_the_encoders_etags_and_modification_times() {
     use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
     use nibble_tests::http_server::{Fault, TestServer};
     let dir = fixture("tiny-flux-pipeline/pipeline");
-    let mut files = std::collections::HashMap::new();
-    fn walk(
-        root: &std::path::Path,
-        at: &std::path::Path,
-        files: &mut std::collections::HashMap<String, Vec<u8>>,
-    ) {
-        for e in std::fs::read_dir(at).expect("dir") {
-            let p = e.expect("entry").path();
-            if p.is_dir() {
-                walk(root, &p, files);
-            } else {
-                let rel = p.strip_prefix(root).expect("rel").display().to_string();
-                files.insert(format!("pipeline/{rel}"), std::fs::read(&p).expect("read"));
-            }
-        }
-    }
-    walk(&dir, &dir, &mut files);
+    let files = nibble_tests::http_server::files_under(&dir, "pipeline");
     let srv = TestServer::start(files, Fault::None);
     let req = FluxRequest {
         prompt: "a red fox".into(),

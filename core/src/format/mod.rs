@@ -1,6 +1,7 @@
 //! The format layer: what bytes mean. safetensors headers, the bitsandbytes 4-bit format (code
 //! tables, quant states, bit-exact dequantization) and its quantizer, llama.cpp's GGUF and the
-//! converter from it, the streaming safetensors writer, and dtype conversions.
+//! converter from it, the streaming safetensors writer, dtype conversions, and sizes for people
+//! (binary units in and out).
 //!
 //! Owns: parsing and producing file contents, checked against what the bytes hold.
 //! May import: `error` only (and std's file API for the writer and GGUF reader, natively).
@@ -16,4 +17,5 @@ pub mod json;
 pub mod positional;
 pub mod quantize;
 pub mod safetensors;
+pub mod size;
 pub mod writer;

@@ -202,10 +202,16 @@ pub fn host_memory() -> Option<HostMemory> {
 impl HostMemory {
     /// From `MemAvailable` and the cgroup room with its description.
     pub fn from_parts(mem_available: u64, room: Option<(u64, String)>) -> Self {
-        let mut source = format!("MemAvailable {}", human(mem_available));
+        let mut source = format!(
+            "MemAvailable {}",
+            crate::format::size::fmt_bytes(mem_available)
+        );
         let (cgroup_room, available) = match room {
             Some((r, what)) => {
-                source.push_str(&format!(", {what} = {} left", human(r)));
+                source.push_str(&format!(
+                    ", {what} = {} left",
+                    crate::format::size::fmt_bytes(r)
+                ));
                 (Some(r), r.min(mem_available))
             }
             None => {
@@ -219,21 +225,6 @@ impl HostMemory {
             available,
             source,
         }
-    }
-}
-
-/// Bytes in binary units, as the plans print them.
-fn human(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let (mut v, mut i) = (b as f64, 0);
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", units[i])
     }
 }
 

@@ -10,7 +10,6 @@
 //! `error`.
 
 pub mod layout;
-mod size;
 
 use std::collections::HashMap;
 
@@ -19,10 +18,10 @@ use crate::error::{Error, Result};
 use crate::format::bnb::{Bnb4bitKeys, QuantStateJson, QuantizationConfig};
 use crate::format::dtype::{dtype_name, Dtype};
 use crate::format::safetensors::TensorEntry;
+pub use crate::format::size::{fmt_bytes, parse_size};
 use crate::graph::{ElemType, Graph, Source};
 use crate::io::model::ModelIndex;
 use layout::{Layout, LayoutInput, Q4Scratch};
-pub use size::{fmt_bytes, parse_size};
 
 pub use crate::stream::ring::MIN_SLOT_BYTES;
 

@@ -225,17 +225,7 @@ pub(crate) fn exec_options<B: Backend>(
                     for _ in 0..3 {
                         let mut host_bytes = ring;
                         for (g, model) in graphs {
-                            let o = ExecOptions {
-                                budgets: Budgets {
-                                    device_bytes: room.min(need),
-                                    ring_slots: m.slots,
-                                    slot_bytes: m.slot_size,
-                                    host_tier_bytes: 0,
-                                },
-                                readers: 2,
-                                stream_all: m.stream_all,
-                                naive: false,
-                            };
+                            let o = options(m, room.min(need));
                             if let Ok(p) =
                                 nibble_core::exec::Executor::plan_only(g, model, backend, o)
                             {
@@ -335,18 +325,7 @@ pub(crate) fn exec_options<B: Backend>(
             }
         }
     };
-    let opts = ExecOptions {
-        budgets: Budgets {
-            device_bytes,
-            ring_slots: m.slots,
-            slot_bytes: m.slot_size,
-            host_tier_bytes: 0,
-        },
-        readers: 2,
-        stream_all: m.stream_all,
-        naive: false,
-    };
-    let mut opts = opts;
+    let mut opts = options(m, device_bytes);
     let mut note = note;
     if let (Some(h), false) = (host, shares_host) {
         // The host tier: what the host budget holds besides the process and each phase's
@@ -410,6 +389,21 @@ pub(crate) fn exec_options<B: Backend>(
             device_budget: device_bytes,
         },
     ))
+}
+
+/// The executor options of `m` with this device budget (no host tier yet).
+fn options(m: &MemoryArgs, device_bytes: u64) -> ExecOptions {
+    ExecOptions {
+        budgets: Budgets {
+            device_bytes,
+            ring_slots: m.slots,
+            slot_bytes: m.slot_size,
+            host_tier_bytes: 0,
+        },
+        readers: 2,
+        stream_all: m.stream_all,
+        naive: false,
+    }
 }
 
 /// Where a run's budgets came from.
