@@ -9,7 +9,8 @@ use std::process::{Command, Output};
 
 const MIB: u64 = 1 << 20;
 
-fn run(extra: &[&str]) -> Output {
+/// `nibble run --json` on SmolLM2 with a fixed prompt on `backend`.
+fn smollm2(backend: &str, max_tokens: &str, extra: &[&str]) -> Output {
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-nf4");
     assert!(
         model.join("model.safetensors").is_file(),
@@ -22,20 +23,19 @@ fn run(extra: &[&str]) -> Output {
         .args([
             "--prompt-ids",
             "1,504,3575,282,4649,314",
-            "--max-tokens",
-            "6",
             "--ignore-eos",
-            "--backend",
-            "cpu",
-            "--slots",
-            "2",
-            "--slot-size",
-            "4MiB",
             "--json",
         ])
+        .args(["--max-tokens", max_tokens, "--backend", backend])
         .args(extra)
         .output()
         .expect("run nibble")
+}
+
+/// On the CPU backend, through a 2 x 4 MiB ring.
+fn run(extra: &[&str]) -> Output {
+    let ring = ["--slots", "2", "--slot-size", "4MiB"];
+    smollm2("cpu", "6", &[&ring[..], extra].concat())
 }
 
 fn json(o: &Output) -> serde_json::Value {
@@ -120,24 +120,7 @@ fn a_host_budget_the_plan_cannot_fit_is_refused_before_reading() {
 }
 
 fn run_wgpu(extra: &[&str]) -> serde_json::Value {
-    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m-nf4");
-    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args(["run", "--model"])
-        .arg(&model)
-        .args([
-            "--prompt-ids",
-            "1,504,3575,282,4649,314",
-            "--max-tokens",
-            "5",
-            "--ignore-eos",
-            "--backend",
-            "wgpu",
-            "--json",
-        ])
-        .args(extra)
-        .output()
-        .expect("run nibble");
-    json(&o)
+    json(&smollm2("wgpu", "5", extra))
 }
 
 fn u(v: &serde_json::Value) -> u64 {

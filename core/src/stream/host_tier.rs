@@ -205,25 +205,35 @@ mod tests {
         }
     }
 
-    #[test]
-    fn kept_chunks_are_read_once_then_served_from_host_memory() {
-        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    /// A host tier keeping `kept` in front of `readers` threads over `data`, with the count of
+    /// bytes the data was read for and the tier's counters.
+    fn tier_over(
+        data: &[u8],
+        kept: ChunkKey,
+        readers: usize,
+    ) -> (HostTierSource, Arc<AtomicU64>, Arc<TierCounters>) {
         let reads = Arc::new(AtomicU64::new(0));
         let src = Arc::new(Bytes(
             vec![SourceFile {
                 name: "f".into(),
                 len: data.len() as u64,
             }],
-            data.clone(),
+            data.to_vec(),
             reads.clone(),
         ));
         let counters = Arc::new(TierCounters::default());
-        let keep: HashSet<ChunkKey> = [(0, 0, 1000)].into_iter().collect();
-        let mut s = HostTierSource::new(
-            Box::new(ThreadedSource::new(src, 1)),
-            keep,
+        let s = HostTierSource::new(
+            Box::new(ThreadedSource::new(src, readers)),
+            [kept].into_iter().collect(),
             counters.clone(),
         );
+        (s, reads, counters)
+    }
+
+    #[test]
+    fn kept_chunks_are_read_once_then_served_from_host_memory() {
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (mut s, reads, counters) = tier_over(&data, (0, 0, 1000), 1);
         let mut tag = 0;
         for _pass in 0..3 {
             for &(off, len) in &[(0u64, 1000usize), (1000, 3000)] {
@@ -255,22 +265,7 @@ mod tests {
     #[test]
     fn a_kept_chunk_asked_again_before_it_arrives_is_read_once() {
         let data: Vec<u8> = (0..2048u32).map(|i| (i % 253) as u8).collect();
-        let reads = Arc::new(AtomicU64::new(0));
-        let src = Arc::new(Bytes(
-            vec![SourceFile {
-                name: "f".into(),
-                len: data.len() as u64,
-            }],
-            data.clone(),
-            reads.clone(),
-        ));
-        let counters = Arc::new(TierCounters::default());
-        let keep: HashSet<ChunkKey> = [(0, 100, 500)].into_iter().collect();
-        let mut s = HostTierSource::new(
-            Box::new(ThreadedSource::new(src, 2)),
-            keep,
-            counters.clone(),
-        );
+        let (mut s, reads, counters) = tier_over(&data, (0, 100, 500), 2);
         // A ring deeper than a step: the next pass asks for the chunk while the first read is
         // still in flight.
         for tag in 0..3 {
