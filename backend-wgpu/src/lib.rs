@@ -401,6 +401,10 @@ impl Backend for WgpuBackend {
         (!pieces).then_some(self.max_binding)
     }
 
+    fn device_memory_limit(&self) -> Option<(u64, &'static str)> {
+        Some((self.limits.max_buffer_size, "max_buffer_size"))
+    }
+
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
         self.flush().map_err(core_err)?;
         let arena_bytes = (arena_words.max(1) as u64).saturating_mul(4);

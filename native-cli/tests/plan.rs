@@ -88,3 +88,40 @@ fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
         String::from_utf8_lossy(&run.stderr)
     );
 }
+
+/// On wgpu, which tells limits but not free memory, `--device-budget auto` keeps every weight
+/// resident within three quarters of the adapter's `max_buffer_size`, and the plan says so.
+#[test]
+fn wgpu_auto_device_budget_is_a_stated_share_of_the_adapter_limit() {
+    let Ok(backend) = nibble_wgpu::WgpuBackend::new() else {
+        assert!(
+            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
+            "wgpu is required here"
+        );
+        println!("wgpu absent: not run");
+        return;
+    };
+    let limit = backend.limits().max_buffer_size;
+    let dir = nibble_tests::fixture("tiny-llama-nf4/model");
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["plan", "--model"])
+        .arg(&dir)
+        .args(["--backend", "wgpu", "--json", "--prompt-ids", "1,2,3"])
+        .output()
+        .expect("nibble plan");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let note = v["budget"]["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("3/4 of the adapter's max_buffer_size"),
+        "the note states the share: {note}"
+    );
+    let device = v["budget"]["device_budget_bytes"]
+        .as_u64()
+        .expect("device_budget_bytes");
+    assert!(device > 0 && device <= limit / 4 * 3, "{device} of {limit}");
+}

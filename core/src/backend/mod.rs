@@ -166,7 +166,18 @@ pub trait Backend {
     fn device_memory(&mut self) -> Option<(u64, u64)> {
         None
     }
+    /// Where the driver does not tell free memory, a limit of the device that bounds what one
+    /// allocation may take (a wgpu adapter's `max_buffer_size`), with its name: `--device-budget
+    /// auto` takes a stated fraction of it ([`AUTO_LIMIT_FRACTION`]) and says so.
+    fn device_memory_limit(&self) -> Option<(u64, &'static str)> {
+        None
+    }
 }
+
+/// The share of a device's allocation limit that `--device-budget auto` takes where the device
+/// tells limits but not free memory (numerator, denominator): three quarters, leaving room for
+/// the activation arena, the staging buffers and the other users of the device.
+pub const AUTO_LIMIT_FRACTION: (u64, u64) = (3, 4);
 
 /// What a backend whose arena and pool are plain host memory does besides [`Backend`]: read
 /// dense weights in their stored form (bf16 kept as bf16, widened in the kernels), let the

@@ -313,14 +313,7 @@ pub(crate) fn exec_options<B: Backend>(
                             )
                         }
                     }
-                    None => (
-                        need,
-                        format!(
-                            "device budget auto {}: every weight resident (this adapter does not \
-                             tell its free memory: give --device-budget to cap it); {host_note}",
-                            fmt_bytes(need)
-                        ),
-                    ),
+                    None => limited_auto(backend, need, &host_note),
                 },
             }
         }
@@ -449,4 +442,48 @@ pub enum TilingArg {
     Off,
     /// When the whole image's decoder does not fit the device budget.
     Auto,
+}
+
+/// `--device-budget auto` on a device that tells limits, not free memory (a wgpu adapter): every
+/// weight resident within a stated fraction of its allocation limit, else that fraction.
+fn limited_auto<B: Backend>(backend: &B, need: u64, host_note: &str) -> (u64, String) {
+    use nibble_core::plan::fmt_bytes;
+    let (num, den) = nibble_core::backend::AUTO_LIMIT_FRACTION;
+    match backend.device_memory_limit() {
+        Some((limit, what)) => {
+            let cap = limit / den * num;
+            let said = format!(
+                "{num}/{den} of the adapter's {what} of {} (it does not tell its free memory: \
+                 give --device-budget to set it)",
+                fmt_bytes(limit)
+            );
+            if need <= cap {
+                (
+                    need,
+                    format!(
+                        "device budget auto {}: every weight resident, within {said}; {host_note}",
+                        fmt_bytes(need)
+                    ),
+                )
+            } else {
+                (
+                    cap,
+                    format!(
+                        "device budget auto {}: {said}; every weight resident would need {}; \
+                         {host_note}",
+                        fmt_bytes(cap),
+                        fmt_bytes(need)
+                    ),
+                )
+            }
+        }
+        None => (
+            need,
+            format!(
+                "device budget auto {}: every weight resident (this device does not tell its \
+                 free memory: give --device-budget to cap it); {host_note}",
+                fmt_bytes(need)
+            ),
+        ),
+    }
 }
