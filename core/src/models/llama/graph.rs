@@ -66,7 +66,7 @@ pub struct LlamaGraph {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Layer {
+pub(super) struct Layer {
     n1: ValueId,
     q: W,
     k: W,
@@ -76,6 +76,134 @@ struct Layer {
     gate: W,
     up: W,
     down: W,
+}
+
+/// The decoder's weights, declared in `g` (one group per layer, the embedding and the head).
+pub(super) struct Weights {
+    pub(super) table: ValueId,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm_f: ValueId,
+    pub(super) head: W,
+    pub(super) tied: bool,
+}
+
+pub(super) fn weights(g: &mut Graph, model: &ModelIndex, cfg: &LlamaConfig) -> Result<Weights> {
+    let (h, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads);
+    if nkv == 0 || nh % nkv != 0 {
+        return Err(Error::Model {
+            file: "config.json".into(),
+            msg: format!("{nh} attention heads do not group over {nkv} key/value heads"),
+        });
+    }
+    let embed_group = g.group("model.embed_tokens");
+    let table = g.dense_weight(embed_group, "model.embed_tokens.weight", &[cfg.vocab, h]);
+    let weight = |g: &mut Graph, grp: usize, name: &str, out: usize, inp: usize| {
+        W::load(g, model, grp, name, out, inp)
+    };
+    let mut layers = Vec::new();
+    for l in 0..cfg.layers {
+        let p = format!("model.layers.{l}");
+        require_block(model, &p, "num_hidden_layers", cfg.layers)?;
+        let grp = g.group(&p);
+        let a = format!("{p}.self_attn");
+        let m = format!("{p}.mlp");
+        layers.push(Layer {
+            n1: g.dense_weight(grp, &format!("{p}.input_layernorm.weight"), &[h]),
+            q: weight(g, grp, &format!("{a}.q_proj.weight"), nh * hd, h)?,
+            k: weight(g, grp, &format!("{a}.k_proj.weight"), nkv * hd, h)?,
+            v: weight(g, grp, &format!("{a}.v_proj.weight"), nkv * hd, h)?,
+            o: weight(g, grp, &format!("{a}.o_proj.weight"), h, nh * hd)?,
+            n2: g.dense_weight(grp, &format!("{p}.post_attention_layernorm.weight"), &[h]),
+            gate: weight(
+                g,
+                grp,
+                &format!("{m}.gate_proj.weight"),
+                cfg.intermediate,
+                h,
+            )?,
+            up: weight(
+                g,
+                grp,
+                &format!("{m}.up_proj.weight"),
+                cfg.intermediate,
+                h,
+            )?,
+            down: weight(
+                g,
+                grp,
+                &format!("{m}.down_proj.weight"),
+                h,
+                cfg.intermediate,
+            )?,
+        });
+    }
+    let head_group = g.group("lm_head");
+    let norm_f = g.dense_weight(head_group, "model.norm.weight", &[h]);
+    let tied = cfg.tied || model.get("lm_head.weight").is_none();
+    let head = if tied {
+        // Tied: the table is a weight of this last group too, so that a streamed embedding group
+        // need not stay on the device from the first op to the last.
+        W::Dense(
+            g.dense_weight(head_group, "model.embed_tokens.weight", &[cfg.vocab, h]),
+            None,
+        )
+    } else {
+        weight(g, head_group, "lm_head.weight", cfg.vocab, h)?
+    };
+    Ok(Weights {
+        table,
+        layers,
+        norm_f,
+        head,
+        tied,
+    })
+}
+
+/// The attention inputs of layer `lw` for `x [t, hidden]`: q `[t, heads, head_dim]`, k and v
+/// `[t, kv_heads, head_dim]`, q and k rotated by `cos`/`sin` `[t, head_dim/2]`.
+pub(super) fn qkv(
+    g: &mut Graph,
+    cfg: &LlamaConfig,
+    lw: &Layer,
+    x: ValueId,
+    t: usize,
+    cos: ValueId,
+    sin: ValueId,
+) -> Result<(ValueId, ValueId, ValueId)> {
+    let (hd, nh, nkv) = (cfg.head_dim, cfg.heads, cfg.kv_heads);
+    let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n1], None)?;
+    let q = lw.q.apply(g, hn)?;
+    let k = lw.k.apply(g, hn)?;
+    let v = lw.v.apply(g, hn)?;
+    let q = reshape(g, q, &[t, nh, hd])?;
+    let k = reshape(g, k, &[t, nkv, hd])?;
+    let v = reshape(g, v, &[t, nkv, hd])?;
+    let rope = OpKind::Rope {
+        mode: RopeMode::RotateHalf,
+    };
+    let q = g.op(rope.clone(), &[q, cos, sin], None)?;
+    let k = g.op(rope, &[k, cos, sin], None)?;
+    Ok((q, k, v))
+}
+
+/// The rest of layer `lw` after attention (`a [t, heads * head_dim]`): o projection, residual,
+/// RMSNorm, SwiGLU MLP, residual.
+pub(super) fn finish_layer(
+    g: &mut Graph,
+    cfg: &LlamaConfig,
+    lw: &Layer,
+    x: ValueId,
+    a: ValueId,
+) -> Result<ValueId> {
+    let o = lw.o.apply(g, a)?;
+    let x = g.op(OpKind::Add, &[x, o], None)?;
+    let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n2], None)?;
+    let gate = lw.gate.apply(g, hn)?;
+    let up = lw.up.apply(g, hn)?;
+    let gate = g.op(OpKind::Silu, &[gate], None)?;
+    let m = g.op(OpKind::Mul, &[gate, up], None)?;
+    let down = lw.down.apply(g, m)?;
+    g.op(OpKind::Add, &[x, down], None)
 }
 
 /// Builds the decoder against `model`'s weights.
@@ -102,68 +230,14 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         )));
     }
     let mut g = Graph::new();
-    let (h, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads);
-    if nkv == 0 || nh % nkv != 0 {
-        return Err(Error::Model {
-            file: "config.json".into(),
-            msg: format!("{nh} attention heads do not group over {nkv} key/value heads"),
-        });
-    }
-    let embed_group = g.group("model.embed_tokens");
-    let table = g.dense_weight(embed_group, "model.embed_tokens.weight", &[cfg.vocab, h]);
-    let weight = |g: &mut Graph, grp: usize, name: &str, out: usize, inp: usize| {
-        W::load(g, model, grp, name, out, inp)
-    };
-    let mut layers = Vec::new();
-    for l in 0..cfg.layers {
-        let p = format!("model.layers.{l}");
-        require_block(model, &p, "num_hidden_layers", cfg.layers)?;
-        let grp = g.group(&p);
-        let a = format!("{p}.self_attn");
-        let m = format!("{p}.mlp");
-        layers.push(Layer {
-            n1: g.dense_weight(grp, &format!("{p}.input_layernorm.weight"), &[h]),
-            q: weight(&mut g, grp, &format!("{a}.q_proj.weight"), nh * hd, h)?,
-            k: weight(&mut g, grp, &format!("{a}.k_proj.weight"), nkv * hd, h)?,
-            v: weight(&mut g, grp, &format!("{a}.v_proj.weight"), nkv * hd, h)?,
-            o: weight(&mut g, grp, &format!("{a}.o_proj.weight"), h, nh * hd)?,
-            n2: g.dense_weight(grp, &format!("{p}.post_attention_layernorm.weight"), &[h]),
-            gate: weight(
-                &mut g,
-                grp,
-                &format!("{m}.gate_proj.weight"),
-                cfg.intermediate,
-                h,
-            )?,
-            up: weight(
-                &mut g,
-                grp,
-                &format!("{m}.up_proj.weight"),
-                cfg.intermediate,
-                h,
-            )?,
-            down: weight(
-                &mut g,
-                grp,
-                &format!("{m}.down_proj.weight"),
-                h,
-                cfg.intermediate,
-            )?,
-        });
-    }
-    let head_group = g.group("lm_head");
-    let norm_f = g.dense_weight(head_group, "model.norm.weight", &[h]);
-    let tied = cfg.tied || model.get("lm_head.weight").is_none();
-    let head = if tied {
-        // Tied: the table is a weight of this last group too, so that a streamed embedding group
-        // need not stay on the device from the first op to the last.
-        W::Dense(
-            g.dense_weight(head_group, "model.embed_tokens.weight", &[cfg.vocab, h]),
-            None,
-        )
-    } else {
-        weight(&mut g, head_group, "lm_head.weight", cfg.vocab, h)?
-    };
+    let (hd, nh, nkv) = (cfg.head_dim, cfg.heads, cfg.kv_heads);
+    let Weights {
+        table,
+        layers,
+        norm_f,
+        head,
+        tied,
+    } = weights(&mut g, model, &cfg)?;
     let with_cache = shape.capacity > shape.prompt && !shape.hidden_states;
     let caches: Vec<(ValueId, ValueId)> = if with_cache {
         (0..cfg.layers)
@@ -194,18 +268,7 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
         let mask = decode.then(|| g.input(ValueInfo::f32(&[shape.capacity])));
         let mut x = g.op(OpKind::Embedding, &[ids, table], None)?;
         for (l, lw) in layers.iter().enumerate() {
-            let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n1], None)?;
-            let q = lw.q.apply(&mut g, hn)?;
-            let k = lw.k.apply(&mut g, hn)?;
-            let v = lw.v.apply(&mut g, hn)?;
-            let q = reshape(&mut g, q, &[t, nh, hd])?;
-            let k = reshape(&mut g, k, &[t, nkv, hd])?;
-            let v = reshape(&mut g, v, &[t, nkv, hd])?;
-            let rope = OpKind::Rope {
-                mode: RopeMode::RotateHalf,
-            };
-            let q = g.op(rope.clone(), &[q, cos, sin], None)?;
-            let k = g.op(rope, &[k, cos, sin], None)?;
+            let (q, k, v) = qkv(&mut g, &cfg, lw, x, t, cos, sin)?;
             let q = swap01(&mut g, q)?;
             let k = swap01(&mut g, k)?;
             let v = swap01(&mut g, v)?;
@@ -241,15 +304,7 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
             };
             let a = swap01(&mut g, a)?;
             let a = reshape(&mut g, a, &[t, nh * hd])?;
-            let o = lw.o.apply(&mut g, a)?;
-            x = g.op(OpKind::Add, &[x, o], None)?;
-            let hn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, lw.n2], None)?;
-            let gate = lw.gate.apply(&mut g, hn)?;
-            let up = lw.up.apply(&mut g, hn)?;
-            let gate = g.op(OpKind::Silu, &[gate], None)?;
-            let m = g.op(OpKind::Mul, &[gate, up], None)?;
-            let down = lw.down.apply(&mut g, m)?;
-            x = g.op(OpKind::Add, &[x, down], None)?;
+            x = finish_layer(&mut g, &cfg, lw, x, a)?;
         }
         if !decode && !shape.all_logits && !shape.hidden_states && t > 1 {
             x = g.op(
@@ -284,7 +339,7 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
 /// compute (Qwen3's q/k norms, another architecture's extra weights): an error, not a silently
 /// different result. Not read by design: rotary `inv_freq` buffers and, with tied embeddings,
 /// `lm_head`.
-fn refuse_unread_tensors(model: &ModelIndex, g: &Graph, tied: bool) -> Result<()> {
+pub(super) fn refuse_unread_tensors(model: &ModelIndex, g: &Graph, tied: bool) -> Result<()> {
     let (dense, q4) = g.weight_names();
     let dense: std::collections::HashSet<&str> = dense.into_iter().collect();
     let read = |n: &str| {

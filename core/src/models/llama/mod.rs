@@ -2,11 +2,13 @@
 //! prefill and decode programs over one KV cache, the [`Decoder`] that runs it, and the one
 //! token-generation loop ([`Generation`], [`Sampler`], [`eos_ids`]) every front end uses.
 
+mod batch;
 mod config;
 mod decoder;
 mod generate;
 mod graph;
 
+pub use batch::{build_batched, BatchDecoder, BatchGraph, BatchShape};
 pub use config::{LlamaConfig, RopeScaling, MODEL_TYPES};
 pub use decoder::Decoder;
 pub use generate::{eos_ids, Finish, GenerateOptions, Generation, Sampler, Sampling, Token};
