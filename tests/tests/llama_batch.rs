@@ -36,7 +36,12 @@ fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Greedy tokens and each step's logits of `prompt` alone through the plain decoder.
-fn solo<B: Backend>(m: &ModelIndex, backend: B, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn solo<B: Backend>(
+    m: &ModelIndex,
+    backend: B,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let lg = llama::build(m, LlamaShape::generate(prompt.len(), n)).expect("graph");
     let mut d = Decoder::from_graph(lg, m, backend, opts(1 << 30, false)).expect("decoder");
     let (mut l, _) = d.prefill(prompt).expect("prefill");
@@ -56,7 +61,11 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
     let prompts: Vec<Vec<u32>> = [11usize, 3, 4, 1]
         .iter()
         .enumerate()
-        .map(|(i, &len)| (0..len as u32).map(|j| (j * 37 + i as u32 * 11 + 5) % vocab).collect())
+        .map(|(i, &len)| {
+            (0..len as u32)
+                .map(|j| (j * 37 + i as u32 * 11 + 5) % vocab)
+                .collect()
+        })
         .collect();
     let n = 6;
     let want: Vec<_> = prompts.iter().map(|p| solo(&m, make(), p, n)).collect();
@@ -69,7 +78,11 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
     let least = nibble_core::plan::min_device_bytes(&bg.graph, &m, &mut make()).expect("min");
     for streamed in [false, true] {
         let bg = llama::build_batched(&m, shape).expect("batched graph");
-        let o = if streamed { opts(least, true) } else { opts(1 << 30, false) };
+        let o = if streamed {
+            opts(least, true)
+        } else {
+            opts(1 << 30, false)
+        };
         let mut d = BatchDecoder::new(bg, &m, make(), o).expect("batch decoder");
         // Sequence i in slot order[i]: slot 3 makes every pass use the 4-row program.
         let order = [2usize, 0, 3, 1];
@@ -100,10 +113,16 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
             }
         }
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert_eq!(g.0, w.0, "{label} streamed={streamed}: tokens of sequence {i}");
+            assert_eq!(
+                g.0, w.0,
+                "{label} streamed={streamed}: tokens of sequence {i}"
+            );
             for (s, (gl, wl)) in g.1.iter().zip(&w.1).enumerate() {
                 let e = max_err_rel_to_max(gl, wl);
-                assert!(e <= tol, "{label} streamed={streamed}: sequence {i} step {s}: {e}");
+                assert!(
+                    e <= tol,
+                    "{label} streamed={streamed}: sequence {i} step {s}: {e}"
+                );
             }
         }
         assert_eq!(d.position(order[0]), prompts[0].len() + n - 1);
@@ -114,7 +133,11 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
 
 #[test]
 fn batched_decoding_equals_solo_on_cpu_ref() {
-    check(nibble_core::backend::cpu_ref::CpuRefBackend::new, "cpu_ref", 1e-5);
+    check(
+        nibble_core::backend::cpu_ref::CpuRefBackend::new,
+        "cpu_ref",
+        1e-5,
+    );
 }
 
 #[test]

@@ -600,7 +600,12 @@ impl Planner {
                 fmt_bytes(min)
             )));
         }
-        if !stream_all {
+        let all = self.layout(&vec![true; n])?;
+        if !stream_all && all.device_bytes() <= budgets.device_bytes {
+            // Everything resident fits: the greedy pass below could leave a group streamed
+            // whose residency only fits once a later group (a tied head) is resident too.
+            lay = all;
+        } else if !stream_all {
             for g in 0..n {
                 resident[g] = true;
                 let candidate = self.layout(&resident)?;

@@ -97,7 +97,16 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
     loop {
         let n_rows = n.min(shape.slots);
         let slots: Vec<usize> = (0..n_rows).collect();
-        let p = rows_program(&mut g, &format!("batch{n_rows}"), &cfg, &w, &caches, &slots, rows, false)?;
+        let p = rows_program(
+            &mut g,
+            &format!("batch{n_rows}"),
+            &cfg,
+            &w,
+            &caches,
+            &slots,
+            rows,
+            false,
+        )?;
         batch.push((n_rows, p));
         if n_rows == shape.slots {
             break;
@@ -107,7 +116,16 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
     let chunk = (0..shape.slots)
         .map(|s| {
             let slots = vec![s; shape.chunk];
-            rows_program(&mut g, &format!("chunk{s}"), &cfg, &w, &caches, &slots, rows, true)
+            rows_program(
+                &mut g,
+                &format!("chunk{s}"),
+                &cfg,
+                &w,
+                &caches,
+                &slots,
+                rows,
+                true,
+            )
         })
         .collect::<Result<Vec<_>>>()?;
     refuse_unread_tensors(model, &g, w.tied)?;
@@ -297,7 +315,11 @@ impl<B: Backend> BatchDecoder<B> {
 
     /// Inputs of a program whose rows are `(slot, id)` (`None`: a padding row that writes to
     /// its slot's scratch row), marking each real row's position filled.
-    fn inputs(&mut self, rows: &[(usize, Option<u32>)], last: Option<u32>) -> Result<Vec<HostTensor>> {
+    fn inputs(
+        &mut self,
+        rows: &[(usize, Option<u32>)],
+        last: Option<u32>,
+    ) -> Result<Vec<HostTensor>> {
         let t = rows.len();
         let half = self.config.head_dim / 2;
         let scratch = self.shape.context;
@@ -378,14 +400,14 @@ impl<B: Backend> BatchDecoder<B> {
                 return Err(Error::Invalid(format!("slot {slot} twice in one pass")));
             }
         }
-        let top = tokens.iter().map(|t| t.0 + 1).max().ok_or_else(|| {
-            Error::Invalid("a decode pass needs at least one sequence".into())
-        })?;
-        let &(n, p) = self
-            .batch
-            .iter()
-            .find(|(n, _)| *n >= top)
-            .ok_or_else(|| Error::Invalid(format!("no batch program covers slot {}", top - 1)))?;
+        let top =
+            tokens.iter().map(|t| t.0 + 1).max().ok_or_else(|| {
+                Error::Invalid("a decode pass needs at least one sequence".into())
+            })?;
+        let &(n, p) =
+            self.batch.iter().find(|(n, _)| *n >= top).ok_or_else(|| {
+                Error::Invalid(format!("no batch program covers slot {}", top - 1))
+            })?;
         let rows: Vec<(usize, Option<u32>)> = (0..n).map(|s| (s, busy[s])).collect();
         let inputs = self.inputs(&rows, None)?;
         let (out, stats) = self.ex.step_program(p, &inputs)?;

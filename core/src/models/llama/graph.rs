@@ -121,13 +121,7 @@ pub(super) fn weights(g: &mut Graph, model: &ModelIndex, cfg: &LlamaConfig) -> R
                 cfg.intermediate,
                 h,
             )?,
-            up: weight(
-                g,
-                grp,
-                &format!("{m}.up_proj.weight"),
-                cfg.intermediate,
-                h,
-            )?,
+            up: weight(g, grp, &format!("{m}.up_proj.weight"), cfg.intermediate, h)?,
             down: weight(
                 g,
                 grp,

@@ -15,6 +15,7 @@ use nibble_core::io::model::ModelIndex;
 use nibble_core::models::ModelKind;
 
 pub use dit::step_row;
+pub(crate) use options::exec_options;
 pub use options::RunArgs;
 
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
