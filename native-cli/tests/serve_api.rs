@@ -183,13 +183,13 @@ fn streamed_text(events: &[String]) -> (String, String, Value) {
     (text, finish, usage)
 }
 
-/// `nibble run --chat --json` on SmolLM2: (text, prompt ids, tokens).
-fn run_chat(text: &str, max_tokens: u64) -> (String, usize, usize) {
+/// `nibble run --json` on `model` with these options, on the CPU backend.
+fn run_json(model: &std::path::Path, args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args(["run", "--model"])
-        .arg(smollm2())
-        .args(["--backend", "cpu", "--chat", "--json", "--prompt", text])
-        .args(["--max-tokens", &max_tokens.to_string()])
+        .arg(model)
+        .args(["--backend", "cpu", "--json"])
+        .args(args)
         .output()
         .expect("nibble run");
     assert!(
@@ -197,7 +197,16 @@ fn run_chat(text: &str, max_tokens: u64) -> (String, usize, usize) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+/// `nibble run --chat --json` on SmolLM2: (text, prompt ids, tokens).
+fn run_chat(text: &str, max_tokens: u64) -> (String, usize, usize) {
+    let n = max_tokens.to_string();
+    let v = run_json(
+        &smollm2(),
+        &["--chat", "--prompt", text, "--max-tokens", &n],
+    );
     (
         v["text"].as_str().expect("text").to_string(),
         v["prompt_ids"].as_array().expect("ids").len(),
@@ -439,18 +448,7 @@ fn embeddings_equal_nibble_run() {
     let texts = ["A man is eating food.", "The weather is nice today"];
     let mut want = Vec::new();
     for t in texts {
-        let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
-            .args(["run", "--model"])
-            .arg(&dir)
-            .args(["--backend", "cpu", "--json", "--prompt", t])
-            .output()
-            .expect("nibble run");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+        let v = run_json(&dir, &["--prompt", t]);
         want.push(
             v["embedding"]
                 .as_array()

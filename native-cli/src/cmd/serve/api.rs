@@ -155,7 +155,7 @@ impl crate::backends::WithBackend for Serve<'_> {
                 let (opts, note) =
                     exec_options(&self.a.api.memory, &mut backend, &[(&bg.graph, self.model)])?;
                 let t0 = Instant::now();
-                let dec = BatchDecoder::new(bg, self.model, backend, opts)
+                let mut dec = BatchDecoder::new(bg, self.model, backend, opts)
                     .with_context(|| format!("planning {} on {label}", self.model_id))?;
                 let plan = dec.executor().plan();
                 eprintln!("backend {label}");
@@ -186,7 +186,12 @@ impl crate::backends::WithBackend for Serve<'_> {
                     plan,
                 );
                 let server = spawn_server(self.a, self.addr, app)?;
-                Engine::new(dec, TextTokenizer::for_model(self.model)?, eos, rx, shared).run();
+                dec.executor_mut().set_profile(api.profile);
+                let dec =
+                    Engine::new(dec, TextTokenizer::for_model(self.model)?, eos, rx, shared).run();
+                if api.profile {
+                    crate::output::print_profile(&dec.executor().profile());
+                }
                 join(server)
             }
             ModelKind::Encoder => {
@@ -407,6 +412,15 @@ async fn body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, Respo
     })
 }
 
+/// The body (at most `--max-body` bytes) as `T`, or the error response.
+async fn read<T: serde::de::DeserializeOwned>(
+    app: &App,
+    headers: &HeaderMap,
+    b: Body,
+) -> Result<T, Response> {
+    parse(&body(app, headers, b).await?)
+}
+
 /// The request as `T`, or a 400 naming what is wrong (path and reason).
 fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Response> {
     let mut de = serde_json::Deserializer::from_slice(b);
@@ -449,6 +463,7 @@ struct Ask {
     max_tokens: usize,
     sampling: Sampling,
     stop: Vec<String>,
+    stop_at_eos: bool,
     stream: bool,
     usage_in_stream: bool,
 }
@@ -513,6 +528,7 @@ fn ask(app: &App, c: Common, prompt: Vec<u32>) -> Result<Ask, Response> {
         max_tokens,
         sampling,
         stop,
+        stop_at_eos: !c.ignore_eos,
         stream: c.stream,
         usage_in_stream: c.stream_options.is_some_and(|o| o.include_usage),
     })
@@ -526,11 +542,7 @@ enum Shape {
 }
 
 async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Response {
-    let b = match body(&app, &headers, b).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let r: ChatRequest = match parse(&b) {
+    let r: ChatRequest = match read(&app, &headers, b).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -572,11 +584,7 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Respo
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Response {
-    let b = match body(&app, &headers, b).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let r: CompletionRequest = match parse(&b) {
+    let r: CompletionRequest = match read(&app, &headers, b).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -634,6 +642,7 @@ async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
         max_tokens: a.max_tokens,
         sampling: a.sampling,
         stop: a.stop,
+        stop_at_eos: a.stop_at_eos,
         events: tx,
     };
     if jobs.send(job).is_err() {
@@ -790,11 +799,7 @@ fn usage(prompt: usize, completion: usize) -> Value {
 }
 
 async fn embeddings(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Response {
-    let b = match body(&app, &headers, b).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let r: EmbeddingRequest = match parse(&b) {
+    let r: EmbeddingRequest = match read(&app, &headers, b).await {
         Ok(r) => r,
         Err(r) => return r,
     };

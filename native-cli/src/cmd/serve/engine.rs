@@ -32,6 +32,8 @@ pub(super) struct Job {
     pub sampling: Sampling,
     /// Strings that end the completion (not included in it).
     pub stop: Vec<String>,
+    /// End at an end-of-sequence token (else it is text like any other).
+    pub stop_at_eos: bool,
     /// Where the text goes; closed when the client goes away.
     pub events: UnboundedSender<Event>,
 }
@@ -131,14 +133,14 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Runs until every job sender is gone.
-    pub fn run(mut self) {
+    /// Runs until every job sender is gone; gives back the decoder.
+    pub fn run(mut self) -> BatchDecoder<B> {
         loop {
             let idle = self.waiting.is_empty() && self.seqs.iter().all(Option::is_none);
             if idle {
                 match self.jobs.recv() {
                     Ok(j) => self.waiting.push_back(j),
-                    Err(_) => return,
+                    Err(_) => return self.dec,
                 }
             }
             while let Ok(j) = self.jobs.try_recv() {
@@ -305,7 +307,8 @@ impl<B: Backend> Engine<B> {
         };
         self.shared.metrics.completion_tokens.fetch_add(1, Relaxed);
         let mut finish = None;
-        if self.eos.contains(&id) {
+        let eos = seq.job.stop_at_eos && self.eos.contains(&id);
+        if eos {
             finish = Some("stop");
         } else {
             seq.tokens.push(id);
@@ -325,7 +328,7 @@ impl<B: Backend> Engine<B> {
                 .send(Event::Text(text[seq.sent..upto].to_string()));
             seq.sent = upto;
         }
-        let generated = seq.tokens.len() + usize::from(self.eos.contains(&id));
+        let generated = seq.tokens.len() + usize::from(eos);
         if finish.is_none() && generated >= seq.job.max_tokens {
             // The rest of the text, held back for a stop string that did not come.
             if text.len() > seq.sent && !text.ends_with('\u{fffd}') {

@@ -100,6 +100,9 @@ pub struct ApiArgs {
     /// How local model files are read.
     #[arg(long, value_enum, default_value_t)]
     pub file_mode: FileModeArg,
+    /// Time every op and print the slowest op kinds when the server stops.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// Serves a folder (DIR) or a model (--model) until interrupted.

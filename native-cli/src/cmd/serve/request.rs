@@ -34,6 +34,9 @@ pub(super) struct Common {
     #[serde(default)]
     pub(super) stream: bool,
     pub(super) stream_options: Option<StreamOptions>,
+    /// Not OpenAI's (vLLM's): generate past end-of-sequence tokens, to `max_tokens` (benchmarks).
+    #[serde(default)]
+    pub(super) ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
