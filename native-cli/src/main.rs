@@ -44,7 +44,8 @@ enum Command {
     /// config.json, tokenizer.json, tokenizer_config.json (chat template).
     Convert(cmd::quant::ConvertArgs),
     /// Serve a folder over HTTP with byte ranges, ETag and CORS (models for HTTP streaming, the
-    /// browser demo).
+    /// browser demo), or with --model a language model or encoder over an OpenAI-compatible API
+    /// (concurrent requests decoded together).
     Serve(cmd::serve::ServeArgs),
     /// Write a deterministic synthetic NF4 model in the real transformers / diffusers layout.
     Synth(cmd::synth::SynthArgs),

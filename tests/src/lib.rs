@@ -1,6 +1,7 @@
 //! Helpers shared by nibble's integration tests: where the fixtures are, reading expected
 //! tensors, and the named comparisons (bit-exact with -0.0 == +0.0, error relative to max).
 
+pub mod batch;
 pub mod build;
 pub mod gguf;
 pub mod http_server;

@@ -2,13 +2,15 @@
 //! per pass and decoded together one token per pass, give each sequence the logits and greedy
 //! tokens it gets alone through the plain decoder (`nibble run`'s), on every backend, resident
 //! and with every layer streamed. Prompts of different lengths (longer than a chunk, shorter,
-//! exactly one), slots used out of order, a slot freed and reused.
+//! exactly one), slots used out of order, a slot freed and reused; two prompts prefilled by
+//! chunk passes of their own, two in mixed passes beside the decoding of the others.
 
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::llama::{self, BatchDecoder, BatchShape, Decoder, LlamaShape};
 use nibble_core::plan::Budgets;
+use nibble_tests::batch::argmax;
 use nibble_tests::*;
 
 fn model() -> ModelIndex {
@@ -27,12 +29,6 @@ fn opts(device_bytes: u64, streamed: bool) -> ExecOptions {
         stream_all: streamed,
         naive: false,
     }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len())
-        .max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a)))
-        .expect("non-empty") as u32
 }
 
 /// Greedy tokens and each step's logits of `prompt` alone through the plain decoder.
@@ -73,6 +69,7 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
         slots: 4,
         context: 24,
         chunk: 4,
+        mix: 3,
     };
     let bg = llama::build_batched(&m, shape).expect("batched graph");
     let least = nibble_core::plan::min_device_bytes(&bg.graph, &m, &mut make()).expect("min");
@@ -92,26 +89,8 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
         let (_, _) = d.prefill(1, &junk[4..]).expect("prefill junk");
         d.decode(&[(1, argmax(&jl))]).expect("junk decode");
         d.reset(1);
-        let mut next = vec![0u32; prompts.len()];
-        let mut got: Vec<(Vec<u32>, Vec<Vec<f32>>)> = vec![(Vec::new(), Vec::new()); prompts.len()];
-        for (i, p) in prompts.iter().enumerate() {
-            let mut l = Vec::new();
-            for c in p.chunks(shape.chunk) {
-                l = d.prefill(order[i], c).expect("prefill").0;
-            }
-            next[i] = argmax(&l);
-            got[i].0.push(next[i]);
-            got[i].1.push(l);
-        }
-        for _ in 1..n {
-            let rows: Vec<(usize, u32)> = (0..prompts.len()).map(|i| (order[i], next[i])).collect();
-            let (ls, _) = d.decode(&rows).expect("decode");
-            for (i, l) in ls.into_iter().enumerate() {
-                next[i] = argmax(&l);
-                got[i].0.push(next[i]);
-                got[i].1.push(l);
-            }
-        }
+        // Sequences 0 and 1 prefilled alone, 2 and 3 in mixed passes beside the others.
+        let got = nibble_tests::batch::generate(&mut d, &prompts, &order, 2, n);
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
             assert_eq!(
                 g.0, w.0,
@@ -127,7 +106,10 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str, tol: f64) {
         }
         assert_eq!(d.position(order[0]), prompts[0].len() + n - 1);
         // A sequence that would overflow its slot is refused.
-        assert!(d.prefill(order[0], &[1; 4]).is_err() || d.position(order[0]) + 4 <= 24);
+        while d.position(order[0]) + 4 <= 24 {
+            d.prefill(order[0], &[1; 4]).expect("fits the slot");
+        }
+        assert!(d.prefill(order[0], &[1; 4]).is_err(), "past the context");
     }
 }
 

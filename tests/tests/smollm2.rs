@@ -332,3 +332,76 @@ fn opening_and_planning_over_http_reads_each_quant_state_once() {
          per run of quant states"
     );
 }
+
+/// The API server's batched decoding on SmolLM2: the two reference prompts and six more chat
+/// prompts decoded together (two prefilled alone, six in mixed passes beside the decoding of the
+/// others) give each the greedy tokens it gets alone through the plain decoder, except where the
+/// solo run's top-2 margin is below the tolerance the conformance suite allows (then the rest
+/// of that sequence is not compared); the logits agree within 1e-3 x max up to there.
+#[test]
+fn batched_decoding_equals_solo_decoding() {
+    use nibble_core::models::llama::{build_batched, BatchDecoder, BatchShape};
+    let m = ModelIndex::open(&model_dir()).expect("open");
+    let tok = TextTokenizer::for_model(&m).expect("tokenizer");
+    let mut prompts: Vec<Vec<u32>> = reference()["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .map(|p| u32s(&p["prompt_ids"]))
+        .collect();
+    for text in [
+        "Name three colors.",
+        "Write a haiku about the sea.",
+        "What is 2 + 2?",
+        "Who wrote Hamlet?",
+        "Explain gravity in one sentence.",
+        "Say hello in Spanish.",
+    ] {
+        prompts.push(tok.prompt_ids(text, true).expect("prompt"));
+    }
+    let n = 24;
+    let solo: Vec<(Vec<u32>, Vec<Vec<f32>>)> = prompts
+        .iter()
+        .map(|p| {
+            let shape = LlamaShape::generate(p.len(), n);
+            let mut d = Decoder::new(&m, CpuBackend::new(), shape, opts()).expect("decoder");
+            let (mut l, _) = d.prefill(p).expect("prefill");
+            let (mut toks, mut logits) = (Vec::new(), Vec::new());
+            for _ in 0..n {
+                toks.push(argmax(&l));
+                logits.push(l.clone());
+                l = d.decode(*toks.last().expect("token")).expect("decode").0;
+            }
+            (toks, logits)
+        })
+        .collect();
+    let shape = BatchShape {
+        slots: 8,
+        context: 128,
+        chunk: 16,
+        mix: 4,
+    };
+    let bg = build_batched(&m, shape).expect("batched graph");
+    let mut d = BatchDecoder::new(bg, &m, CpuBackend::new(), opts()).expect("batch decoder");
+    let slots: Vec<usize> = (0..prompts.len()).collect();
+    let got = nibble_tests::batch::generate(&mut d, &prompts, &slots, 2, n);
+    for (i, ((gt, gl), (wt, wl))) in got.iter().zip(&solo).enumerate() {
+        for s in 0..n {
+            let e = max_err_rel_to_max(&gl[s], &wl[s]);
+            assert!(e <= 1e-3, "sequence {i} step {s}: logits {e} x max apart");
+            if gt[s] != wt[s] {
+                let mut sorted = wl[s].clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                let max = sorted[0].abs().max(sorted[sorted.len() - 1].abs()) as f64;
+                let margin = (sorted[0] - sorted[1]) as f64;
+                assert!(
+                    margin <= 1e-3 * max,
+                    "sequence {i} step {s}: token {} alone, {} batched, with a top-2 margin of {margin}",
+                    wt[s],
+                    gt[s]
+                );
+                break;
+            }
+        }
+    }
+}

@@ -11,6 +11,9 @@
 //!   slots in it write to the scratch row and are not read back.
 //! - `chunk{s}` (one per slot): up to `chunk` consecutive prompt tokens of the sequence in slot s;
 //!   padding rows write to the scratch row. Only the last real row's logits are computed.
+//! - `mixed{n}` (n as for `batch`): `mix` rows per slot for slots 0..n, so that one pass takes the
+//!   next prompt tokens of every sequence being prefilled and the next token of every sequence
+//!   being decoded; each slot's last real row gives its logits.
 //!
 //! A sequence's arithmetic does not depend on the other rows of its pass: every op is row-wise
 //! or reads only the sequence's own cache.
@@ -31,8 +34,10 @@ pub struct BatchShape {
     pub slots: usize,
     /// Positions each slot's cache holds (prompt + generated tokens).
     pub context: usize,
-    /// Prompt tokens one prefill pass takes.
+    /// Prompt tokens one prefill pass of one sequence takes.
     pub chunk: usize,
+    /// Rows per slot of the mixed programs (prompt tokens a sequence feeds a mixed pass).
+    pub mix: usize,
 }
 
 /// The batched decoder graph.
@@ -48,16 +53,18 @@ pub struct BatchGraph {
     pub batch: Vec<(usize, usize)>,
     /// The chunk program of each slot.
     pub chunk: Vec<usize>,
+    /// `(slots, program)` of the mixed programs, by slots ascending.
+    pub mixed: Vec<(usize, usize)>,
 }
 
 /// Builds the batched decoder against `model`'s weights.
 pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph> {
     let cfg = LlamaConfig::of(model)?;
-    if shape.slots == 0 || shape.chunk == 0 || shape.context < 2 {
+    if shape.slots == 0 || shape.chunk == 0 || shape.mix == 0 || shape.context < 2 {
         return Err(Error::Invalid(format!(
-            "batched decoder: {} slots, chunk {}, context {} (need >= 1 slot, a chunk >= 1, a \
-             context >= 2)",
-            shape.slots, shape.chunk, shape.context
+            "batched decoder: {} slots, chunk {}, mix {}, context {} (need >= 1 slot, a chunk \
+             and a mix >= 1, a context >= 2)",
+            shape.slots, shape.chunk, shape.mix, shape.context
         )));
     }
     if shape.context > cfg.max_positions {
@@ -93,25 +100,14 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
         })
         .collect();
     let mut batch = Vec::new();
-    let mut n = 1;
-    loop {
-        let n_rows = n.min(shape.slots);
-        let slots: Vec<usize> = (0..n_rows).collect();
-        let p = rows_program(
-            &mut g,
-            &format!("batch{n_rows}"),
-            &cfg,
-            &w,
-            &caches,
-            &slots,
-            rows,
-            false,
-        )?;
-        batch.push((n_rows, p));
-        if n_rows == shape.slots {
-            break;
-        }
-        n *= 2;
+    let mut mixed = Vec::new();
+    for n in slot_counts(shape.slots) {
+        let slots: Vec<usize> = (0..n).collect();
+        let name = format!("batch{n}");
+        batch.push((
+            n,
+            rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, 0)?,
+        ));
     }
     let chunk = (0..shape.slots)
         .map(|s| {
@@ -124,10 +120,22 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
                 &caches,
                 &slots,
                 rows,
-                true,
+                1,
             )
         })
         .collect::<Result<Vec<_>>>()?;
+    if shape.mix > 1 {
+        for n in slot_counts(shape.slots) {
+            let slots: Vec<usize> = (0..n)
+                .flat_map(|s| std::iter::repeat_n(s, shape.mix))
+                .collect();
+            let name = format!("mixed{n}");
+            mixed.push((
+                n,
+                rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, n)?,
+            ));
+        }
+    }
     refuse_unread_tensors(model, &g, w.tied)?;
     Ok(BatchGraph {
         graph: g,
@@ -135,15 +143,28 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
         shape,
         batch,
         chunk,
+        mixed,
     })
+}
+
+/// 1, 2, 4, ... up to `slots` (and `slots` itself).
+fn slot_counts(slots: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut n = 1;
+    while n < slots {
+        v.push(n);
+        n *= 2;
+    }
+    v.push(slots);
+    v
 }
 
 /// One program whose row r is a token of the sequence in slot `slots[r]`.
 ///
 /// Inputs: ids `u32[t]`, cos and sin `[t, head_dim/2]` (each row at its own position), then
 /// per row its cache position `u32[1]`, then per row its key mask `[context + 1]`, then with
-/// `last` the row whose logits are returned `u32[1]`. Output: logits `[t, vocab]` (`[1, vocab]`
-/// with `last`).
+/// `gather` > 0 the rows whose logits are returned `u32[gather]`. Output: logits `[t, vocab]`
+/// (`[gather, vocab]`).
 #[allow(clippy::too_many_arguments)]
 fn rows_program(
     g: &mut Graph,
@@ -153,7 +174,7 @@ fn rows_program(
     caches: &[Vec<(ValueId, ValueId)>],
     slots: &[usize],
     cache_rows: usize,
-    last: bool,
+    gather: usize,
 ) -> Result<usize> {
     let t = slots.len();
     let (hd, nh, nkv) = (cfg.head_dim, cfg.heads, cfg.kv_heads);
@@ -169,7 +190,7 @@ fn rows_program(
     let masks: Vec<ValueId> = (0..t)
         .map(|_| g.input(ValueInfo::f32(&[cache_rows])))
         .collect();
-    let last = last.then(|| g.input(u32v(&[1])));
+    let last = (gather > 0).then(|| g.input(u32v(&[gather])));
     let scale = 1.0 / (hd as f32).sqrt();
     let mut x = g.op(OpKind::Embedding, &[ids, w.table], None)?;
     for (l, lw) in w.layers.iter().enumerate() {
@@ -236,6 +257,7 @@ pub struct BatchDecoder<B: Backend> {
     pub shape: BatchShape,
     batch: Vec<(usize, usize)>,
     chunk: Vec<usize>,
+    mixed: Vec<(usize, usize)>,
     /// Per slot: positions filled so far.
     pos: Vec<usize>,
     /// Per slot: the key mask (1 for filled positions; never the scratch row).
@@ -263,6 +285,7 @@ impl<B: Backend> BatchDecoder<B> {
             shape: bg.shape,
             batch: bg.batch,
             chunk: bg.chunk,
+            mixed: bg.mixed,
             pos: vec![0; bg.shape.slots],
             masks: vec![vec![0.0; rows]; bg.shape.slots],
         })
@@ -315,11 +338,7 @@ impl<B: Backend> BatchDecoder<B> {
 
     /// Inputs of a program whose rows are `(slot, id)` (`None`: a padding row that writes to
     /// its slot's scratch row), marking each real row's position filled.
-    fn inputs(
-        &mut self,
-        rows: &[(usize, Option<u32>)],
-        last: Option<u32>,
-    ) -> Result<Vec<HostTensor>> {
+    fn inputs(&mut self, rows: &[(usize, Option<u32>)], last: &[u32]) -> Result<Vec<HostTensor>> {
         let t = rows.len();
         let half = self.config.head_dim / 2;
         let scratch = self.shape.context;
@@ -356,8 +375,8 @@ impl<B: Backend> BatchDecoder<B> {
         ];
         inputs.extend(pos);
         inputs.extend(masks);
-        if let Some(l) = last {
-            inputs.push(HostTensor::u32(&[1], vec![l])?);
+        if !last.is_empty() {
+            inputs.push(HostTensor::u32(&[last.len()], last.to_vec())?);
         }
         Ok(inputs)
     }
@@ -376,7 +395,7 @@ impl<B: Backend> BatchDecoder<B> {
         let rows: Vec<(usize, Option<u32>)> = (0..self.shape.chunk)
             .map(|i| (slot, ids.get(i).copied()))
             .collect();
-        let inputs = self.inputs(&rows, Some(ids.len() as u32 - 1))?;
+        let inputs = self.inputs(&rows, &[ids.len() as u32 - 1])?;
         let (out, stats) = self.ex.step_program(self.chunk[slot], &inputs)?;
         let logits = out
             .into_iter()
@@ -409,7 +428,7 @@ impl<B: Backend> BatchDecoder<B> {
                 Error::Invalid(format!("no batch program covers slot {}", top - 1))
             })?;
         let rows: Vec<(usize, Option<u32>)> = (0..n).map(|s| (s, busy[s])).collect();
-        let inputs = self.inputs(&rows, None)?;
+        let inputs = self.inputs(&rows, &[])?;
         let (out, stats) = self.ex.step_program(p, &inputs)?;
         let all = out
             .into_iter()
@@ -427,6 +446,74 @@ impl<B: Backend> BatchDecoder<B> {
         for &(slot, _) in tokens {
             let l = all[slot * vocab..(slot + 1) * vocab].to_vec();
             let p = self.pos[slot] - 1;
+            crate::error::check_finite(&l, || {
+                format!("the model's output (logits) for the token at position {p} in slot {slot}")
+            })?;
+            logits.push(l);
+        }
+        Ok((logits, stats))
+    }
+
+    /// Whether mixed passes exist (`shape.mix` > 1).
+    pub fn has_mixed(&self) -> bool {
+        !self.mixed.is_empty()
+    }
+
+    /// One mixed pass: for each `(slot, ids)` (distinct slots, 1 to `shape.mix` tokens each:
+    /// prompt tokens being prefilled, or a decoded token) the tokens at the slot's next
+    /// positions; returns the logits `[vocab]` after each slot's last token, in the same order.
+    pub fn step_mixed(
+        &mut self,
+        feeds: &[(usize, Vec<u32>)],
+    ) -> Result<(Vec<Vec<f32>>, ExecStats)> {
+        let mix = self.shape.mix;
+        let mut busy: Vec<Option<&[u32]>> = vec![None; self.shape.slots];
+        for (slot, ids) in feeds {
+            self.check(*slot, ids)?;
+            if ids.is_empty() || ids.len() > mix {
+                return Err(Error::Invalid(format!(
+                    "a mixed pass takes 1 to {mix} tokens per sequence, {} given",
+                    ids.len()
+                )));
+            }
+            if busy[*slot].replace(ids).is_some() {
+                return Err(Error::Invalid(format!("slot {slot} twice in one pass")));
+            }
+        }
+        let top = feeds
+            .iter()
+            .map(|f| f.0 + 1)
+            .max()
+            .ok_or_else(|| Error::Invalid("a mixed pass needs at least one sequence".into()))?;
+        let &(n, p) =
+            self.mixed.iter().find(|(n, _)| *n >= top).ok_or_else(|| {
+                Error::Invalid(format!("no mixed program covers slot {}", top - 1))
+            })?;
+        let mut rows = Vec::with_capacity(n * mix);
+        let mut last = Vec::with_capacity(n);
+        for (s, ids) in busy.iter().enumerate().take(n) {
+            let ids = ids.unwrap_or(&[]);
+            last.push((s * mix + ids.len().max(1) - 1) as u32);
+            rows.extend((0..mix).map(|i| (s, ids.get(i).copied())));
+        }
+        let inputs = self.inputs(&rows, &last)?;
+        let (out, stats) = self.ex.step_program(p, &inputs)?;
+        let all = out
+            .into_iter()
+            .next()
+            .map(|t| t.into_f32())
+            .unwrap_or_default();
+        let vocab = self.config.vocab;
+        if all.len() != n * vocab {
+            return Err(Error::Invalid(format!(
+                "the mixed program returned {} logits for {n} slots of {vocab}",
+                all.len()
+            )));
+        }
+        let mut logits = Vec::with_capacity(feeds.len());
+        for (slot, _) in feeds {
+            let l = all[slot * vocab..(slot + 1) * vocab].to_vec();
+            let p = self.pos[*slot] - 1;
             crate::error::check_finite(&l, || {
                 format!("the model's output (logits) for the token at position {p} in slot {slot}")
             })?;

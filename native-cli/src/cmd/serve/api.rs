@@ -150,6 +150,11 @@ impl crate::backends::WithBackend for Serve<'_> {
                     slots: api.max_batch as usize,
                     context,
                     chunk: (api.prefill_chunk as usize).min(context),
+                    // A quarter of a chunk per sequence in a mixed pass (none below 2).
+                    mix: (api.prefill_chunk as usize / 4)
+                        .max(2)
+                        .min(api.prefill_chunk as usize)
+                        .min(context),
                 };
                 let bg = llama::build_batched(self.model, shape)?;
                 let (opts, note) =

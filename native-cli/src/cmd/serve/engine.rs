@@ -2,8 +2,11 @@
 //! passes over the weights while any sequence is active.
 //!
 //! Requests arrive as [`Job`]s; each waits (in a bounded queue, see [`Shared::admit`]) for a
-//! free KV cache slot. Between decode passes, every sequence still in its prompt runs one prefill
-//! chunk; then one decode pass computes the next token of every sequence past its prompt. Each
+//! free KV cache slot. While no prompt is pending, each pass decodes the next token of every
+//! sequence. A prompt joins between passes: alone it is prefilled in chunk passes of its own;
+//! beside other sequences, mixed passes take a few of its tokens (and of every other pending
+//! prompt) together with the next token of every decoding sequence, so that nobody waits and the
+//! weights are read once for all. Each
 //! token is sampled with the request's own sampler, turned into text (held back while it may be
 //! the start of a stop string or an incomplete UTF-8 character) and sent to the request's
 //! channel. A sequence whose channel is closed (the client went away) is dropped before the next
@@ -148,8 +151,7 @@ impl<B: Backend> Engine<B> {
             }
             self.drop_gone();
             self.admit();
-            self.prefill();
-            self.decode();
+            self.pass();
         }
     }
 
@@ -225,6 +227,70 @@ impl<B: Backend> Engine<B> {
             stats.source_bytes,
             stats.host_bytes,
         );
+    }
+
+    /// One round: a decode pass, chunk passes of a lone prompt, or a mixed pass.
+    fn pass(&mut self) {
+        let prompting: Vec<usize> = self
+            .seqs
+            .iter()
+            .flatten()
+            .filter(|s| s.fed < s.job.prompt.len())
+            .map(|s| s.slot)
+            .collect();
+        let decoding = self.seqs.iter().flatten().any(|s| s.next.is_some());
+        if prompting.is_empty() {
+            self.decode();
+        } else if !self.dec.has_mixed() || (!decoding && prompting.len() == 1) {
+            self.prefill();
+            self.decode();
+        } else {
+            self.mixed();
+        }
+    }
+
+    /// One mixed pass: the next prompt tokens of every sequence in its prompt and the next
+    /// token of every decoding one.
+    fn mixed(&mut self) {
+        let mix = self.dec.shape.mix;
+        let mut feeds = Vec::new();
+        let mut decoded = 0;
+        for seq in self.seqs.iter_mut().flatten() {
+            if seq.fed < seq.job.prompt.len() {
+                let end = (seq.fed + mix).min(seq.job.prompt.len());
+                feeds.push((seq.slot, seq.job.prompt[seq.fed..end].to_vec()));
+                seq.fed = end;
+            } else if let Some(t) = seq.next.take() {
+                feeds.push((seq.slot, vec![t]));
+                decoded += 1;
+            }
+        }
+        if feeds.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        match self.dec.step_mixed(&feeds) {
+            Ok((logits, stats)) => {
+                self.pass_done(t0, &stats);
+                self.m().mixed_passes.fetch_add(1, Relaxed);
+                if decoded > 0 {
+                    self.m().decode_pass(decoded);
+                }
+                for ((slot, _), l) in feeds.iter().zip(logits) {
+                    let done = self.seqs[*slot]
+                        .as_ref()
+                        .is_some_and(|s| s.fed >= s.job.prompt.len());
+                    if done {
+                        self.take(*slot, &l);
+                    }
+                }
+            }
+            Err(e) => {
+                for (slot, _) in feeds {
+                    self.fail(slot, e.to_string());
+                }
+            }
+        }
     }
 
     /// One prefill chunk of every sequence still in its prompt.

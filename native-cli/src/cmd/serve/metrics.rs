@@ -24,6 +24,8 @@ pub(super) struct Metrics {
     pub batch_size_max: AtomicU64,
     /// Prefill passes (one chunk of one prompt each).
     pub prefill_passes: AtomicU64,
+    /// Mixed passes (prompt tokens of several sequences beside decoded ones).
+    pub mixed_passes: AtomicU64,
     /// Weight bytes read from the source (streamed groups) and uploaded from the host tier.
     pub bytes_streamed: AtomicU64,
     pub bytes_host_tier: AtomicU64,
@@ -124,6 +126,12 @@ impl Metrics {
             "counter",
             "Prefill passes (one prompt chunk each).",
             g(&self.prefill_passes),
+        );
+        metric(
+            "mixed_passes_total",
+            "counter",
+            "Mixed passes (prompt tokens of several sequences beside decoded ones).",
+            g(&self.mixed_passes),
         );
         metric(
             "bytes_streamed_total",

@@ -85,7 +85,8 @@ pub struct ApiArgs {
     #[arg(long, value_name = "N", default_value_t = 64,
           value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
     pub queue: u64,
-    /// Prompt tokens one prefill pass takes (a prompt takes ceil(len / N) passes).
+    /// Prompt tokens one prefill pass of a lone prompt takes (ceil(len / N) passes); beside
+    /// other sequences a prompt feeds N / 4 tokens (at least 2) to each mixed pass.
     #[arg(long, value_name = "N", default_value_t = 16,
           value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub prefill_chunk: u64,
