@@ -9,11 +9,13 @@
 #
 #   scripts/bench-beyond-ram.sh [SIZE]   SIZE defaults to 1.5x MemTotal (e.g. 36GiB); a smaller
 #                                         SIZE runs the same measurement on a model that fits RAM
+#   NIBBLE_HOST_BUDGET=4GiB ...          a host budget instead of `auto` (a machine with that much
+#                                         available memory, where the model is beyond it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p nibble-cli
 nibble="$PWD/target/release/nibble"
-ram=$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)
+ram=$(awk '/MemTotal/ {printf "%.0f", $2 * 1024}' /proc/meminfo)
 size="${1:-$((ram * 3 / 2))}"
 size_bytes=$(python3 -c "
 import re, sys
@@ -62,7 +64,7 @@ for arch in llama dit; do
     else
         args=(--steps 3)
     fi
-    /usr/bin/time -f "%M" -o "$work/maxrss" "$nibble" run --model "$dir" --file-mode pread-dropcache \
+    "$nibble" run --model "$dir" --file-mode pread-dropcache --host-budget "${NIBBLE_HOST_BUDGET:-auto}" \
         --json "${args[@]}" > "$work/run.json"
     python3 - "$arch" "$work/run.json" "$dd_mib_s" "$bytes" >> "$results" <<'PY'
 import json, sys

@@ -2,7 +2,7 @@
 # The API server under concurrent streaming clients: SmolLM2-135M-Instruct (NF4) behind
 # `nibble serve --model`, 1, 4, 8 and 16 clients at once (scripts/bench_serve_client.py: each
 # client one streamed chat completion of M tokens, greedy, ignore_eos), in three memory setups:
-# every weight resident; every decoder layer streamed through a 2 x 4 MiB ring from the page
+# every weight resident; every weight group streamed (--stream-all) through a 2 x 4 MiB ring from the page
 # cache; the same from disk (pread + drop cache). Prints aggregate decode tok/s, per-request tok/s,
 # time to first token, and the ratio of aggregate tok/s to one client's. Then llama.cpp on the
 # original Q4_1 GGUF decoding the same numbers of sequences in one context (node-llama-cpp 3.21.1,
@@ -39,9 +39,9 @@ run_setup() { # name, then nibble serve options
 
 echo "== nibble serve, every weight resident"
 run_setup resident
-echo "== nibble serve, every decoder layer streamed from the page cache (2 x 4 MiB ring)"
+echo "== nibble serve, every weight group streamed from the page cache (2 x 4 MiB ring)"
 run_setup streamed-cache --stream-all --slots 2 --slot-size 4MiB --file-mode pread
-echo "== nibble serve, every decoder layer streamed from disk (pread + drop cache)"
+echo "== nibble serve, every weight group streamed from disk (pread + drop cache)"
 run_setup streamed-disk --stream-all --slots 2 --slot-size 4MiB --file-mode pread-dropcache
 
 lc="$tools/llamacpp"
