@@ -1,50 +1,28 @@
 //! `nibble serve`: byte ranges, validators, CORS, and nothing outside the folder.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use nibble_tests::process::Served as Server;
 
 fn start(dir: &std::path::Path) -> Server {
     start_with(dir, &[])
 }
 
 fn start_with(dir: &std::path::Path, extra: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args([
-            "serve",
-            dir.to_str().expect("utf8"),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn nibble serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("first line");
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|s| s.split('/').next())
-        .expect("address line")
-        .to_string();
-    assert!(addr.starts_with("127.0.0.1:"), "{line}");
-    Server { child, addr }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nibble"));
+    cmd.args([
+        "serve",
+        dir.to_str().expect("utf8"),
+        "--addr",
+        "127.0.0.1:0",
+    ])
+    .args(extra)
+    .stderr(Stdio::inherit());
+    let s = Server::start(cmd);
+    assert!(s.addr.starts_with("127.0.0.1:"), "{}", s.addr);
+    s
 }
 
 /// Sends a raw request (no client-side path normalisation) and returns status and body.
@@ -369,31 +347,16 @@ fn slow_and_idle_clients_cannot_stop_the_service() {
 
     // The same server started under `ulimit -n 64`, with 80 idle sockets open.
     let bin = env!("CARGO_BIN_EXE_nibble");
-    let mut child = Command::new("sh")
-        .args([
-            "-c",
-            &format!(
-                "ulimit -n 64 && exec '{bin}' serve '{}' --addr 127.0.0.1:0 --header-timeout 2 \
-                 --idle-timeout 2",
-                root.path().display()
-            ),
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("first line");
-    let limited = Server {
-        child,
-        addr: line
-            .split("http://")
-            .nth(1)
-            .and_then(|s| s.split('/').next())
-            .expect("address")
-            .to_string(),
-    };
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        &format!(
+            "ulimit -n 64 && exec '{bin}' serve '{}' --addr 127.0.0.1:0 --header-timeout 2 \
+             --idle-timeout 2",
+            root.path().display()
+        ),
+    ]);
+    let limited = Server::start(cmd);
     let idle: Vec<TcpStream> = (0..80)
         .filter_map(|_| TcpStream::connect(&limited.addr).ok())
         .collect();

@@ -12,10 +12,11 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use nibble_tests::process::Served;
 use serde_json::{json, Value};
 
 fn smollm2() -> PathBuf {
@@ -29,43 +30,24 @@ fn smollm2() -> PathBuf {
 }
 
 /// A running `nibble serve --model`; killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
+struct Server(Served);
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl std::ops::Deref for Server {
+    type Target = Served;
+    fn deref(&self) -> &Served {
+        &self.0
     }
 }
 
 impl Server {
     fn start(model: &std::path::Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
-            .args(["serve", "--model"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nibble"));
+        cmd.args(["serve", "--model"])
             .arg(model)
             .args(["--addr", "127.0.0.1:0", "--backend", "cpu"])
             .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nibble serve");
-        let out = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(out).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("the server printed its address")
-                .expect("stdout");
-            if let Some(rest) = line.split(" at http://").nth(1) {
-                break rest.split('/').next().expect("address").to_string();
-            }
-        };
-        // Keep reading the server's output so that it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Server { child, addr }
+            .stderr(Stdio::null());
+        Server(Served::start(cmd))
     }
 
     /// (status, headers, body) of one request.

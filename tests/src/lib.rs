@@ -5,6 +5,7 @@ pub mod batch;
 pub mod build;
 pub mod gguf;
 pub mod http_server;
+pub mod process;
 
 use std::path::{Path, PathBuf};
 

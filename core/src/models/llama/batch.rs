@@ -430,28 +430,8 @@ impl<B: Backend> BatchDecoder<B> {
         let rows: Vec<(usize, Option<u32>)> = (0..n).map(|s| (s, busy[s])).collect();
         let inputs = self.inputs(&rows, &[])?;
         let (out, stats) = self.ex.step_program(p, &inputs)?;
-        let all = out
-            .into_iter()
-            .next()
-            .map(|t| t.into_f32())
-            .unwrap_or_default();
-        let vocab = self.config.vocab;
-        if all.len() != n * vocab {
-            return Err(Error::Invalid(format!(
-                "the batch program returned {} logits for {n} rows of {vocab}",
-                all.len()
-            )));
-        }
-        let mut logits = Vec::with_capacity(tokens.len());
-        for &(slot, _) in tokens {
-            let l = all[slot * vocab..(slot + 1) * vocab].to_vec();
-            let p = self.pos[slot] - 1;
-            crate::error::check_finite(&l, || {
-                format!("the model's output (logits) for the token at position {p} in slot {slot}")
-            })?;
-            logits.push(l);
-        }
-        Ok((logits, stats))
+        let slots: Vec<usize> = tokens.iter().map(|t| t.0).collect();
+        Ok((self.slot_logits(out, n, &slots)?, stats))
     }
 
     /// Whether mixed passes exist (`shape.mix` > 1).
@@ -498,6 +478,18 @@ impl<B: Backend> BatchDecoder<B> {
         }
         let inputs = self.inputs(&rows, &last)?;
         let (out, stats) = self.ex.step_program(p, &inputs)?;
+        let slots: Vec<usize> = feeds.iter().map(|f| f.0).collect();
+        Ok((self.slot_logits(out, n, &slots)?, stats))
+    }
+
+    /// The logits `[vocab]` of `slots` from a program's output `[n, vocab]` (row s: slot s),
+    /// each checked finite.
+    fn slot_logits(
+        &self,
+        out: Vec<HostTensor>,
+        n: usize,
+        slots: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
         let all = out
             .into_iter()
             .next()
@@ -506,19 +498,22 @@ impl<B: Backend> BatchDecoder<B> {
         let vocab = self.config.vocab;
         if all.len() != n * vocab {
             return Err(Error::Invalid(format!(
-                "the mixed program returned {} logits for {n} slots of {vocab}",
+                "the program returned {} logits for {n} slots of {vocab}",
                 all.len()
             )));
         }
-        let mut logits = Vec::with_capacity(feeds.len());
-        for (slot, _) in feeds {
-            let l = all[slot * vocab..(slot + 1) * vocab].to_vec();
-            let p = self.pos[*slot] - 1;
-            crate::error::check_finite(&l, || {
-                format!("the model's output (logits) for the token at position {p} in slot {slot}")
-            })?;
-            logits.push(l);
-        }
-        Ok((logits, stats))
+        slots
+            .iter()
+            .map(|&slot| {
+                let l = all[slot * vocab..(slot + 1) * vocab].to_vec();
+                let p = self.pos[slot] - 1;
+                crate::error::check_finite(&l, || {
+                    format!(
+                        "the model's output (logits) for the token at position {p} in slot {slot}"
+                    )
+                })?;
+                Ok(l)
+            })
+            .collect()
     }
 }
