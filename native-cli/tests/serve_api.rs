@@ -5,7 +5,8 @@
 //! - 8 concurrent streams, each equal to its solo run; the metrics show batches above 1;
 //! - a client that leaves after 3 tokens frees its sequence; the next request succeeds;
 //! - bad requests get their status and an OpenAI error object, and a good request follows;
-//!   the API key; a full queue gets 503 with Retry-After;
+//!   the API key; a full queue gets 503 with Retry-After; a completion longer than the idle
+//!   timeout is not cut off;
 //! - embeddings (float and base64) equal `nibble run`'s;
 //! - the `openai` Python package as the client (scripts/test.sh installs it).
 
@@ -386,6 +387,8 @@ fn the_api_key_and_the_queue_are_enforced() {
             "0",
             "--api-key",
             "sekrit",
+            "--idle-timeout",
+            "1",
         ],
     );
     let body = chat("Hi", 3, false).to_string();
@@ -401,6 +404,17 @@ fn the_api_key_and_the_queue_are_enforced() {
     let good = [ct, ("Authorization", "Bearer sekrit")];
     let (status, _, _) = s.request("POST", "/v1/chat/completions", &good, body.as_bytes());
     assert_eq!(status, 200);
+    // A completion that takes longer than the idle timeout (1 s) before its first byte is not
+    // cut off: the connection is busy, not idle.
+    let slow = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+        "ignore_eos": true})
+    .to_string();
+    let t0 = Instant::now();
+    let (status, _, b) = s.request("POST", "/v1/completions", &good, slow.as_bytes());
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let v: Value = serde_json::from_slice(&b).expect("json");
+    assert_eq!(v["usage"]["completion_tokens"], 200);
+    println!("200 tokens in {:?}", t0.elapsed());
     // One slot, no queue: while a long request holds the slot, the next one is refused.
     let long = json!({"messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": 200, "temperature": 0, "stream": true})

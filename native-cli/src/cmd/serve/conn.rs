@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
@@ -57,19 +58,22 @@ fn collapse_slashes(req: &mut axum::http::Request<hyper::body::Incoming>) {
 }
 
 /// A connection that fails its pending read or write once `idle` has passed without a byte
-/// read or written in either direction.
+/// read or written in either direction, unless `busy` says a response is being produced (the
+/// API server: a completion may take minutes before its first byte).
 struct Idle<S> {
     inner: S,
     idle: Duration,
     timer: Pin<Box<tokio::time::Sleep>>,
+    busy: Option<Arc<AtomicUsize>>,
 }
 
 impl<S> Idle<S> {
-    fn new(inner: S, idle: Duration) -> Self {
+    fn new(inner: S, idle: Duration, busy: Option<Arc<AtomicUsize>>) -> Self {
         Idle {
             inner,
             idle,
             timer: Box::pin(tokio::time::sleep(idle)),
+            busy,
         }
     }
 
@@ -80,6 +84,13 @@ impl<S> Idle<S> {
 
     /// After the inner stream said `Pending`: an error if the connection has been idle too long.
     fn check(&mut self, cx: &mut TaskContext<'_>) -> Poll<std::io::Result<()>> {
+        if self
+            .busy
+            .as_ref()
+            .is_some_and(|b| b.load(Ordering::Relaxed) > 0)
+        {
+            self.progress();
+        }
         match self.timer.as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
@@ -139,14 +150,32 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Idle<S> {
     }
 }
 
+/// Counts a response in production on its connection until its body is done or dropped.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Busy(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Accepts connections while fewer than `cap` are open and serves each with hyper's HTTP/1
-/// server under the header-read and idle timeouts.
+/// server under the header-read and idle timeouts; with `busy_is_not_idle` a connection whose
+/// response is being produced (computed, or its body still streaming) is not idle.
 pub(super) async fn serve_connections(
     listener: tokio::net::TcpListener,
     app: Router,
     cap: usize,
     header_timeout: Duration,
     idle_timeout: Duration,
+    busy_is_not_idle: bool,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(cap));
     loop {
@@ -163,11 +192,22 @@ pub(super) async fn serve_connections(
         };
         let app = app.clone();
         tokio::spawn(async move {
-            let io = hyper_util::rt::TokioIo::new(Idle::new(stream, idle_timeout));
+            let busy = busy_is_not_idle.then(|| Arc::new(AtomicUsize::new(0)));
+            let io = hyper_util::rt::TokioIo::new(Idle::new(stream, idle_timeout, busy.clone()));
             let svc = hyper::service::service_fn(move |mut req| {
                 collapse_slashes(&mut req);
                 let mut app = app.clone();
-                async move { tower::Service::call(&mut app, req).await }
+                let guard = busy.as_ref().map(Busy::new);
+                async move {
+                    let resp = tower::Service::call(&mut app, req).await?;
+                    Ok::<_, std::convert::Infallible>(resp.map(|b| {
+                        use http_body_util::BodyExt;
+                        axum::body::Body::new(b.map_frame(move |f| {
+                            let _held = &guard;
+                            f
+                        }))
+                    }))
+                }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())

@@ -49,8 +49,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub header_timeout: u64,
-    /// Seconds a connection may go without a byte read or written before it is closed (a
-    /// streaming response counts as written when a token is sent).
+    /// Seconds a connection may go without a byte read or written before it is closed (with
+    /// --model, not while its response is being computed or streamed).
     #[arg(long, value_name = "SECS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub idle_timeout: u64,
@@ -132,6 +132,8 @@ pub(crate) async fn serve_until_interrupted(
     app: Router,
     announce: impl FnOnce(SocketAddr) -> Vec<String>,
 ) -> Result<()> {
+    // A completion may take longer than the idle timeout before its first byte.
+    let busy_is_not_idle = a.model.is_some();
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
@@ -157,6 +159,7 @@ pub(crate) async fn serve_until_interrupted(
             cap,
             Duration::from_secs(a.header_timeout),
             Duration::from_secs(a.idle_timeout),
+            busy_is_not_idle,
         ) => Ok(()),
         _ = tokio::signal::ctrl_c() => Ok(()),
     }
