@@ -320,6 +320,9 @@ pub(crate) fn exec_options<B: Backend>(
     };
     let mut opts = options(m, device_bytes);
     let mut note = note;
+    if m.stream_all {
+        note.push_str("; --stream-all: every weight group streams whatever the budget holds");
+    }
     if let (Some(h), false) = (host, shares_host) {
         // The host tier: what the host budget holds besides the process and each phase's
         // ring, loader and kernel buffers keeps streamed groups in RAM after their first read.
