@@ -7,6 +7,21 @@ use std::process::Command;
 
 use nibble_tests::http_server::{Fault, TestServer};
 
+/// `nibble plan --json --model MODEL ARGS...`, which must succeed.
+fn plan_json(model_and_args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["plan", "--json", "--model"])
+        .args(model_and_args)
+        .output()
+        .expect("nibble plan");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
 #[test]
 fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
     let dir = nibble_tests::fixture("tiny-llama-nf4/model");
@@ -19,17 +34,15 @@ fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
     }
     let srv = TestServer::start(files, Fault::None);
     let url = format!("{}/m", srv.base);
-    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args(["plan", "--model", &url, "--backend", "cpu", "--json"])
-        .args(["--prompt-ids", "1,2,3", "--max-tokens", "8"])
-        .output()
-        .expect("nibble plan");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let v = plan_json(&[
+        &url,
+        "--backend",
+        "cpu",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "8",
+    ]);
     let phase = &v["phases"][0];
     let tiers: Vec<&str> = phase["plan"]["tiers"]
         .as_array()
@@ -93,28 +106,13 @@ fn a_plan_reads_no_weight_byte_and_its_smallest_budget_runs() {
 /// resident within three quarters of the adapter's `max_buffer_size`, and the plan says so.
 #[test]
 fn wgpu_auto_device_budget_is_a_stated_share_of_the_adapter_limit() {
-    let Ok(backend) = nibble_wgpu::WgpuBackend::new() else {
-        assert!(
-            std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1"),
-            "wgpu is required here"
-        );
-        println!("wgpu absent: not run");
+    let Some(backend) = nibble_tests::wgpu_or_absent("the wgpu auto budget") else {
         return;
     };
     let limit = backend.limits().max_buffer_size;
     let dir = nibble_tests::fixture("tiny-llama-nf4/model");
-    let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args(["plan", "--model"])
-        .arg(&dir)
-        .args(["--backend", "wgpu", "--json", "--prompt-ids", "1,2,3"])
-        .output()
-        .expect("nibble plan");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let dir = dir.to_str().expect("utf8");
+    let v = plan_json(&[dir, "--backend", "wgpu", "--prompt-ids", "1,2,3"]);
     let note = v["budget"]["note"].as_str().unwrap_or("");
     assert!(
         note.contains("3/4 of the adapter's max_buffer_size"),

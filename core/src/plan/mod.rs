@@ -600,8 +600,10 @@ impl Planner {
                 fmt_bytes(min)
             )));
         }
-        let all = self.layout(&vec![true; n])?;
-        if !stream_all && all.device_bytes() <= budgets.device_bytes {
+        let all = (!stream_all)
+            .then(|| self.layout(&vec![true; n]))
+            .transpose()?;
+        if let Some(all) = all.filter(|a| a.device_bytes() <= budgets.device_bytes) {
             // Everything resident fits: the greedy pass below could leave a group streamed
             // whose residency only fits once a later group (a tied head) is resident too.
             lay = all;

@@ -183,17 +183,17 @@ impl crate::backends::WithBackend for Serve<'_> {
                 });
                 let eos = nibble_core::io::folder::block_on(llama::eos_ids(self.model, &cfg))?;
                 let (jobs, rx) = std::sync::mpsc::channel();
+                let tok = Arc::new(tok);
                 let app = self.app(
                     Work::Generate(jobs),
-                    tok,
+                    tok.clone(),
                     (context, cfg.vocab),
                     &shared,
                     plan,
                 );
                 let server = spawn_server(self.a, self.addr, app)?;
                 dec.executor_mut().set_profile(api.profile);
-                let dec =
-                    Engine::new(dec, TextTokenizer::for_model(self.model)?, eos, rx, shared).run();
+                let dec = Engine::new(dec, tok, eos, rx, shared).run();
                 if api.profile {
                     crate::output::print_profile(&dec.executor().profile());
                 }
@@ -220,13 +220,19 @@ impl crate::backends::WithBackend for Serve<'_> {
                     "backend": label,
                 });
                 let (jobs, rx) = std::sync::mpsc::channel::<EmbedJob>();
-                let app = self.app(Work::Embed(jobs), tok, (context, cfg.vocab), &shared, plan);
+                let app = self.app(
+                    Work::Embed(jobs),
+                    Arc::new(tok),
+                    (context, cfg.vocab),
+                    &shared,
+                    plan,
+                );
                 let server = spawn_server(self.a, self.addr, app)?;
                 while let Ok(job) = rx.recv() {
-                    let t0 = Instant::now();
                     let mut out = Vec::with_capacity(job.inputs.len());
                     let mut failed = None;
                     for ids in &job.inputs {
+                        let t0 = Instant::now();
                         match enc.embed(ids, &pooling) {
                             Ok((v, stats)) => {
                                 shared.metrics.pass(
@@ -258,7 +264,7 @@ impl Serve<'_> {
     fn app(
         &self,
         work: Work,
-        tok: TextTokenizer,
+        tok: Arc<TextTokenizer>,
         (context, vocab): (usize, usize),
         shared: &Arc<Shared>,
         plan: Value,
@@ -266,7 +272,7 @@ impl Serve<'_> {
         App {
             model_id: self.model_id.clone(),
             work,
-            tok: Arc::new(tok),
+            tok,
             context,
             vocab,
             shared: shared.clone(),

@@ -200,6 +200,10 @@ pub(super) async fn serve_connections(
                 let guard = busy.as_ref().map(Busy::new);
                 async move {
                     let resp = tower::Service::call(&mut app, req).await?;
+                    let Some(guard) = guard else {
+                        return Ok(resp);
+                    };
+                    // Busy until the body is done or dropped.
                     Ok::<_, std::convert::Infallible>(resp.map(|b| {
                         use http_body_util::BodyExt;
                         axum::body::Body::new(b.map_frame(move |f| {

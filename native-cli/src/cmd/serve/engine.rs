@@ -108,7 +108,7 @@ struct Seq {
 /// The engine: the decoder, the tokenizer and the sequences.
 pub(super) struct Engine<B: Backend> {
     dec: BatchDecoder<B>,
-    tok: TextTokenizer,
+    tok: Arc<TextTokenizer>,
     eos: Vec<u32>,
     jobs: std::sync::mpsc::Receiver<Job>,
     waiting: VecDeque<Job>,
@@ -119,7 +119,7 @@ pub(super) struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     pub fn new(
         dec: BatchDecoder<B>,
-        tok: TextTokenizer,
+        tok: Arc<TextTokenizer>,
         eos: Vec<u32>,
         jobs: std::sync::mpsc::Receiver<Job>,
         shared: Arc<Shared>,
@@ -164,7 +164,7 @@ impl<B: Backend> Engine<B> {
         let before = self.waiting.len();
         self.waiting.retain(|j| !j.events.is_closed());
         for _ in self.waiting.len()..before {
-            self.shared.metrics.cancelled.fetch_add(1, Relaxed);
+            self.m().cancelled.fetch_add(1, Relaxed);
             self.shared.ended();
         }
         for s in 0..self.seqs.len() {
@@ -231,17 +231,16 @@ impl<B: Backend> Engine<B> {
 
     /// One round: a decode pass, chunk passes of a lone prompt, or a mixed pass.
     fn pass(&mut self) {
-        let prompting: Vec<usize> = self
+        let prompting = self
             .seqs
             .iter()
             .flatten()
             .filter(|s| s.fed < s.job.prompt.len())
-            .map(|s| s.slot)
-            .collect();
+            .count();
         let decoding = self.seqs.iter().flatten().any(|s| s.next.is_some());
-        if prompting.is_empty() {
+        if prompting == 0 {
             self.decode();
-        } else if !self.dec.has_mixed() || (!decoding && prompting.len() == 1) {
+        } else if !self.dec.has_mixed() || (!decoding && prompting == 1) {
             self.prefill();
             self.decode();
         } else {
@@ -372,21 +371,18 @@ impl<B: Backend> Engine<B> {
             Err(e) => return self.fail(slot, e.to_string()),
         };
         self.shared.metrics.completion_tokens.fetch_add(1, Relaxed);
-        let mut finish = None;
         let eos = seq.job.stop_at_eos && self.eos.contains(&id);
-        if eos {
-            finish = Some("stop");
-        } else {
+        if !eos {
             seq.tokens.push(id);
         }
+        let generated = seq.tokens.len() + usize::from(eos);
+        let last = eos || generated >= seq.job.max_tokens;
         let text = match self.tok.decode(&seq.tokens, true) {
             Ok(t) => t,
             Err(e) => return self.fail(slot, e.to_string()),
         };
-        let (upto, stopped) = sendable(&text, seq.sent, &seq.job.stop, finish.is_some());
-        if stopped {
-            finish = Some("stop");
-        }
+        // The last piece includes what was held back for a stop string that did not come.
+        let (upto, stopped) = sendable(&text, seq.sent, &seq.job.stop, last);
         if upto > seq.sent {
             let _ = seq
                 .job
@@ -394,17 +390,13 @@ impl<B: Backend> Engine<B> {
                 .send(Event::Text(text[seq.sent..upto].to_string()));
             seq.sent = upto;
         }
-        let generated = seq.tokens.len() + usize::from(eos);
-        if finish.is_none() && generated >= seq.job.max_tokens {
-            // The rest of the text, held back for a stop string that did not come.
-            if text.len() > seq.sent && !text.ends_with('\u{fffd}') {
-                let _ = seq
-                    .job
-                    .events
-                    .send(Event::Text(text[seq.sent..].to_string()));
-            }
-            finish = Some("length");
-        }
+        let finish = if stopped || eos {
+            Some("stop")
+        } else if last {
+            Some("length")
+        } else {
+            None
+        };
         match finish {
             Some(f) => {
                 // The slot is free before the client hears of the end, so that its next
