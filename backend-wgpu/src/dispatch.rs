@@ -25,6 +25,17 @@ pub(crate) const DUMMY_STRIDE: u64 = 256;
 pub(crate) const DUMMY_SLOTS: u64 = 4;
 /// Ops recorded between two submits at most (one uniform slot each).
 pub(crate) const UNIFORM_SLOTS: u64 = 256;
+/// Host bytes of `write_buffer` staging in flight at most (or one larger write), see
+/// [`WgpuBackend::staging_room`].
+pub const STAGING_BOUND: u64 = 32 << 20;
+/// Uploads in wgpu's host staging memory: queued since the last submit, and per submission
+/// not yet known to have run (oldest first).
+#[derive(Debug, Default)]
+pub(crate) struct Staging {
+    unsubmitted: u64,
+    submitted: std::collections::VecDeque<(wgpu::SubmissionIndex, u64)>,
+}
+
 /// Bytes of one op's parameters (16 words).
 const PARAM_BYTES: u64 = 64;
 
@@ -177,10 +188,73 @@ impl WgpuBackend {
     /// the uniform ring is full.
     pub(crate) fn flush(&mut self) -> Result<()> {
         if let Some(enc) = self.pending.take() {
-            self.queue.submit([enc.finish()]);
+            self.submit(Some(enc.finish()));
             self.submits += 1;
         }
         self.pending_ops = 0;
+        self.check_errors()
+    }
+
+    /// Submits `cmd` (or only the queued writes), noting the staged bytes it carries.
+    pub(crate) fn submit(&self, cmd: Option<wgpu::CommandBuffer>) {
+        let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let index = self.queue.submit(cmd);
+        if st.unsubmitted > 0 && cfg!(not(target_arch = "wasm32")) {
+            let bytes = st.unsubmitted;
+            st.submitted.push_back((index, bytes));
+        }
+        st.unsubmitted = 0;
+    }
+
+    /// Every submission has completed (a read-back waited for the device): no staging is held.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn device_idle(&self) {
+        self.staging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .submitted
+            .clear();
+    }
+
+    /// Makes room for a `write_buffer` of `bytes`. wgpu holds each write in host staging
+    /// memory until the submission that carries it has run; unbounded, a resident load (many
+    /// writes before the first submit) or a CPU running ahead of the device would hold them
+    /// all. Where this write would take the staging past [`STAGING_BOUND`], the queued writes
+    /// are submitted and the oldest submissions waited for, so that staging stays within the
+    /// bound (or one larger write), which the plan counts as host memory. In the browser the
+    /// staging is the browser's and cannot be waited for here.
+    pub(crate) fn staging_room(&self, bytes: u64) -> Result<()> {
+        let held = |s: &Staging| s.unsubmitted + s.submitted.iter().map(|x| x.1).sum::<u64>();
+        {
+            let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+            if cfg!(target_arch = "wasm32") || held(&st) + bytes <= STAGING_BOUND {
+                st.unsubmitted += bytes;
+                return Ok(());
+            }
+        }
+        self.submit(None);
+        loop {
+            let index = {
+                let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+                if held(&st) + bytes <= STAGING_BOUND {
+                    break;
+                }
+                match st.submitted.pop_front() {
+                    Some((index, _)) => index,
+                    None => break,
+                }
+            };
+            self.device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: Some(index),
+                    timeout: None,
+                })
+                .map_err(|e| WgpuError::Gpu(e.to_string()))?;
+        }
+        self.staging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unsubmitted += bytes;
         self.check_errors()
     }
 

@@ -21,6 +21,7 @@ use nibble_core::backend::cpu_ref::Q4Ref;
 use nibble_core::backend::{Backend, Operand, Q4View};
 use nibble_core::graph::{HostTensor, OpKind};
 
+pub use dispatch::STAGING_BOUND;
 use dispatch::{DUMMY_SLOTS, DUMMY_STRIDE, UNIFORM_SLOTS};
 use readback::words;
 
@@ -119,6 +120,9 @@ pub struct WgpuBackend {
     pending_ops: u64,
     /// Submits of recorded ops so far.
     submits: u64,
+    /// wgpu's host staging of `write_buffer` uploads, bounded ([`WgpuBackend::staging_room`]);
+    /// behind a lock because read-backs (through `&self`) submit too.
+    staging: std::sync::Mutex<dispatch::Staging>,
 }
 
 impl std::fmt::Debug for WgpuBackend {
@@ -208,6 +212,7 @@ impl WgpuBackend {
             pending: None,
             pending_ops: 0,
             submits: 0,
+            staging: Default::default(),
         })
     }
 
@@ -401,8 +406,44 @@ impl Backend for WgpuBackend {
         (!pieces).then_some(self.max_binding)
     }
 
+    /// wgpu's host staging of uploads, bounded by [`STAGING_BOUND`] (in the browser it is the
+    /// browser's memory, not the page's).
+    fn workspace_bytes(&self, _graph: &nibble_core::graph::Graph) -> u64 {
+        if cfg!(target_arch = "wasm32") {
+            0
+        } else {
+            STAGING_BOUND
+        }
+    }
+
     fn device_memory_limit(&self) -> Option<(u64, &'static str)> {
         Some((self.limits.max_buffer_size, "max_buffer_size"))
+    }
+
+    /// Compiles the pipelines of `graph`'s ops (both 4-bit linear kernels: the GEMV for decode
+    /// and the tiled one for larger batches): a CPU renderer keeps the compiled code in this
+    /// process's memory.
+    fn prepare(&mut self, graph: &nibble_core::graph::Graph) -> nibble_core::Result<()> {
+        let mut names = std::collections::BTreeSet::new();
+        for node in graph.nodes() {
+            let name = node.op.name();
+            if shader_source(name).is_some() {
+                names.insert(name);
+            }
+            if let OpKind::LinearQ4 { .. } = node.op {
+                names.insert("linear_q4_tiled");
+            }
+        }
+        for name in names {
+            self.pipeline(name).map_err(core_err)?;
+        }
+        Ok(())
+    }
+
+    /// A CPU renderer (lavapipe, SwiftShader) keeps its buffers in this process's RAM; in the
+    /// browser they are the browser's, not the page's.
+    fn device_memory_is_host(&self) -> bool {
+        cfg!(not(target_arch = "wasm32")) && self.info.device_type == wgpu::DeviceType::Cpu
     }
 
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
@@ -464,8 +505,9 @@ impl Backend for WgpuBackend {
     ) -> nibble_core::Result<()> {
         // A queued write takes effect before anything recorded and not yet submitted.
         self.flush().map_err(core_err)?;
-        let r = self.resident()?;
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.staging_room(bytes.len() as u64).map_err(core_err)?;
+        let r = self.resident()?;
         self.queue
             .write_buffer(&r.arena, dst.offset as u64 * 4, &bytes);
         Ok(())
@@ -521,6 +563,8 @@ impl Backend for WgpuBackend {
     ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
         // The region may still be read by recorded ops of the group two back.
         self.flush().map_err(core_err)?;
+        self.staging_room(bytes.len().div_ceil(4) as u64 * 4)
+            .map_err(core_err)?;
         let r = self.resident()?;
         if bytes.len() % 4 == 0 {
             self.queue.write_buffer(&r.pool, offset, bytes);

@@ -28,7 +28,7 @@ impl WgpuBackend {
                 label: Some("read"),
             });
         enc.copy_buffer_to_buffer(src, offset, &readback, 0, bytes);
-        self.queue.submit([enc.finish()]);
+        self.submit(Some(enc.finish()));
         let state: std::sync::Arc<std::sync::Mutex<Mapped>> = Default::default();
         let cb = state.clone();
         readback.slice(..).map_async(wgpu::MapMode::Read, move |r| {
@@ -46,6 +46,8 @@ impl WgpuBackend {
             .poll(wgpu::PollType::wait_indefinitely())
             .map(|_| ())
             .map_err(|e| WgpuError::Gpu(e.to_string()));
+        #[cfg(not(target_arch = "wasm32"))]
+        self.device_idle();
         #[cfg(target_arch = "wasm32")]
         let polled: Result<()> = Ok(());
         async move {

@@ -160,13 +160,9 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
     ];
     // Everything the device does not hold fits the host tier.
     let all = run_wgpu(&[&mem[..], &["--host-budget", "1TiB"]].concat());
-    let plan = &all["plan"];
-    let held = u(&tier(plan, "host")["bytes"]);
-    assert!(held > 0 && u(&tier(plan, "source")["bytes"]) == 0, "{plan}");
-    // A host budget that holds about half of those groups besides the process and the buffers.
-    let rss = u(&all["budget"]["rss_at_plan_bytes"]);
-    let buffers = u(&plan["peak_host_bytes"]) - held;
-    let host = rss + buffers + held / 2;
+    // A host budget that holds about half of those groups besides the process, the buffers and
+    // the device memory where it is RAM (lavapipe).
+    let host = half_the_host_tier(&all);
     let three = run_wgpu(&[&mem[..], &["--host-budget", &host.to_string()]].concat());
     let plan = &three["plan"];
     let (h, s) = (tier(plan, "host"), tier(plan, "source"));
@@ -215,26 +211,152 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
     }
 }
 
+/// A host budget for the run `all` (whose host tier holds every group the device does not):
+/// what it held when it planned, its buffers, its device memory where that is host RAM, and
+/// half of its host tier.
+fn half_the_host_tier(all: &serde_json::Value) -> u64 {
+    let plan = &all["plan"];
+    let held = u(&tier(plan, "host")["bytes"]);
+    assert!(held > 0 && u(&tier(plan, "source")["bytes"]) == 0, "{plan}");
+    let device = if plan["device_in_host_memory"] == true {
+        u(&plan["peak_device_bytes"])
+    } else {
+        0
+    };
+    u(&all["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) - held + device + held / 2
+}
+
+/// A DiT on wgpu with all three tiers: its latents equal the resident run's, every step after
+/// the first reads only the source tier from the source, and peak RSS stays within the plan
+/// (lavapipe's device memory counted as the host RAM it is).
+#[test]
+fn three_tiers_on_wgpu_for_a_dit() {
+    if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
+        && nibble_wgpu::WgpuBackend::new().is_err()
+    {
+        println!("wgpu absent: not run");
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dit = tmp.path().join("dit");
+    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "synth", "--arch", "dit", "--size", "24MiB", "--seed", "9", "-o",
+        ])
+        .arg(&dit)
+        .output()
+        .expect("synth");
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let run = |name: &str, extra: &[&str]| -> (serde_json::Value, Vec<u8>) {
+        let out = tmp.path().join(name);
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(["run", "--model"])
+            .arg(&dit)
+            .args([
+                "--backend",
+                "wgpu",
+                "--steps",
+                "3",
+                "--height",
+                "2",
+                "--width",
+                "2",
+            ])
+            .args([
+                "--text-len",
+                "2",
+                "--json",
+                "--slots",
+                "2",
+                "--slot-size",
+                "4MiB",
+            ])
+            .args(extra)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .expect("run");
+        let v = json(&o);
+        (v["summary"].clone(), std::fs::read(&out).expect("latents"))
+    };
+    let (resident, latents) = run("resident.safetensors", &[]);
+    assert_eq!(u(&resident["plan"]["streamed_groups"]), 0, "{resident}");
+    // Half the resident device memory, the rest in a host tier that holds it all.
+    let device = (u(&resident["plan"]["peak_device_bytes"]) / 2).to_string();
+    let (all, _) = run(
+        "all.safetensors",
+        &["--device-budget", &device, "--host-budget", "1TiB"],
+    );
+    let host = half_the_host_tier(&all).to_string();
+    let (three, three_latents) = run(
+        "three.safetensors",
+        &["--device-budget", &device, "--host-budget", &host],
+    );
+    let plan = &three["plan"];
+    for t in ["device", "host", "source"] {
+        assert!(
+            !tier(plan, t)["groups"]
+                .as_array()
+                .expect("groups")
+                .is_empty(),
+            "the {t} tier holds groups with a {host} B host budget: {plan}"
+        );
+    }
+    let (s_bytes, h_bytes) = (
+        u(&tier(plan, "source")["bytes_per_step"]),
+        u(&tier(plan, "host")["bytes_per_step"]),
+    );
+    let per_step = |k: &str| -> Vec<u64> {
+        three[k]
+            .as_array()
+            .expect("per step")
+            .iter()
+            .map(u)
+            .collect()
+    };
+    let (src, hst) = (
+        per_step("bytes_source_per_step"),
+        per_step("bytes_host_per_step"),
+    );
+    assert_eq!((src[0], hst[0]), (s_bytes + h_bytes, 0), "first step");
+    for (i, (a, b)) in src.iter().zip(&hst).enumerate().skip(1) {
+        assert_eq!((*a, *b), (s_bytes, h_bytes), "step {i}");
+    }
+    assert!(
+        three_latents == latents,
+        "the three-tier run's latents equal the resident run's"
+    );
+    within_plan("DiT, three tiers", &three, plan, u(&three["rss_max_bytes"]));
+}
+
+/// Peak RSS within the process's memory when it planned plus the plan's host bytes (plus its
+/// device bytes where they are host RAM: the CPU backends, a CPU renderer), + 16 MiB.
+fn within_plan(what: &str, v: &serde_json::Value, plan: &serde_json::Value, peak: u64) {
+    let at_plan = u(&v["budget"]["rss_at_plan_bytes"]);
+    let device = if plan["device_in_host_memory"] == true {
+        u(&plan["peak_device_bytes"])
+    } else {
+        0
+    };
+    let predicted = at_plan + u(&plan["peak_host_bytes"]) + device;
+    println!("{what}: peak RSS {peak} B, predicted {predicted} B");
+    assert!(
+        peak <= predicted + 16 * MIB,
+        "{what}: peak RSS {peak} over the predicted {predicted} + 16 MiB"
+    );
+    assert!(u(&plan["streamed_groups"]) > 0, "{what} streams: {plan}");
+}
+
 /// The plan is a contract for RSS: the run's peak stays within the process's memory when it
 /// planned plus the plan's host bytes (plus its device bytes, host memory on the CPU backend),
 /// with 16 MiB of slack, for a language model and a DiT whose layers stream.
 #[test]
 fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
-    let check = |what: &str, v: &serde_json::Value, plan: &serde_json::Value, peak: u64| {
-        let at_plan = u(&v["budget"]["rss_at_plan_bytes"]);
-        let device = if plan["shared_memory"] == true {
-            u(&plan["peak_device_bytes"])
-        } else {
-            0
-        };
-        let predicted = at_plan + u(&plan["peak_host_bytes"]) + device;
-        println!("{what}: peak RSS {peak} B, predicted {predicted} B");
-        assert!(
-            peak <= predicted + 16 * MIB,
-            "{what}: peak RSS {peak} over the predicted {predicted} + 16 MiB"
-        );
-        assert!(u(&plan["streamed_groups"]) > 0, "{what} streams: {plan}");
-    };
+    let check = within_plan;
     let llm = json(&run(&["--device-budget", "80MiB"]));
     check("SmolLM2", &llm, &llm["plan"], u(&llm["rss_max_bytes"]));
     let tmp = tempfile::tempdir().expect("tmp");

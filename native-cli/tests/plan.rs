@@ -123,3 +123,70 @@ fn wgpu_auto_device_budget_is_a_stated_share_of_the_adapter_limit() {
         .expect("device_budget_bytes");
     assert!(device > 0 && device <= limit / 4 * 3, "{device} of {limit}");
 }
+
+/// The layers a device budget cannot hold are spread between those it holds, so that each one's
+/// read overlaps the compute of resident layers before it: with about half the layers resident,
+/// no run of resident layers is longer than twice the even spacing, and the plan prints the
+/// tiers as ranges with gaps.
+#[test]
+fn streamed_layers_are_spread_between_resident_ones() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join("llama");
+    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args([
+            "synth", "--arch", "llama", "--size", "48MiB", "--seed", "3", "-o",
+        ])
+        .arg(&dir)
+        .output()
+        .expect("synth");
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let dir = dir.to_str().expect("utf8");
+    let args = [dir, "--backend", "cpu", "--prompt-ids", "1,2,3"];
+    let v = plan_json(&args);
+    let phase = &v["phases"][0];
+    let (min, all) = (
+        phase["min_device_bytes"].as_u64().expect("min"),
+        phase["resident_device_bytes"].as_u64().expect("resident"),
+    );
+    let budget = ((min + all) / 2).to_string();
+    let v = plan_json(&[&args[..], &["--device-budget", &budget]].concat());
+    let tiers = v["phases"][0]["plan"]["tiers"].as_array().expect("tiers");
+    let layers = |name: &str| -> Vec<usize> {
+        tiers.iter().find(|t| t["name"] == name).expect("tier")["groups"]
+            .as_array()
+            .expect("groups")
+            .iter()
+            .filter_map(|g| g.as_str()?.strip_prefix("model.layers.")?.parse().ok())
+            .collect()
+    };
+    let (device, source) = (layers("device"), layers("source"));
+    let n = device.len() + source.len();
+    assert!(
+        n >= 8 && device.len() >= 2 && source.len() >= 2,
+        "about half of {n} layers resident: {device:?} / {source:?}"
+    );
+    let mut resident = vec![false; n];
+    for &l in &device {
+        resident[l] = true;
+    }
+    let longest = resident.split(|&r| !r).map(|r| r.len()).max().unwrap_or(0);
+    assert!(
+        longest <= 2 * n / source.len() + 1,
+        "a run of {longest} resident layers of {n} (streamed: {source:?})"
+    );
+    let text = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["plan", "--model"])
+        .args(args)
+        .args(["--device-budget", &budget])
+        .output()
+        .expect("nibble plan");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("model.layers.{"),
+        "the tiers print as ranges with gaps: {text}"
+    );
+}

@@ -166,6 +166,19 @@ pub trait Backend {
     fn device_memory(&mut self) -> Option<(u64, u64)> {
         None
     }
+    /// Makes ready what running `graph` needs besides its memory (a GPU backend compiles its
+    /// kernels' pipelines), so that a run measures the process's memory, driver state included,
+    /// after it: the plan's prediction of the peak RSS starts from that measure.
+    fn prepare(&mut self, _graph: &crate::graph::Graph) -> crate::Result<()> {
+        Ok(())
+    }
+    /// The device's memory is RAM of this process, though the backend keeps its own buffers (a
+    /// CPU renderer such as lavapipe): the plan counts the device bytes as host memory too (in
+    /// the RSS it predicts and against the host budget). The CPU backends, whose arena and pool
+    /// are host memory ([`Backend::host_memory`]), count them so without this.
+    fn device_memory_is_host(&self) -> bool {
+        false
+    }
     /// Where the driver does not tell free memory, a limit of the device that bounds what one
     /// allocation may take (a wgpu adapter's `max_buffer_size`), with its name: `--device-budget
     /// auto` takes a stated fraction of it ([`AUTO_LIMIT_FRACTION`]) and says so.

@@ -82,6 +82,8 @@ pub struct Rules {
     /// The first operand over the backend's limit for it ([`Backend::operand_limit`]), said
     /// as the planner's error.
     pub oversized: Option<String>,
+    /// The device's memory is this process's RAM ([`Backend::device_memory_is_host`]).
+    pub device_in_ram: bool,
 }
 
 /// The first operand of `graph` larger than `backend` takes, described.
@@ -124,6 +126,7 @@ impl Rules {
             host_memory: backend.host_memory().is_some(),
             workspace_bytes: backend.workspace_bytes(graph),
             oversized: oversized(backend, graph),
+            device_in_ram: backend.device_memory_is_host(),
         }
     }
 }
@@ -171,6 +174,11 @@ pub struct MemoryPlan {
     /// Host and device are the same memory (the CPU backends): the host tier is merged into the
     /// device budget.
     pub shared_memory: bool,
+    /// The device memory is host RAM of this process: on the CPU backends, and on a device
+    /// whose memory is RAM (a CPU renderer such as lavapipe, which keeps its own buffers, so
+    /// that the tiers stay apart): its bytes count in the process's RSS and against the host
+    /// budget.
+    pub device_in_host_memory: bool,
 }
 
 /// One tier of a plan: where its groups' bytes come from each step.
@@ -187,29 +195,44 @@ pub struct Tier {
     pub bytes_per_step: u64,
 }
 
-/// Group names as ranges: `model.layers.0-11` for a run of numbered siblings.
+/// Group names as ranges: `model.layers.0-11` for a run of numbered siblings, and
+/// `model.layers.{0-3,5,7-11}` for siblings with gaps (the groups another tier holds).
 pub fn name_ranges(names: &[String]) -> String {
     let split = |n: &str| -> Option<(String, u64)> {
         let (head, num) = n.rsplit_once('.')?;
         Some((head.to_string(), num.parse().ok()?))
     };
+    // Per run of names with one head: its numbers as ranges.
     let mut out: Vec<String> = Vec::new();
-    let mut run: Option<(String, u64, u64)> = None;
-    let flush = |run: &mut Option<(String, u64, u64)>, out: &mut Vec<String>| {
-        if let Some((h, a, b)) = run.take() {
-            out.push(if a == b {
-                format!("{h}.{a}")
+    let mut run: Option<(String, Vec<(u64, u64)>)> = None;
+    let flush = |run: &mut Option<(String, Vec<(u64, u64)>)>, out: &mut Vec<String>| {
+        if let Some((h, ranges)) = run.take() {
+            let r: Vec<String> = ranges
+                .iter()
+                .map(|&(a, b)| {
+                    if a == b {
+                        format!("{a}")
+                    } else {
+                        format!("{a}-{b}")
+                    }
+                })
+                .collect();
+            out.push(if r.len() == 1 {
+                format!("{h}.{}", r[0])
             } else {
-                format!("{h}.{a}-{b}")
+                format!("{h}.{{{}}}", r.join(","))
             });
         }
     };
     for n in names {
         match (split(n), run.as_mut()) {
-            (Some((h, k)), Some((rh, _, b))) if *rh == h && k == *b + 1 => *b = k,
+            (Some((h, k)), Some((rh, ranges))) if *rh == h => match ranges.last_mut() {
+                Some((_, b)) if k == *b + 1 => *b = k,
+                _ => ranges.push((k, k)),
+            },
             (Some((h, k)), _) => {
                 flush(&mut run, &mut out);
-                run = Some((h, k, k));
+                run = Some((h, vec![(k, k)]));
             }
             (None, _) => {
                 flush(&mut run, &mut out);
@@ -251,6 +274,17 @@ impl MemoryPlan {
         ]
     }
 
+    /// Host memory the plan adds to the process: its host bytes, and its device bytes where
+    /// the device memory is host RAM.
+    pub fn host_bytes_with_device(&self) -> u64 {
+        self.peak_host_bytes
+            + if self.device_in_host_memory {
+                self.peak_device_bytes
+            } else {
+                0
+            }
+    }
+
     /// Bytes read once, before the first step: the resident groups.
     pub fn resident_read_bytes(&self) -> u64 {
         self.groups
@@ -288,6 +322,7 @@ impl MemoryPlan {
             "peak_host_bytes": self.peak_host_bytes,
             "device_bytes": self.peak_device_bytes,
             "shared_memory": self.shared_memory,
+            "device_in_host_memory": self.device_in_host_memory,
         })
     }
 
@@ -557,7 +592,7 @@ impl Planner {
     }
 
     /// Decides residency for `budgets` and returns the plan with its layout. Groups are kept
-    /// resident in declaration order while the layout with them still fits the device budget
+    /// resident, offered in [`spread_order`], while the layout with them still fits the device budget
     /// (every group streams with `stream_all`); the layout returned is the one whose figures
     /// the plan reports.
     pub fn plan(&self, budgets: Budgets, stream_all: bool) -> Result<(MemoryPlan, Layout)> {
@@ -608,7 +643,7 @@ impl Planner {
             // whose residency only fits once a later group (a tied head) is resident too.
             lay = all;
         } else if !stream_all {
-            for g in 0..n {
+            for g in spread_order(n) {
                 resident[g] = true;
                 let candidate = self.layout(&resident)?;
                 if candidate.device_bytes() <= budgets.device_bytes {
@@ -634,7 +669,7 @@ impl Planner {
                 },
             })
             .collect();
-        // The host tier: streamed groups, in schedule order, while they fit its budget; none
+        // The host tier: streamed groups, offered in spread order, while they fit its budget; none
         // where host and device are the same memory.
         // A group that shares a tensor with another streamed group (tied embeddings) stays with
         // the source: the host tier keeps chunks by their place in the file, and both groups
@@ -647,7 +682,8 @@ impl Planner {
                     *readers.entry(t.name.as_str()).or_default() += 1;
                 }
             }
-            for &g in &lay.streamed {
+            for i in spread_order(lay.streamed.len()) {
+                let g = lay.streamed[i];
                 let shared = lay.reads[g].iter().any(|t| readers[t.name.as_str()] > 1);
                 let b = groups[g].bytes;
                 if shared || host_tier_bytes + b > budgets.host_tier_bytes {
@@ -694,8 +730,29 @@ impl Planner {
                 .saturating_add(self.rules.workspace_bytes)
                 .saturating_add(host_tier_bytes),
             shared_memory: self.rules.host_memory,
+            device_in_host_memory: self.rules.host_memory || self.rules.device_in_ram,
         }
     }
+}
+
+/// `0..n` in bit-reversed order (0, n/2, n/4, 3n/4, ...): every prefix is spread evenly over the
+/// range. The planner offers groups to a tier in this order, so that the groups a tier cannot
+/// hold are spread between those it does: the reads of each streamed group then overlap the
+/// compute of the resident groups before it, where a run of resident groups followed by a run
+/// of streamed ones would compute the first run with the disk idle (the ring holds only a few
+/// slots ahead).
+pub fn spread_order(n: usize) -> Vec<usize> {
+    let bits = n.next_power_of_two().trailing_zeros();
+    (0..n.next_power_of_two())
+        .map(|i| {
+            if bits == 0 {
+                0
+            } else {
+                i.reverse_bits() >> (usize::BITS - bits)
+            }
+        })
+        .filter(|&i| i < n)
+        .collect()
 }
 
 /// The smallest device budget with which `backend` runs `graph` on `model` (every group
@@ -715,4 +772,59 @@ pub fn resident_device_bytes<B: Backend + ?Sized>(
     backend: &mut B,
 ) -> Result<u64> {
     Planner::new(graph.clone(), model, Rules::of(backend, graph))?.resident_device_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{name_ranges, spread_order};
+
+    #[test]
+    fn spread_order_is_a_permutation_whose_prefixes_cover_the_range_evenly() {
+        for n in [0usize, 1, 2, 3, 7, 30, 64, 100, 314] {
+            let o = spread_order(n);
+            let mut sorted = o.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n = {n}");
+            // The first k are spread: no run of indices outside them (or inside them) is longer
+            // than twice the even spacing, plus one.
+            for k in 1..n {
+                let mut inside = vec![false; n];
+                for &i in &o[..k] {
+                    inside[i] = true;
+                }
+                let longest = |want: bool| {
+                    inside
+                        .split(|&x| x != want)
+                        .map(|r| r.len())
+                        .max()
+                        .unwrap_or(0)
+                };
+                assert!(
+                    longest(false) <= 2 * n / k + 1 && longest(true) <= 2 * n / (n - k) + 1,
+                    "n = {n}, the first {k}: runs of {} outside, {} inside",
+                    longest(false),
+                    longest(true)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn name_ranges_merge_numbered_siblings_with_and_without_gaps() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            name_ranges(&names(&[
+                "embed", "layers.0", "layers.1", "layers.2", "head"
+            ])),
+            "embed, layers.0-2, head"
+        );
+        assert_eq!(
+            name_ranges(&names(&[
+                "layers.0", "layers.2", "layers.3", "layers.7", "norm"
+            ])),
+            "layers.{0,2-3,7}, norm"
+        );
+        assert_eq!(name_ranges(&names(&["a.1", "b.2", "b.3"])), "a.1, b.2-3");
+        assert_eq!(name_ranges(&[]), "");
+    }
 }

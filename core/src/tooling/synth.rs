@@ -290,7 +290,23 @@ fn dit(size: u64, seed: u64) -> SynthModel {
     // (inner dim, heads): Flux is 3072 = 24 x 128; smaller sizes scale the width down.
     let widths: [(u64, u64); 5] = [(3072, 24), (1536, 12), (768, 6), (384, 3), (128, 2)];
     let (in_ch, joint, pooled, rope_axes) = (64u64, 4096u64, 768u64, [16u64, 56, 56]);
-    let unit = |d: u64| (38 + 2 * 15) * d * d * 9 / 16;
+    // One double block and two single blocks (Flux's 19 : 38), as written below: their linears'
+    // (out, in) and the bytes those take stored (4-bit codes, nested absmax, quant state, bias).
+    let double_lins = |d: u64| {
+        let mut l = vec![(6 * d, d); 2];
+        l.extend([(d, d); 8]);
+        l.extend([(4 * d, d), (d, 4 * d), (4 * d, d), (d, 4 * d)]);
+        l
+    };
+    let single_lins = |d: u64| [(3 * d, d), (d, d), (d, d), (d, d), (4 * d, d), (d, 5 * d)];
+    let unit = |d: u64| {
+        let lin_bytes = |&(o, i): &(u64, u64)| {
+            bytes_of("u.weight", &Kind::Quant(vec![o, i]))
+                + bytes_of("u.bias", &Kind::Dense(vec![o], 0.0))
+        };
+        double_lins(d).iter().map(lin_bytes).sum::<u64>()
+            + 2 * single_lins(d).iter().map(lin_bytes).sum::<u64>()
+    };
     let (d, heads) = widths
         .iter()
         .copied()

@@ -180,6 +180,17 @@ pub(crate) fn exec_options<B: Backend>(
     use crate::args::Budget;
     use nibble_core::plan::fmt_bytes;
     let ring = m.slots.saturating_mul(m.slot_size);
+    // The planner's own memory (its index of every tensor, the layouts it tries: tens of MiB
+    // for a model of thousands of tensors) stays with the process once it has planned: plan
+    // each phase once before measuring, so that the measure, and with it the prediction of the
+    // peak, includes it. A model the planner refuses is reported below.
+    // Likewise the backend's state for running them (a GPU backend's compiled pipelines).
+    for (g, model) in graphs {
+        backend.prepare(g)?;
+        if let Ok(least) = nibble_core::plan::min_device_bytes(g, model, backend) {
+            let _ = nibble_core::exec::Executor::plan_only(g, model, backend, options(m, least));
+        }
+    }
     let rss = nibble_core::io::machine::rss_bytes().unwrap_or(0);
     let (host, host_note) = match m.host_budget {
         Budget::Bytes(b) => (Some(b), format!("host budget {} (given)", fmt_bytes(b))),
@@ -210,6 +221,8 @@ pub(crate) fn exec_options<B: Backend>(
         }
     }
     let shares_host = backend.host_memory().is_some();
+    // The device's memory is RAM here too (a CPU renderer), though its buffers are its own.
+    let device_in_ram = shares_host || backend.device_memory_is_host();
     let (device_bytes, note) = match m.device_budget {
         Budget::Bytes(b) => (
             b,
@@ -318,6 +331,36 @@ pub(crate) fn exec_options<B: Backend>(
             }
         }
     };
+    let (device_bytes, note) = match (m.device_budget, host) {
+        (Budget::Auto, Some(h)) if device_in_ram && !shares_host => {
+            // The auto budget above is the device's; its memory is RAM, so the host budget
+            // bounds it too.
+            let mut host_bytes = ring;
+            for (g, model) in graphs {
+                if let Ok(p) = nibble_core::exec::Executor::plan_only(
+                    g,
+                    model,
+                    backend,
+                    options(m, device_bytes),
+                ) {
+                    host_bytes = host_bytes.max(p.peak_host_bytes);
+                }
+            }
+            let room = h.saturating_sub(rss).saturating_sub(host_bytes);
+            if device_bytes > room {
+                (
+                    room,
+                    format!(
+                        "{note}; capped at {}: the device's memory is this process's RAM (a CPU                          renderer), within the host budget less the process and the plan's host                          buffers",
+                        fmt_bytes(room)
+                    ),
+                )
+            } else {
+                (device_bytes, note)
+            }
+        }
+        _ => (device_bytes, note),
+    };
     let mut opts = options(m, device_bytes);
     let mut note = note;
     if m.stream_all {
@@ -331,7 +374,10 @@ pub(crate) fn exec_options<B: Backend>(
         for (g, model) in graphs {
             if let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) {
                 streams |= plan.counts().1 > 0;
-                room = room.min(h.saturating_sub(rss).saturating_sub(plan.peak_host_bytes));
+                room = room.min(
+                    h.saturating_sub(rss)
+                        .saturating_sub(plan.host_bytes_with_device()),
+                );
             }
         }
         if streams && room != u64::MAX && room > 0 {
@@ -348,7 +394,7 @@ pub(crate) fn exec_options<B: Backend>(
             let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) else {
                 continue;
             };
-            let device = if shares_host {
+            let device = if plan.device_in_host_memory {
                 plan.peak_device_bytes
             } else {
                 0
@@ -364,7 +410,7 @@ pub(crate) fn exec_options<B: Backend>(
                     fmt_bytes(need),
                     fmt_bytes(rss),
                     fmt_bytes(plan.peak_host_bytes),
-                    if shares_host {
+                    if plan.device_in_host_memory {
                         format!(
                             " + device memory, which is host memory here, {}",
                             fmt_bytes(device)

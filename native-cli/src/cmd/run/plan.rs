@@ -34,18 +34,10 @@ pub(super) fn print<B: Backend>(
                      plan's host {}{})\n",
                     fmt_bytes(least),
                     fmt_bytes(resident),
-                    fmt_bytes(
-                        note.rss_at_plan
-                            + plan.peak_host_bytes
-                            + if plan.shared_memory {
-                                plan.peak_device_bytes
-                            } else {
-                                0
-                            }
-                    ),
+                    fmt_bytes(note.rss_at_plan + plan.host_bytes_with_device()),
                     fmt_bytes(note.rss_at_plan),
                     fmt_bytes(plan.peak_host_bytes),
-                    if plan.shared_memory {
+                    if plan.device_in_host_memory {
                         format!(
                             " + device {}, host memory here",
                             fmt_bytes(plan.peak_device_bytes)
