@@ -239,17 +239,12 @@ fn three_tiers_on_wgpu_for_a_dit() {
     }
     let tmp = tempfile::tempdir().expect("tmp");
     let dit = tmp.path().join("dit");
-    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args([
-            "synth", "--arch", "dit", "--size", "24MiB", "--seed", "9", "-o",
-        ])
-        .arg(&dit)
-        .output()
-        .expect("synth");
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    nibble_tests::synth(
+        std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
+        "dit",
+        "24MiB",
+        9,
+        &dit,
     );
     let run = |name: &str, extra: &[&str]| -> (serde_json::Value, Vec<u8>) {
         let out = tmp.path().join(name);
@@ -361,17 +356,12 @@ fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
     check("SmolLM2", &llm, &llm["plan"], u(&llm["rss_max_bytes"]));
     let tmp = tempfile::tempdir().expect("tmp");
     let dit = tmp.path().join("dit");
-    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args([
-            "synth", "--arch", "dit", "--size", "64MiB", "--seed", "5", "-o",
-        ])
-        .arg(&dit)
-        .output()
-        .expect("synth");
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    nibble_tests::synth(
+        std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
+        "dit",
+        "64MiB",
+        5,
+        &dit,
     );
     let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
         .args(["run", "--model"])

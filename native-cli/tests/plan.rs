@@ -132,17 +132,12 @@ fn wgpu_auto_device_budget_is_a_stated_share_of_the_adapter_limit() {
 fn streamed_layers_are_spread_between_resident_ones() {
     let tmp = tempfile::tempdir().expect("tmp");
     let dir = tmp.path().join("llama");
-    let st = Command::new(env!("CARGO_BIN_EXE_nibble"))
-        .args([
-            "synth", "--arch", "llama", "--size", "48MiB", "--seed", "3", "-o",
-        ])
-        .arg(&dir)
-        .output()
-        .expect("synth");
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    nibble_tests::synth(
+        std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
+        "llama",
+        "48MiB",
+        3,
+        &dir,
     );
     let dir = dir.to_str().expect("utf8");
     let args = [dir, "--backend", "cpu", "--prompt-ids", "1,2,3"];

@@ -27,6 +27,23 @@ pub fn fixtures_dir() -> PathBuf {
     p
 }
 
+/// Writes a synthetic NF4 model of `arch` (`llama`, `dit`) and about `size` (`48MiB`) with the
+/// `nibble` binary at `nibble` into `out`; the synthesis must succeed.
+pub fn synth(nibble: &Path, arch: &str, size: &str, seed: u64, out: &Path) {
+    let st = std::process::Command::new(nibble)
+        .args(["synth", "--arch", arch, "--size", size, "--seed"])
+        .arg(seed.to_string())
+        .arg("-o")
+        .arg(out)
+        .output()
+        .expect("nibble synth");
+    assert!(
+        st.status.success(),
+        "nibble synth {arch} {size}: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+}
+
 /// A fixture path below `fixtures_dir()`.
 pub fn fixture(rel: &str) -> PathBuf {
     fixtures_dir().join(rel)
