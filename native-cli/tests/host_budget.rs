@@ -382,3 +382,43 @@ fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
     let s = &v["summary"];
     check("DiT", s, &s["plan"], u(&s["rss_max_bytes"]));
 }
+
+/// On a CPU renderer (lavapipe) the device's memory is the process's RAM: `--device-budget auto`
+/// is capped by the host budget less the process and the plan's host buffers, the plan counts
+/// the device bytes as host memory, and the run that streams what the cap leaves out gives the
+/// resident run's tokens within the host budget.
+#[test]
+fn a_cpu_renderers_auto_device_budget_fits_the_host_budget() {
+    let Some(backend) = nibble_tests::wgpu_or_absent("a CPU renderer's auto budget") else {
+        return;
+    };
+    if !backend.is_software() {
+        println!("the wgpu adapter is a GPU: its memory is not this process's RAM; not run");
+        return;
+    }
+    let ring = ["--slots", "2", "--slot-size", "4MiB"];
+    let resident = run_wgpu(&ring);
+    let plan = &resident["plan"];
+    assert_eq!(plan["device_in_host_memory"], true, "{plan}");
+    assert_eq!(u(&plan["streamed_groups"]), 0, "{plan}");
+    // Room for the process, the buffers and about 90% of the resident device memory.
+    let device = u(&plan["peak_device_bytes"]);
+    let host =
+        u(&resident["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) + device * 9 / 10;
+    let capped = run_wgpu(&[&ring[..], &["--host-budget", &host.to_string()]].concat());
+    let plan = &capped["plan"];
+    let note = capped["budget"]["note"].as_str().unwrap_or("");
+    assert!(note.contains("capped at"), "{note}");
+    assert!(
+        u(&plan["streamed_groups"]) > 0 && u(&plan["peak_device_bytes"]) < device,
+        "{plan}"
+    );
+    assert!(
+        u(&capped["budget"]["rss_at_plan_bytes"])
+            + u(&plan["peak_host_bytes"])
+            + u(&plan["peak_device_bytes"])
+            <= host,
+        "the plan with its device memory fits the host budget {host}: {plan}"
+    );
+    assert_eq!(capped["tokens"], resident["tokens"]);
+}

@@ -351,7 +351,9 @@ pub(crate) fn exec_options<B: Backend>(
                 (
                     room,
                     format!(
-                        "{note}; capped at {}: the device's memory is this process's RAM (a CPU                          renderer), within the host budget less the process and the plan's host                          buffers",
+                        "{note}; capped at {}: the device's memory is this process's RAM (a CPU \
+                         renderer), within the host budget less the process and the plan's host \
+                         buffers",
                         fmt_bytes(room)
                     ),
                 )
