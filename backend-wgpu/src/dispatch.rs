@@ -183,6 +183,107 @@ impl WgpuBackend {
         Ok(())
     }
 
+    /// Launches one workgroup of every kernel that `graph` uses, on scratch buffers, and waits
+    /// for it. A driver may defer work to a kernel's first launch: lavapipe compiles a compute
+    /// shader's machine code then (about 16 MiB of this process's RAM for a Llama's kernels),
+    /// which would otherwise appear as growth during the first step, after the process's memory
+    /// was measured for the plan. The parameters are those of the graph's own shapes, so every
+    /// loop is as bounded as in a run; the scratch bindings are tiny, and WebGPU's bounds checks
+    /// keep accesses beyond them inside them.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn warm_up(&mut self, graph: &nibble_core::graph::Graph) -> Result<()> {
+        let mut launched = std::collections::BTreeSet::new();
+        let mut launches = Vec::new();
+        for node in graph.nodes() {
+            let shapes: Vec<Vec<usize>> = node
+                .inputs
+                .iter()
+                .map(|v| graph.info(*v).shape.clone())
+                .collect();
+            let out = &graph.info(node.output).shape;
+            let bn = shapes.get(1).map(|s| s.iter().product()).unwrap_or(1);
+            let (name, params, _) =
+                nibble_core::backend::kernel_calls::call(&node.op, &shapes, out, 64, bn);
+            let mut names = vec![name];
+            if let OpKind::LinearQ4 { .. } = node.op {
+                names.push("linear_q4_tiled");
+            }
+            let slots = nibble_core::backend::kernel_calls::operands(&node.op, shapes.len()).len();
+            for name in names {
+                if crate::shader_source(name).is_some() && launched.insert(name) {
+                    launches.push((name, params.clone(), slots + 1));
+                }
+            }
+        }
+        if launches.is_empty() {
+            return Ok(());
+        }
+        let stride = DUMMY_STRIDE.max(self.limits.min_storage_buffer_offset_alignment as u64);
+        let most = launches.iter().map(|l| l.2).max().unwrap_or(1) as u64;
+        let scratch = self.create_buffer(
+            "kernel warm-up scratch",
+            most * stride,
+            wgpu::BufferUsages::STORAGE,
+        )?;
+        let ustride = self.uniform_stride();
+        let uniform = self.create_buffer(
+            "kernel warm-up parameters",
+            launches.len() as u64 * ustride,
+            wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        )?;
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("warm-up"),
+            });
+        for (i, (name, params, bindings)) in launches.iter().enumerate() {
+            let pipeline = self.pipeline(name)?;
+            let mut words = params.clone();
+            words.resize((PARAM_BYTES / 4) as usize, 0);
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let at = i as u64 * ustride;
+            self.queue.write_buffer(&uniform, at, &bytes);
+            let mut entries = vec![wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &uniform,
+                    offset: at,
+                    size: std::num::NonZeroU64::new(PARAM_BYTES),
+                }),
+            }];
+            for k in 0..*bindings as u64 {
+                entries.push(wgpu::BindGroupEntry {
+                    binding: k as u32 + 1,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: &scratch,
+                        offset: k * stride,
+                        size: std::num::NonZeroU64::new(stride),
+                    }),
+                });
+            }
+            let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("warm-up"),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(name),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(1, 1, 1);
+        }
+        let index = self.queue.submit(Some(enc.finish()));
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            })
+            .map_err(|e| WgpuError::Gpu(e.to_string()))?;
+        self.check_errors()
+    }
+
     /// Submits the recorded ops. Called before anything that the queue would order before them
     /// (`write_buffer` takes effect at the start of the next submit), before read-backs, and when
     /// the uniform ring is full.

@@ -179,7 +179,16 @@ impl WgpuBackend {
                 required_features: wgpu::Features::empty(),
                 required_limits: limits.clone(),
                 experimental_features: wgpu::ExperimentalFeatures::disabled(),
-                memory_hints: wgpu::MemoryHints::Performance,
+                // A CPU renderer's memory blocks are this process's RAM, and a block keeps the
+                // pages its freed upload staging touched: small blocks (gpu-allocator's 4-32 MiB
+                // for host-visible memory instead of 64-128 MiB) keep the staging within what the
+                // plan counts for it (SmolLM2 on lavapipe peaked 8 MiB over its plan with large
+                // blocks, 12 MiB under with small ones; decode speed within run-to-run noise).
+                memory_hints: if info.device_type == wgpu::DeviceType::Cpu {
+                    wgpu::MemoryHints::MemoryUsage
+                } else {
+                    wgpu::MemoryHints::Performance
+                },
                 trace: wgpu::Trace::Off,
             })
             .await
@@ -421,8 +430,9 @@ impl Backend for WgpuBackend {
     }
 
     /// Compiles the pipelines of `graph`'s ops (both 4-bit linear kernels: the GEMV for decode
-    /// and the tiled one for larger batches): a CPU renderer keeps the compiled code in this
-    /// process's memory.
+    /// and the tiled one for larger batches) and, natively, launches each once
+    /// (`warm_up`): a CPU renderer keeps the compiled code in this process's
+    /// memory, some of it made at a kernel's first launch.
     fn prepare(&mut self, graph: &nibble_core::graph::Graph) -> nibble_core::Result<()> {
         let mut names = std::collections::BTreeSet::new();
         for node in graph.nodes() {
@@ -437,13 +447,20 @@ impl Backend for WgpuBackend {
         for name in names {
             self.pipeline(name).map_err(core_err)?;
         }
+        #[cfg(not(target_arch = "wasm32"))]
+        self.warm_up(graph).map_err(core_err)?;
         Ok(())
     }
 
-    /// A CPU renderer (lavapipe, SwiftShader) keeps its buffers in this process's RAM; in the
-    /// browser they are the browser's, not the page's.
+    /// A CPU renderer (lavapipe, SwiftShader) keeps its buffers in this process's RAM, and an
+    /// integrated GPU's memory is the machine's RAM; in the browser they are the browser's,
+    /// not the page's.
     fn device_memory_is_host(&self) -> bool {
-        cfg!(not(target_arch = "wasm32")) && self.info.device_type == wgpu::DeviceType::Cpu
+        cfg!(not(target_arch = "wasm32"))
+            && matches!(
+                self.info.device_type,
+                wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu
+            )
     }
 
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {

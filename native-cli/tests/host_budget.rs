@@ -139,7 +139,8 @@ fn tier<'a>(plan: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
 /// On a GPU backend (wgpu) all three tiers: groups the device budget does not hold stay in host
 /// memory after their first read, as far as the host budget allows, and the rest stream from
 /// the source; after the first token only the source tier is read from the source, and the
-/// bytes per step from each equal the plan's. Tokens equal the resident run's.
+/// bytes per step from each equal the plan's. Tokens equal the resident run's, and peak RSS
+/// stays within the plan (on lavapipe, with its device memory as the host RAM it is).
 #[test]
 fn three_tiers_on_wgpu_move_the_planned_bytes() {
     if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
@@ -209,6 +210,12 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
             "tokens equal the resident run's"
         );
     }
+    within_plan(
+        "SmolLM2 with three tiers on wgpu",
+        &three,
+        plan,
+        u(&three["rss_max_bytes"]),
+    );
 }
 
 /// A host budget for the run `all` (whose host tier holds every group the device does not):

@@ -172,9 +172,11 @@ pub trait Backend {
     fn prepare(&mut self, _graph: &crate::graph::Graph) -> crate::Result<()> {
         Ok(())
     }
-    /// The device's memory is RAM of this process, though the backend keeps its own buffers (a
-    /// CPU renderer such as lavapipe): the plan counts the device bytes as host memory too (in
-    /// the RSS it predicts and against the host budget). The CPU backends, whose arena and pool
+    /// The device's memory is RAM, though the backend keeps its own buffers (a CPU renderer
+    /// such as lavapipe, whose buffers are this process's; an integrated GPU, whose memory is
+    /// the machine's): the plan counts the device bytes as host memory too (in the RSS it
+    /// predicts, an upper bound where the driver's pages are not the process's, and against the
+    /// host budget). The CPU backends, whose arena and pool
     /// are host memory ([`Backend::host_memory`]), count them so without this.
     fn device_memory_is_host(&self) -> bool {
         false

@@ -82,7 +82,7 @@ pub struct Rules {
     /// The first operand over the backend's limit for it ([`Backend::operand_limit`]), said
     /// as the planner's error.
     pub oversized: Option<String>,
-    /// The device's memory is this process's RAM ([`Backend::device_memory_is_host`]).
+    /// The device's memory is RAM ([`Backend::device_memory_is_host`]).
     pub device_in_ram: bool,
 }
 
@@ -174,10 +174,9 @@ pub struct MemoryPlan {
     /// Host and device are the same memory (the CPU backends): the host tier is merged into the
     /// device budget.
     pub shared_memory: bool,
-    /// The device memory is host RAM of this process: on the CPU backends, and on a device
-    /// whose memory is RAM (a CPU renderer such as lavapipe, which keeps its own buffers, so
-    /// that the tiers stay apart): its bytes count in the process's RSS and against the host
-    /// budget.
+    /// The device memory is host RAM: on the CPU backends, and on a device whose memory is RAM
+    /// (a CPU renderer such as lavapipe, an integrated GPU: they keep their own buffers, so
+    /// the tiers stay apart): its bytes count in the predicted RSS and against the host budget.
     pub device_in_host_memory: bool,
 }
 

@@ -221,7 +221,8 @@ pub(crate) fn exec_options<B: Backend>(
         }
     }
     let shares_host = backend.host_memory().is_some();
-    // The device's memory is RAM here too (a CPU renderer), though its buffers are its own.
+    // The device's memory is RAM here too (a CPU renderer, an integrated GPU), though its
+    // buffers are its own.
     let device_in_ram = shares_host || backend.device_memory_is_host();
     let (device_bytes, note) = match m.device_budget {
         Budget::Bytes(b) => (
@@ -351,9 +352,9 @@ pub(crate) fn exec_options<B: Backend>(
                 (
                     room,
                     format!(
-                        "{note}; capped at {}: the device's memory is this process's RAM (a CPU \
-                         renderer), within the host budget less the process and the plan's host \
-                         buffers",
+                        "{note}; capped at {}: the device's memory is RAM (a CPU renderer or an \
+                         integrated GPU), within the host budget less the process and the plan's \
+                         host buffers",
                         fmt_bytes(room)
                     ),
                 )
