@@ -355,9 +355,9 @@ fn within_plan(what: &str, v: &serde_json::Value, plan: &serde_json::Value, peak
 
 /// The plan is a contract for RSS: the run's peak stays within the process's memory when it
 /// planned plus the plan's host bytes (plus its device bytes, host memory on the CPU backend),
-/// with 16 MiB of slack, for a language model and a DiT whose layers stream.
+/// with 16 MiB of slack, for a language model, a DiT and an encoder whose layers stream.
 #[test]
-fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
+fn peak_rss_stays_within_the_plan_for_every_run_kind() {
     let check = within_plan;
     let llm = json(&run(&["--device-budget", "80MiB"]));
     check("SmolLM2", &llm, &llm["plan"], u(&llm["rss_max_bytes"]));
@@ -388,6 +388,21 @@ fn peak_rss_stays_within_the_plan_for_a_language_model_and_a_dit() {
     let v = json(&o);
     let s = &v["summary"];
     check("DiT", s, &s["plan"], u(&s["rss_max_bytes"]));
+    // A sentence embedding (BERT), its layers streamed: one pass reads the planned bytes.
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(["run", "--model"])
+        .arg(nibble_tests::fixture("minilm-nf4/model"))
+        .args(["--prompt", "memory planned up front", "--backend", "cpu"])
+        .args(["--json", "--device-budget", "4MiB"])
+        .args(["--slots", "2", "--slot-size", "4MiB"])
+        .output()
+        .expect("run");
+    let v = json(&o);
+    check("MiniLM", &v, &v["plan"], u(&v["rss_max_bytes"]));
+    assert_eq!(
+        v["bytes_source_per_step"][0], v["plan"]["source_bytes_per_step"],
+        "{v}"
+    );
 }
 
 /// On a CPU renderer (lavapipe) the device's memory is the process's RAM: `--device-budget auto`

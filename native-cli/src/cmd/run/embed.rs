@@ -83,11 +83,10 @@ pub(super) fn run<B: Backend>(
             "bytes_streamed": stats.stream.bytes,
             "bytes_in_place": stats.in_place_bytes,
             "budget": budget_note.json(),
-            "plan": {
-                "resident_groups": enc.executor().plan().counts().0,
-                "streamed_groups": enc.executor().plan().counts().1,
-                "device_bytes": enc.executor().plan().peak_device_bytes,
-            },
+            // One pass: the arrays have one entry, as a one-step run's.
+            "bytes_source_per_step": [stats.source_bytes],
+            "bytes_host_per_step": [stats.host_bytes],
+            "plan": enc.executor().plan().to_json(),
         });
         crate::output::write_stdout(&format!("{v}\n"))?;
     } else {
