@@ -14,8 +14,9 @@
 #                                         available memory, where the model is beyond it)
 #   NIBBLE_BENCH_SLOTS=16 NIBBLE_BENCH_SLOT_SIZE=32MiB
 #                                         the staging ring (default 16 x 32 MiB = 512 MiB: reads run
-#                                         ahead through a few layers' compute; the CLI's default
-#                                         4 x 16 MiB ring lets the disk idle while a layer computes)
+#                                         ahead through a few layers' compute; `auto` for both
+#                                         gives the CLI's own choice, a ring that holds the
+#                                         largest streamed group, at most 1 GiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p nibble-cli

@@ -69,12 +69,16 @@ pub struct MemoryArgs {
     /// kernel buffers, and on the CPU backends the device memory too) must fit it.
     #[arg(long, value_parser = budget, default_value = "auto", value_name = "SIZE|auto")]
     pub host_budget: Budget,
-    /// Staging-ring slots (reads kept in flight).
-    #[arg(long, default_value_t = 4)]
-    pub slots: u64,
-    /// Bytes per ring slot (a larger tensor streams through in pieces).
-    #[arg(long, value_parser = size, default_value = "16MiB", value_name = "SIZE")]
-    pub slot_size: u64,
+    /// Staging-ring slots (reads kept in flight), or `auto`: 4, more when a streamed weight
+    /// group is larger than the ring (see `--slot-size`).
+    #[arg(long, value_parser = count_or_auto, default_value = "auto", value_name = "N|auto")]
+    pub slots: OrAuto,
+    /// Bytes per ring slot (a larger tensor streams through in pieces), or `auto`: 16 MiB, 32
+    /// MiB for a ring of 256 MiB or more. With either `auto`, a ring whose largest streamed
+    /// group would not fit it grows to hold that group (so that its read overlaps the compute
+    /// before it), up to an eighth of the host budget left after the process and 1 GiB.
+    #[arg(long, value_parser = size_or_auto, default_value = "auto", value_name = "SIZE|auto")]
+    pub slot_size: OrAuto,
     /// Stream every weight group through the ring each step, whatever the device budget would
     /// keep resident (the lowest-memory plan).
     #[arg(long)]
@@ -88,6 +92,31 @@ pub enum Budget {
     Auto,
     /// This many bytes.
     Bytes(u64),
+}
+
+/// A number given, or `auto` (`None`): nibble decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OrAuto(pub Option<u64>);
+
+/// `auto` or a count of at least 1.
+pub fn count_or_auto(s: &str) -> Result<OrAuto, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(OrAuto(None));
+    }
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(OrAuto(Some(n))),
+        Err(e) => Err(format!("{s}: {e}")),
+    }
+}
+
+/// `auto` or a size.
+pub fn size_or_auto(s: &str) -> Result<OrAuto, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        Ok(OrAuto(None))
+    } else {
+        size(s).map(|b| OrAuto(Some(b)))
+    }
 }
 
 /// `auto` or a size.

@@ -185,3 +185,90 @@ fn streamed_layers_are_spread_between_resident_ones() {
         "the tiers print as ranges with gaps: {text}"
     );
 }
+
+/// With `--slots` `auto` (the default) the ring grows from its 4 slots until it holds the
+/// largest group the plan streams, so that a group's read can overlap the compute before it;
+/// a ring given in full is kept; both runs give the same tokens.
+#[test]
+fn an_auto_ring_holds_the_largest_streamed_group() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join("llama");
+    nibble_tests::synth(
+        std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
+        "llama",
+        "48MiB",
+        5,
+        &dir,
+    );
+    let dir = dir.to_str().expect("utf8");
+    let args = [dir, "--backend", "cpu", "--prompt-ids", "1,2,3"];
+    let v = plan_json(&args);
+    let (min, all) = (
+        v["phases"][0]["min_device_bytes"].as_u64().expect("min"),
+        v["phases"][0]["resident_device_bytes"]
+            .as_u64()
+            .expect("resident"),
+    );
+    let budget = ((min + all) / 2).to_string();
+    let small = [
+        &args[..],
+        &["--device-budget", &budget, "--slot-size", "64KiB"],
+    ]
+    .concat();
+    let auto = plan_json(&small);
+    let plan = &auto["phases"][0]["plan"];
+    let largest = plan["tiers"]
+        .as_array()
+        .expect("tiers")
+        .iter()
+        .filter(|t| t["name"] != "device")
+        .map(|t| t["largest_group_bytes"].as_u64().expect("largest"))
+        .max()
+        .expect("tiers");
+    let ring = &plan["ring"];
+    assert!(
+        largest > 4 * 65536 && ring["slot_bytes"] == 65536,
+        "a streamed group larger than 4 slots: {plan}"
+    );
+    let bytes = ring["bytes"].as_u64().expect("ring bytes");
+    assert!(
+        bytes >= largest && bytes < largest + 65536,
+        "the ring ({ring}) holds the largest streamed group ({largest} B) and no more"
+    );
+    let note = auto["budget"]["note"].as_str().expect("note");
+    assert!(note.contains("ring auto"), "{note}");
+    let given = plan_json(&[&small[..], &["--slots", "4"]].concat());
+    assert_eq!(
+        given["phases"][0]["plan"]["ring"]["bytes"],
+        4 * 65536,
+        "{given}"
+    );
+    let tokens = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args([
+                "run",
+                "--json",
+                "--max-tokens",
+                "4",
+                "--ignore-eos",
+                "--model",
+            ])
+            .args(&small)
+            .args(extra)
+            .output()
+            .expect("nibble run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert!(
+            v["plan"]["streamed_groups"].as_u64() > Some(0),
+            "{}",
+            v["plan"]
+        );
+        v["tokens"].clone()
+    };
+    assert_eq!(tokens(&[]), tokens(&["--slots", "4"]));
+}

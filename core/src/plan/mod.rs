@@ -189,6 +189,9 @@ pub struct Tier {
     pub groups: Vec<String>,
     /// Their bytes.
     pub bytes: u64,
+    /// The largest group's bytes (0 for none): the streamed tiers' groups pass through the
+    /// ring, which holds one of them at best.
+    pub largest_group_bytes: u64,
     /// Bytes moved from it per step after the first: 0 on the device, uploaded from host
     /// memory for the host tier, read from the source for the streamed groups.
     pub bytes_per_step: u64,
@@ -263,6 +266,7 @@ impl MemoryPlan {
                 name,
                 groups: groups.iter().map(|g| g.name.clone()).collect(),
                 bytes,
+                largest_group_bytes: groups.iter().map(|g| g.bytes).max().unwrap_or(0),
                 bytes_per_step: if per_step { bytes } else { 0 },
             }
         };
@@ -310,8 +314,14 @@ impl MemoryPlan {
             "streamed_groups": streamed,
             "tiers": self.tiers().iter().map(|t| serde_json::json!({
                 "name": t.name, "groups": t.groups, "bytes": t.bytes,
+                "largest_group_bytes": t.largest_group_bytes,
                 "bytes_per_step": t.bytes_per_step,
             })).collect::<Vec<_>>(),
+            "ring": {
+                "slots": self.budgets.ring_slots,
+                "slot_bytes": self.budgets.slot_bytes,
+                "bytes": self.ring_bytes,
+            },
             "device_budget": self.budgets.device_bytes,
             "host_tier_budget": self.budgets.host_tier_bytes,
             "source_bytes_per_step": self.source_bytes_per_step,

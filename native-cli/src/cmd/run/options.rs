@@ -159,14 +159,126 @@ pub struct DitArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// The executor options of a run of `graphs` (its phases) and a line saying where the device
-/// budget came from: the size given, or `auto`: every weight of the largest phase resident,
-/// capped on a backend whose device memory is host memory (the CPU backends) by the host budget
-/// less the ring and the process's memory now. Each phase's plan must then fit the host budget
-/// with the process's memory (its device bytes count too where they are host memory); a run
-/// that would not is refused before anything is allocated or read.
+/// The staging ring: slots of a size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ring {
+    slots: u64,
+    slot_size: u64,
+}
+
+/// The ring nibble starts from where `--slots` or `--slot-size` is `auto`.
+const AUTO_SLOTS: u64 = 4;
+const AUTO_SLOT_SIZE: u64 = 16 << 20;
+/// An automatic ring grows to at most this.
+const AUTO_RING_MAX: u64 = 1 << 30;
+
+/// The executor options of a run of `graphs` (its phases) and a line saying where its budgets
+/// came from: see [`budgets`]. With `--slots` or `--slot-size` `auto`, the ring is 4 x 16 MiB
+/// unless a group that the plan streams (or keeps in the host tier, which uploads through the
+/// ring too) is larger: then it grows to hold the largest such group, so that the group's read
+/// can run while the group before it computes instead of the disk idling once a small ring is
+/// full, within an eighth of the host budget left after the process and [`AUTO_RING_MAX`]; the
+/// budgets are then decided again with that ring.
 pub(crate) fn exec_options<B: Backend>(
     m: &MemoryArgs,
+    backend: &mut B,
+    graphs: &[(&nibble_core::graph::Graph, &ModelIndex)],
+) -> Result<(ExecOptions, BudgetNote)> {
+    use nibble_core::plan::{fmt_bytes, Placement};
+    let given = Ring {
+        slots: m.slots.0.unwrap_or(AUTO_SLOTS),
+        slot_size: m.slot_size.0.unwrap_or(AUTO_SLOT_SIZE),
+    };
+    let (opts, mut note) = budgets(m, given, backend, graphs)?;
+    if m.slots.0.is_some() && m.slot_size.0.is_some() {
+        return Ok((opts, note));
+    }
+    let ring = given.slots.saturating_mul(given.slot_size);
+    let mut largest: Option<(u64, String)> = None;
+    for (g, model) in graphs {
+        let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) else {
+            continue;
+        };
+        for gp in &plan.groups {
+            if gp.placement != Placement::Resident
+                && largest.as_ref().is_none_or(|l| gp.bytes > l.0)
+            {
+                largest = Some((gp.bytes, gp.name.clone()));
+            }
+        }
+    }
+    let Some((need, name)) = largest.filter(|l| l.0 > ring) else {
+        return Ok((opts, note));
+    };
+    let room = note
+        .host_budget
+        .map_or(AUTO_RING_MAX, |h| h.saturating_sub(note.rss_at_plan) / 8);
+    let target = need.min(room).min(AUTO_RING_MAX);
+    let (slots, slot_size) = match (m.slots.0, m.slot_size.0) {
+        // A count given: slots large enough between them (whole MiB).
+        (Some(n), _) => (
+            n,
+            target
+                .div_ceil(n)
+                .next_multiple_of(1 << 20)
+                .max(AUTO_SLOT_SIZE),
+        ),
+        (None, given) => {
+            let size = given.unwrap_or(if target >= 256 << 20 {
+                32 << 20
+            } else {
+                AUTO_SLOT_SIZE
+            });
+            (target.div_ceil(size).max(AUTO_SLOTS), size)
+        }
+    };
+    let grown = Ring { slots, slot_size };
+    if grown.slots.saturating_mul(grown.slot_size) <= ring {
+        return Ok((opts, note));
+    }
+    // A ring the budgets cannot hold leaves the run with the smaller one.
+    let Ok((opts2, mut note2)) = budgets(m, grown, backend, graphs) else {
+        note.note.push_str(&format!(
+            "; ring {} x {}: the largest streamed group ({name}, {}) does not fit it, and a ring \
+             that would does not fit the budgets",
+            given.slots,
+            fmt_bytes(given.slot_size),
+            fmt_bytes(need)
+        ));
+        return Ok((opts, note));
+    };
+    note2.note.push_str(&format!(
+        "; ring auto {} x {} = {}: {} the largest streamed group ({name}, {}){}",
+        grown.slots,
+        fmt_bytes(grown.slot_size),
+        fmt_bytes(grown.slots * grown.slot_size),
+        if grown.slots * grown.slot_size >= need {
+            "holds"
+        } else {
+            "capped below"
+        },
+        fmt_bytes(need),
+        if target < need {
+            format!(
+                " (at most {} : an eighth of the host budget left after the process, 1 GiB)",
+                fmt_bytes(target)
+            )
+        } else {
+            String::new()
+        }
+    ));
+    Ok((opts2, note2))
+}
+
+/// The executor options of a run of `graphs` (its phases) with this ring and a line saying
+/// where the device budget came from: the size given, or `auto`: every weight of the largest
+/// phase resident, capped on a backend whose device memory is host memory (the CPU backends) by
+/// the host budget less the ring and the process's memory now. Each phase's plan must then fit
+/// the host budget with the process's memory (its device bytes count too where they are host
+/// memory); a run that would not is refused before anything is allocated or read.
+fn budgets<B: Backend>(
+    m: &MemoryArgs,
+    r: Ring,
     backend: &mut B,
     graphs: &[(&nibble_core::graph::Graph, &ModelIndex)],
 ) -> Result<(ExecOptions, BudgetNote)> {
@@ -179,7 +291,7 @@ pub(crate) fn exec_options<B: Backend>(
     };
     use crate::args::Budget;
     use nibble_core::plan::fmt_bytes;
-    let ring = m.slots.saturating_mul(m.slot_size);
+    let ring = r.slots.saturating_mul(r.slot_size);
     // The planner's own memory (its index of every tensor, the layouts it tries: tens of MiB
     // for a model of thousands of tensors) stays with the process once it has planned: plan
     // each phase once before measuring, so that the measure, and with it the prediction of the
@@ -188,7 +300,7 @@ pub(crate) fn exec_options<B: Backend>(
     for (g, model) in graphs {
         backend.prepare(g)?;
         if let Ok(least) = nibble_core::plan::min_device_bytes(g, model, backend) {
-            let _ = nibble_core::exec::Executor::plan_only(g, model, backend, options(m, least));
+            let _ = nibble_core::exec::Executor::plan_only(g, model, backend, options(m, r, least));
         }
     }
     let rss = nibble_core::io::machine::rss_bytes().unwrap_or(0);
@@ -214,8 +326,8 @@ pub(crate) fn exec_options<B: Backend>(
             anyhow::bail!(
                 "{host_note} cannot hold the process ({}) and the ring ({} x {} = {})",
                 fmt_bytes(rss),
-                m.slots,
-                fmt_bytes(m.slot_size),
+                r.slots,
+                fmt_bytes(r.slot_size),
                 fmt_bytes(ring)
             );
         }
@@ -239,7 +351,7 @@ pub(crate) fn exec_options<B: Backend>(
                     for _ in 0..3 {
                         let mut host_bytes = ring;
                         for (g, model) in graphs {
-                            let o = options(m, room.min(need));
+                            let o = options(m, r, room.min(need));
                             if let Ok(p) =
                                 nibble_core::exec::Executor::plan_only(g, model, backend, o)
                             {
@@ -265,8 +377,8 @@ pub(crate) fn exec_options<B: Backend>(
                              a larger --host-budget, or fewer or smaller ring slots",
                             fmt_bytes(room),
                             fmt_bytes(rss),
-                            m.slots,
-                            fmt_bytes(m.slot_size),
+                            r.slots,
+                            fmt_bytes(r.slot_size),
                             fmt_bytes(least)
                         );
                     }
@@ -342,7 +454,7 @@ pub(crate) fn exec_options<B: Backend>(
                     g,
                     model,
                     backend,
-                    options(m, device_bytes),
+                    options(m, r, device_bytes),
                 ) {
                     host_bytes = host_bytes.max(p.peak_host_bytes);
                 }
@@ -364,7 +476,7 @@ pub(crate) fn exec_options<B: Backend>(
         }
         _ => (device_bytes, note),
     };
-    let mut opts = options(m, device_bytes);
+    let mut opts = options(m, r, device_bytes);
     let mut note = note;
     if m.stream_all {
         note.push_str("; --stream-all: every weight group streams whatever the budget holds");
@@ -437,12 +549,12 @@ pub(crate) fn exec_options<B: Backend>(
 }
 
 /// The executor options of `m` with this device budget (no host tier yet).
-fn options(m: &MemoryArgs, device_bytes: u64) -> ExecOptions {
+fn options(m: &MemoryArgs, r: Ring, device_bytes: u64) -> ExecOptions {
     ExecOptions {
         budgets: Budgets {
             device_bytes,
-            ring_slots: m.slots,
-            slot_bytes: m.slot_size,
+            ring_slots: r.slots,
+            slot_bytes: r.slot_size,
             host_tier_bytes: 0,
         },
         readers: 2,
