@@ -97,6 +97,28 @@ impl WgpuBackend {
             .collect()
     }
 
+    /// Writes an op's parameters (padded to 16 words) at `at` in `uniform` and returns their
+    /// binding (binding 0 of every kernel).
+    fn params_entry<'a>(
+        &self,
+        uniform: &'a wgpu::Buffer,
+        at: u64,
+        params: &[u32],
+    ) -> wgpu::BindGroupEntry<'a> {
+        let mut words = params.to_vec();
+        words.resize((PARAM_BYTES / 4) as usize, 0);
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.queue.write_buffer(uniform, at, &bytes);
+        wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: uniform,
+                offset: at,
+                size: std::num::NonZeroU64::new(PARAM_BYTES),
+            }),
+        }
+    }
+
     /// Records one dispatch of kernel `name` with `params` into the pending command buffer; its
     /// parameters go into the next slot of the uniform ring (a full ring is submitted first).
     pub(crate) fn record(
@@ -118,18 +140,7 @@ impl WgpuBackend {
             .ok_or_else(|| WgpuError::Gpu("allocate() was not called".into()))?;
         let stride = self.uniform_stride();
         let at = self.pending_ops * stride;
-        let mut words = params.to_vec();
-        words.resize((PARAM_BYTES / 4) as usize, 0);
-        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        self.queue.write_buffer(&uniform, at, &bytes);
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &uniform,
-                offset: at,
-                size: std::num::NonZeroU64::new(PARAM_BYTES),
-            }),
-        }];
+        let mut entries = vec![self.params_entry(&uniform, at, params)];
         let nb = binds.len() as u32;
         for (k, b) in binds.into_iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
@@ -238,19 +249,7 @@ impl WgpuBackend {
             });
         for (i, (name, params, bindings)) in launches.iter().enumerate() {
             let pipeline = self.pipeline(name)?;
-            let mut words = params.clone();
-            words.resize((PARAM_BYTES / 4) as usize, 0);
-            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-            let at = i as u64 * ustride;
-            self.queue.write_buffer(&uniform, at, &bytes);
-            let mut entries = vec![wgpu::BindGroupEntry {
-                binding: 0,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &uniform,
-                    offset: at,
-                    size: std::num::NonZeroU64::new(PARAM_BYTES),
-                }),
-            }];
+            let mut entries = vec![self.params_entry(&uniform, i as u64 * ustride, params)];
             for k in 0..*bindings as u64 {
                 entries.push(wgpu::BindGroupEntry {
                     binding: k as u32 + 1,

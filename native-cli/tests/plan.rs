@@ -124,30 +124,36 @@ fn wgpu_auto_device_budget_is_a_stated_share_of_the_adapter_limit() {
     assert!(device > 0 && device <= limit / 4 * 3, "{device} of {limit}");
 }
 
-/// The layers a device budget cannot hold are spread between those it holds, so that each one's
-/// read overlaps the compute of resident layers before it: with about half the layers resident,
-/// no run of resident layers is longer than twice the even spacing, and the plan prints the
-/// tiers as ranges with gaps.
-#[test]
-fn streamed_layers_are_spread_between_resident_ones() {
+/// A synthetic 48 MiB Llama (in a temporary folder, kept while the first value lives), its
+/// path, and a device budget halfway between its smallest and every weight resident (CPU).
+fn llama_and_a_mid_budget(seed: u64) -> (tempfile::TempDir, String, String) {
     let tmp = tempfile::tempdir().expect("tmp");
     let dir = tmp.path().join("llama");
     nibble_tests::synth(
         std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
         "llama",
         "48MiB",
-        3,
+        seed,
         &dir,
     );
-    let dir = dir.to_str().expect("utf8");
-    let args = [dir, "--backend", "cpu", "--prompt-ids", "1,2,3"];
-    let v = plan_json(&args);
+    let dir = dir.to_str().expect("utf8").to_string();
+    let v = plan_json(&[&dir, "--backend", "cpu", "--prompt-ids", "1,2,3"]);
     let phase = &v["phases"][0];
     let (min, all) = (
         phase["min_device_bytes"].as_u64().expect("min"),
         phase["resident_device_bytes"].as_u64().expect("resident"),
     );
-    let budget = ((min + all) / 2).to_string();
+    (tmp, dir, ((min + all) / 2).to_string())
+}
+
+/// The layers a device budget cannot hold are spread between those it holds, so that each one's
+/// read overlaps the compute of resident layers before it: with about half the layers resident,
+/// no run of resident layers is longer than twice the even spacing, and the plan prints the
+/// tiers as ranges with gaps.
+#[test]
+fn streamed_layers_are_spread_between_resident_ones() {
+    let (_tmp, dir, budget) = llama_and_a_mid_budget(3);
+    let args = [&dir[..], "--backend", "cpu", "--prompt-ids", "1,2,3"];
     let v = plan_json(&[&args[..], &["--device-budget", &budget]].concat());
     let tiers = v["phases"][0]["plan"]["tiers"].as_array().expect("tiers");
     let layers = |name: &str| -> Vec<usize> {
@@ -191,25 +197,8 @@ fn streamed_layers_are_spread_between_resident_ones() {
 /// a ring given in full is kept; both runs give the same tokens.
 #[test]
 fn an_auto_ring_holds_the_largest_streamed_group() {
-    let tmp = tempfile::tempdir().expect("tmp");
-    let dir = tmp.path().join("llama");
-    nibble_tests::synth(
-        std::path::Path::new(env!("CARGO_BIN_EXE_nibble")),
-        "llama",
-        "48MiB",
-        5,
-        &dir,
-    );
-    let dir = dir.to_str().expect("utf8");
-    let args = [dir, "--backend", "cpu", "--prompt-ids", "1,2,3"];
-    let v = plan_json(&args);
-    let (min, all) = (
-        v["phases"][0]["min_device_bytes"].as_u64().expect("min"),
-        v["phases"][0]["resident_device_bytes"]
-            .as_u64()
-            .expect("resident"),
-    );
-    let budget = ((min + all) / 2).to_string();
+    let (_tmp, dir, budget) = llama_and_a_mid_budget(5);
+    let args = [&dir[..], "--backend", "cpu", "--prompt-ids", "1,2,3"];
     let small = [
         &args[..],
         &["--device-budget", &budget, "--slot-size", "64KiB"],
