@@ -73,10 +73,10 @@ pub struct MemoryArgs {
     /// group is larger than the ring (see `--slot-size`).
     #[arg(long, value_parser = count_or_auto, default_value = "auto", value_name = "N|auto")]
     pub slots: OrAuto,
-    /// Bytes per ring slot (a larger tensor streams through in pieces), or `auto`: 16 MiB, 32
-    /// MiB for a ring of 256 MiB or more. With either `auto`, a ring whose largest streamed
-    /// group would not fit it grows to hold that group (so that its read overlaps the compute
-    /// before it), up to an eighth of the host budget left after the process and 1 GiB.
+    /// Bytes per ring slot (a larger tensor streams through in pieces), or `auto`: 16 MiB. With
+    /// either `auto`, a ring that the largest streamed group would not fit grows to at least
+    /// 16 slots of 32 MiB and to hold that group (so that reads run on while groups compute),
+    /// up to an eighth of the host budget left after the process, 1 GiB and 256 slots.
     #[arg(long, value_parser = size_or_auto, default_value = "auto", value_name = "SIZE|auto")]
     pub slot_size: OrAuto,
     /// Stream every weight group through the ring each step, whatever the device budget would
@@ -110,12 +110,15 @@ pub fn count_or_auto(s: &str) -> Result<OrAuto, String> {
     }
 }
 
-/// `auto` or a size.
+/// `auto` or a slot size (at least the ring's smallest slot).
 pub fn size_or_auto(s: &str) -> Result<OrAuto, String> {
     if s.eq_ignore_ascii_case("auto") {
-        Ok(OrAuto(None))
-    } else {
-        size(s).map(|b| OrAuto(Some(b)))
+        return Ok(OrAuto(None));
+    }
+    let least = nibble_core::stream::ring::MIN_SLOT_BYTES;
+    match size(s)? {
+        b if b < least => Err(format!("a ring slot takes at least {least} bytes")),
+        b => Ok(OrAuto(Some(b))),
     }
 }
 

@@ -192,8 +192,8 @@ fn streamed_layers_are_spread_between_resident_ones() {
     );
 }
 
-/// With `--slots` `auto` (the default) the ring grows from its 4 slots until it holds the
-/// largest group the plan streams, so that a group's read can overlap the compute before it;
+/// With `--slots` `auto` (the default) the ring grows from its 4 slots to at least 16 and until
+/// it holds the largest group the plan streams, so that a group's read can overlap the compute before it;
 /// a ring given in full is kept; both runs give the same tokens.
 #[test]
 fn an_auto_ring_holds_the_largest_streamed_group() {
@@ -219,13 +219,17 @@ fn an_auto_ring_holds_the_largest_streamed_group() {
         largest > 4 * 65536 && ring["slot_bytes"] == 65536,
         "a streamed group larger than 4 slots: {plan}"
     );
+    // Whole slots, a tensor's last piece not shared with the next tensor's first at worst.
     let bytes = ring["bytes"].as_u64().expect("ring bytes");
     assert!(
-        bytes >= largest && bytes < largest + 65536,
-        "the ring ({ring}) holds the largest streamed group ({largest} B) and no more"
+        bytes >= largest && bytes <= (2 * largest + 65536).max(16 * 65536),
+        "the ring ({ring}) holds the largest streamed group ({largest} B)"
     );
     let note = auto["budget"]["note"].as_str().expect("note");
-    assert!(note.contains("ring auto"), "{note}");
+    assert!(
+        note.contains("ring auto") && note.contains("holds the largest streamed group"),
+        "{note}"
+    );
     let given = plan_json(&[&small[..], &["--slots", "4"]].concat());
     assert_eq!(
         given["phases"][0]["plan"]["ring"]["bytes"],

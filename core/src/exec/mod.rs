@@ -143,6 +143,30 @@ impl<B: Backend> Executor<B> {
         Ok(planner.plan(opts.budgets, opts.stream_all)?.0)
     }
 
+    /// The largest weight group that `opts` leave streamed or in the host tier (both pass
+    /// through the ring every step): the ring slots of `opts`' slot size it takes to be read
+    /// in whole, its bytes and its name; `None` when every group is resident. A group's
+    /// tensors are cut into slot-sized chunks and neighbours share a chunk only while they fit,
+    /// so a group can take more slots than its bytes over the slot size.
+    pub fn largest_streamed_group(
+        graph: &Graph,
+        model: &ModelIndex,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Option<(u64, u64, String)>> {
+        let planner = Planner::new(graph.clone(), model, Rules::of(backend, graph))?;
+        let (plan, lay) = planner.plan(opts.budgets, opts.stream_all)?;
+        let slot = opts.budgets.slot_bytes as usize;
+        Ok(lay
+            .streamed
+            .iter()
+            .map(|&g| {
+                let chunks = chunk_schedule([(g, lay.reads[g].as_slice())], slot).len() as u64;
+                (chunks, plan.groups[g].bytes, plan.groups[g].name.clone())
+            })
+            .max_by_key(|l| (l.0, l.1)))
+    }
+
     /// [`Executor::new`] reusing a staging ring from an earlier phase (same slot count and
     /// size as the budgets), so that a pipeline's phases stream through one ring.
     pub fn with_ring(
