@@ -194,17 +194,14 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Launches one workgroup of every kernel that `graph` uses, on scratch buffers, and waits
-    /// for it. A driver may defer work to a kernel's first launch: lavapipe compiles a compute
-    /// shader's machine code then (about 16 MiB of this process's RAM for a Llama's kernels),
-    /// which would otherwise appear as growth during the first step, after the process's memory
-    /// was measured for the plan. The parameters are those of the graph's own shapes, so every
-    /// loop is as bounded as in a run; the scratch bindings are tiny, and WebGPU's bounds checks
-    /// keep accesses beyond them inside them.
-    #[cfg(not(target_arch = "wasm32"))]
-    pub(crate) fn warm_up(&mut self, graph: &nibble_core::graph::Graph) -> Result<()> {
-        let mut launched = std::collections::BTreeSet::new();
-        let mut launches = Vec::new();
+    /// The kernels `graph` runs, once each: name, the parameters of its first op's shapes
+    /// (4-bit blocksize 64) and its storage bindings. A 4-bit linear brings both its kernels:
+    /// the GEMV for decode and the tiled one for larger batches.
+    pub(crate) fn graph_kernels(
+        graph: &nibble_core::graph::Graph,
+    ) -> Vec<(&'static str, Vec<u32>, usize)> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut kernels = Vec::new();
         for node in graph.nodes() {
             let shapes: Vec<Vec<usize>> = node
                 .inputs
@@ -221,11 +218,23 @@ impl WgpuBackend {
             }
             let slots = nibble_core::backend::kernel_calls::operands(&node.op, shapes.len()).len();
             for name in names {
-                if crate::shader_source(name).is_some() && launched.insert(name) {
-                    launches.push((name, params.clone(), slots + 1));
+                if crate::shader_source(name).is_some() && seen.insert(name) {
+                    kernels.push((name, params.clone(), slots + 1));
                 }
             }
         }
+        kernels
+    }
+
+    /// Launches one workgroup of each of `kernels` ([`WgpuBackend::graph_kernels`]) on
+    /// scratch buffers, and waits for them. A driver may defer work to a kernel's first launch:
+    /// lavapipe compiles a compute shader's machine code then (about 6 MiB of this process's
+    /// RAM for a Llama's kernels), which would otherwise appear as growth during the first
+    /// step, after the process's memory was measured for the plan. The parameters are those of
+    /// the graph's own shapes, so every loop is as bounded as in a run; the scratch bindings
+    /// are tiny, and WebGPU's bounds checks keep accesses beyond them inside them.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn warm_up(&mut self, launches: &[(&'static str, Vec<u32>, usize)]) -> Result<()> {
         if launches.is_empty() {
             return Ok(());
         }

@@ -434,21 +434,12 @@ impl Backend for WgpuBackend {
     /// (`warm_up`): a CPU renderer keeps the compiled code in this process's
     /// memory, some of it made at a kernel's first launch.
     fn prepare(&mut self, graph: &nibble_core::graph::Graph) -> nibble_core::Result<()> {
-        let mut names = std::collections::BTreeSet::new();
-        for node in graph.nodes() {
-            let name = node.op.name();
-            if shader_source(name).is_some() {
-                names.insert(name);
-            }
-            if let OpKind::LinearQ4 { .. } = node.op {
-                names.insert("linear_q4_tiled");
-            }
-        }
-        for name in names {
+        let kernels = Self::graph_kernels(graph);
+        for (name, _, _) in &kernels {
             self.pipeline(name).map_err(core_err)?;
         }
         #[cfg(not(target_arch = "wasm32"))]
-        self.warm_up(graph).map_err(core_err)?;
+        self.warm_up(&kernels).map_err(core_err)?;
         Ok(())
     }
 

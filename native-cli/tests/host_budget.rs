@@ -127,6 +127,15 @@ fn u(v: &serde_json::Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("{v} is not a number"))
 }
 
+/// The plan's device bytes where they are host RAM (the CPU backends, a CPU renderer), else 0.
+fn device_bytes_in_ram(plan: &serde_json::Value) -> u64 {
+    if plan["device_in_host_memory"] == true {
+        u(&plan["peak_device_bytes"])
+    } else {
+        0
+    }
+}
+
 fn tier<'a>(plan: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
     plan["tiers"]
         .as_array()
@@ -143,10 +152,7 @@ fn tier<'a>(plan: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
 /// stays within the plan (on lavapipe, with its device memory as the host RAM it is).
 #[test]
 fn three_tiers_on_wgpu_move_the_planned_bytes() {
-    if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
-        && nibble_wgpu::WgpuBackend::new().is_err()
-    {
-        println!("wgpu absent: not run");
+    if nibble_tests::wgpu_or_absent("three tiers on wgpu").is_none() {
         return;
     }
     let resident = run_wgpu(&[]);
@@ -225,11 +231,7 @@ fn half_the_host_tier(all: &serde_json::Value) -> u64 {
     let plan = &all["plan"];
     let held = u(&tier(plan, "host")["bytes"]);
     assert!(held > 0 && u(&tier(plan, "source")["bytes"]) == 0, "{plan}");
-    let device = if plan["device_in_host_memory"] == true {
-        u(&plan["peak_device_bytes"])
-    } else {
-        0
-    };
+    let device = device_bytes_in_ram(plan);
     u(&all["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) - held + device + held / 2
 }
 
@@ -238,10 +240,7 @@ fn half_the_host_tier(all: &serde_json::Value) -> u64 {
 /// (lavapipe's device memory counted as the host RAM it is).
 #[test]
 fn three_tiers_on_wgpu_for_a_dit() {
-    if std::env::var("NIBBLE_REQUIRE_WGPU").ok().as_deref() != Some("1")
-        && nibble_wgpu::WgpuBackend::new().is_err()
-    {
-        println!("wgpu absent: not run");
+    if nibble_tests::wgpu_or_absent("three tiers on wgpu").is_none() {
         return;
     }
     let tmp = tempfile::tempdir().expect("tmp");
@@ -339,11 +338,7 @@ fn three_tiers_on_wgpu_for_a_dit() {
 /// device bytes where they are host RAM: the CPU backends, a CPU renderer), + 16 MiB.
 fn within_plan(what: &str, v: &serde_json::Value, plan: &serde_json::Value, peak: u64) {
     let at_plan = u(&v["budget"]["rss_at_plan_bytes"]);
-    let device = if plan["device_in_host_memory"] == true {
-        u(&plan["peak_device_bytes"])
-    } else {
-        0
-    };
+    let device = device_bytes_in_ram(plan);
     let predicted = at_plan + u(&plan["peak_host_bytes"]) + device;
     println!("{what}: peak RSS {peak} B, predicted {predicted} B");
     assert!(

@@ -290,73 +290,15 @@ fn dit(size: u64, seed: u64) -> SynthModel {
     // (inner dim, heads): Flux is 3072 = 24 x 128; smaller sizes scale the width down.
     let widths: [(u64, u64); 5] = [(3072, 24), (1536, 12), (768, 6), (384, 3), (128, 2)];
     let (in_ch, joint, pooled, rope_axes) = (64u64, 4096u64, 768u64, [16u64, 56, 56]);
-    // One double block and two single blocks (Flux's 19 : 38), as written below: their linears'
-    // (out, in) and the bytes those take stored (4-bit codes, nested absmax, quant state, bias).
-    let double_lins = |d: u64| {
-        let mut l = vec![(6 * d, d); 2];
-        l.extend([(d, d); 8]);
-        l.extend([(4 * d, d), (d, 4 * d), (4 * d, d), (d, 4 * d)]);
-        l
+    // A linear's 4-bit weight and bias.
+    let lin = |t: &mut Vec<(String, Kind)>, name: &str, out: u64, inp: u64| {
+        t.push((format!("{name}.weight"), Kind::Quant(vec![out, inp])));
+        t.push((format!("{name}.bias"), Kind::Dense(vec![out], 0.0)));
     };
-    let single_lins = |d: u64| [(3 * d, d), (d, d), (d, d), (d, d), (4 * d, d), (d, 5 * d)];
-    let unit = |d: u64| {
-        let lin_bytes = |&(o, i): &(u64, u64)| {
-            bytes_of("u.weight", &Kind::Quant(vec![o, i]))
-                + bytes_of("u.bias", &Kind::Dense(vec![o], 0.0))
-        };
-        double_lins(d).iter().map(lin_bytes).sum::<u64>()
-            + 2 * single_lins(d).iter().map(lin_bytes).sum::<u64>()
-    };
-    let (d, heads) = widths
-        .iter()
-        .copied()
-        .find(|&(d, _)| 2 * unit(d) <= size)
-        .unwrap_or(widths[4]);
-    let hd = d / heads;
-    let mut m = SynthModel {
-        config: json!({}),
-        tensors: Vec::new(),
-        single_file: "diffusion_pytorch_model.safetensors",
-        index_file: "diffusion_pytorch_model.safetensors.index.json",
-        seed,
-    };
-    let lin = |m: &mut SynthModel, name: &str, out: u64, inp: u64, bias: bool| {
-        m.tensors
-            .push((format!("{name}.weight"), Kind::Quant(vec![out, inp])));
-        if bias {
-            m.tensors
-                .push((format!("{name}.bias"), Kind::Dense(vec![out], 0.0)));
-        }
-    };
-    let (joint, pooled) = (joint.min(d * 4), pooled.min(d * 2));
-    lin(&mut m, "x_embedder", d, in_ch, true);
-    lin(&mut m, "context_embedder", d, joint, true);
-    for e in ["timestep_embedder", "guidance_embedder"] {
-        lin(
-            &mut m,
-            &format!("time_text_embed.{e}.linear_1"),
-            d,
-            256,
-            true,
-        );
-        lin(&mut m, &format!("time_text_embed.{e}.linear_2"), d, d, true);
-    }
-    lin(
-        &mut m,
-        "time_text_embed.text_embedder.linear_1",
-        d,
-        pooled,
-        true,
-    );
-    lin(&mut m, "time_text_embed.text_embedder.linear_2", d, d, true);
-    let head_bytes: u64 =
-        m.tensors.iter().map(|(n, k)| bytes_of(n, k)).sum::<u64>() + 3 * d * d * 9 / 16;
-    let units = (size.saturating_sub(head_bytes) / unit(d)).max(1);
-    let (n_double, n_single) = (units, 2 * units);
-    for b in 0..n_double {
-        let p = format!("transformer_blocks.{b}");
-        lin(&mut m, &format!("{p}.norm1.linear"), 6 * d, d, true);
-        lin(&mut m, &format!("{p}.norm1_context.linear"), 6 * d, d, true);
+    // The tensors of a double block and of a single block named `p`, width `d`, head dim `hd`.
+    let double_block = |t: &mut Vec<(String, Kind)>, p: &str, d: u64, hd: u64| {
+        lin(t, &format!("{p}.norm1.linear"), 6 * d, d);
+        lin(t, &format!("{p}.norm1_context.linear"), 6 * d, d);
         for q in [
             "to_q",
             "to_k",
@@ -367,32 +309,94 @@ fn dit(size: u64, seed: u64) -> SynthModel {
             "to_out.0",
             "to_add_out",
         ] {
-            lin(&mut m, &format!("{p}.attn.{q}"), d, d, true);
+            lin(t, &format!("{p}.attn.{q}"), d, d);
         }
         for n in ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] {
-            m.tensors
-                .push((format!("{p}.attn.{n}.weight"), Kind::Dense(vec![hd], 1.0)));
+            t.push((format!("{p}.attn.{n}.weight"), Kind::Dense(vec![hd], 1.0)));
         }
         for ff in ["ff", "ff_context"] {
-            lin(&mut m, &format!("{p}.{ff}.net.0.proj"), 4 * d, d, true);
-            lin(&mut m, &format!("{p}.{ff}.net.2"), d, 4 * d, true);
+            lin(t, &format!("{p}.{ff}.net.0.proj"), 4 * d, d);
+            lin(t, &format!("{p}.{ff}.net.2"), d, 4 * d);
         }
-    }
-    for b in 0..n_single {
-        let p = format!("single_transformer_blocks.{b}");
-        lin(&mut m, &format!("{p}.norm.linear"), 3 * d, d, true);
+    };
+    let single_block = |t: &mut Vec<(String, Kind)>, p: &str, d: u64, hd: u64| {
+        lin(t, &format!("{p}.norm.linear"), 3 * d, d);
         for q in ["to_q", "to_k", "to_v"] {
-            lin(&mut m, &format!("{p}.attn.{q}"), d, d, true);
+            lin(t, &format!("{p}.attn.{q}"), d, d);
         }
         for n in ["norm_q", "norm_k"] {
-            m.tensors
-                .push((format!("{p}.attn.{n}.weight"), Kind::Dense(vec![hd], 1.0)));
+            t.push((format!("{p}.attn.{n}.weight"), Kind::Dense(vec![hd], 1.0)));
         }
-        lin(&mut m, &format!("{p}.proj_mlp"), 4 * d, d, true);
-        lin(&mut m, &format!("{p}.proj_out"), d, 5 * d, true);
+        lin(t, &format!("{p}.proj_mlp"), 4 * d, d);
+        lin(t, &format!("{p}.proj_out"), d, 5 * d);
+    };
+    // The bytes one double block and two single blocks (Flux's 19 : 38) take stored.
+    let unit = |d: u64, heads: u64| {
+        let mut t = Vec::new();
+        double_block(&mut t, "u", d, d / heads);
+        single_block(&mut t, "u", d, d / heads);
+        single_block(&mut t, "u", d, d / heads);
+        t.iter().map(|(n, k)| bytes_of(n, k)).sum::<u64>()
+    };
+    let (d, heads) = widths
+        .iter()
+        .copied()
+        .find(|&(d, heads)| 2 * unit(d, heads) <= size)
+        .unwrap_or(widths[4]);
+    let hd = d / heads;
+    let mut m = SynthModel {
+        config: json!({}),
+        tensors: Vec::new(),
+        single_file: "diffusion_pytorch_model.safetensors",
+        index_file: "diffusion_pytorch_model.safetensors.index.json",
+        seed,
+    };
+    let (joint, pooled) = (joint.min(d * 4), pooled.min(d * 2));
+    lin(&mut m.tensors, "x_embedder", d, in_ch);
+    lin(&mut m.tensors, "context_embedder", d, joint);
+    for e in ["timestep_embedder", "guidance_embedder"] {
+        lin(
+            &mut m.tensors,
+            &format!("time_text_embed.{e}.linear_1"),
+            d,
+            256,
+        );
+        lin(
+            &mut m.tensors,
+            &format!("time_text_embed.{e}.linear_2"),
+            d,
+            d,
+        );
     }
-    lin(&mut m, "norm_out.linear", 2 * d, d, true);
-    lin(&mut m, "proj_out", in_ch, d, true);
+    lin(
+        &mut m.tensors,
+        "time_text_embed.text_embedder.linear_1",
+        d,
+        pooled,
+    );
+    lin(
+        &mut m.tensors,
+        "time_text_embed.text_embedder.linear_2",
+        d,
+        d,
+    );
+    let head_bytes: u64 =
+        m.tensors.iter().map(|(n, k)| bytes_of(n, k)).sum::<u64>() + 3 * d * d * 9 / 16;
+    let units = (size.saturating_sub(head_bytes) / unit(d, heads)).max(1);
+    let (n_double, n_single) = (units, 2 * units);
+    for b in 0..n_double {
+        double_block(&mut m.tensors, &format!("transformer_blocks.{b}"), d, hd);
+    }
+    for b in 0..n_single {
+        single_block(
+            &mut m.tensors,
+            &format!("single_transformer_blocks.{b}"),
+            d,
+            hd,
+        );
+    }
+    lin(&mut m.tensors, "norm_out.linear", 2 * d, d);
+    lin(&mut m.tensors, "proj_out", in_ch, d);
     let axes = if hd == 128 {
         rope_axes.to_vec()
     } else {

@@ -190,6 +190,11 @@ pub(crate) fn exec_options<B: Backend>(
     graphs: &[(&nibble_core::graph::Graph, &ModelIndex)],
 ) -> Result<(ExecOptions, BudgetNote)> {
     use nibble_core::plan::fmt_bytes;
+    // The backend's state for running the graphs (a GPU backend's compiled and launched
+    // kernels) stays with the process: made once, before the budgets measure the process.
+    for (g, _) in graphs {
+        backend.prepare(g)?;
+    }
     let given = Ring {
         slots: m.slots.0.unwrap_or(AUTO_SLOTS),
         slot_size: m.slot_size.0.unwrap_or(AUTO_SLOT_SIZE),
@@ -222,7 +227,8 @@ pub(crate) fn exec_options<B: Backend>(
         .host_budget
         .map_or(AUTO_RING_MAX, |h| h.saturating_sub(note.rss_at_plan) / 8);
     let cap = room.min(AUTO_RING_MAX);
-    let grown = match (m.slots.0, m.slot_size.0) {
+    // The ring, and the slots the largest streamed group takes with its slot size.
+    let (grown, needs) = match (m.slots.0, m.slot_size.0) {
         // A count given: slots of whole MiB large enough between them, doubled while the
         // group's chunks do not fit them.
         (Some(n), _) => {
@@ -233,10 +239,15 @@ pub(crate) fn exec_options<B: Backend>(
             while size.saturating_mul(n) <= cap && largest(backend, size).is_some_and(|l| l.0 > n) {
                 size = size.saturating_mul(2);
             }
-            Ring {
-                slots: n,
-                slot_size: size.min((cap / n).max(AUTO_SLOT_SIZE)),
-            }
+            let size = size.min((cap / n).max(AUTO_SLOT_SIZE));
+            let needs = largest(backend, size).map_or(0, |l| l.0);
+            (
+                Ring {
+                    slots: n,
+                    slot_size: size,
+                },
+                needs,
+            )
         }
         // 32 MiB slots, at least 16 of them (fewer or smaller left the disk idle, measured on
         // a 35 GiB synthetic Llama of 100 MiB layers read from disk: 16 x 32 MiB 11.7 s a
@@ -244,18 +255,24 @@ pub(crate) fn exec_options<B: Backend>(
         // takes more.
         (None, given_size) => {
             let size = given_size.unwrap_or(AUTO_GROWN_SLOT_SIZE);
-            let slots = largest(backend, size).map_or(AUTO_SLOTS, |l| l.0.max(AUTO_GROWN_SLOTS));
-            Ring {
+            let needs = largest(backend, size).map_or(0, |l| l.0);
+            let slots = if needs == 0 {
+                AUTO_SLOTS
+            } else {
+                needs.max(AUTO_GROWN_SLOTS)
+            };
+            let ring = Ring {
                 slots: slots.min(cap / size).clamp(AUTO_SLOTS, AUTO_SLOTS_MAX),
                 slot_size: size,
-            }
+            };
+            (ring, needs)
         }
     };
     let bytes = grown.slots.saturating_mul(grown.slot_size);
     if bytes <= given.slots.saturating_mul(given.slot_size) {
         return Ok((opts, note));
     }
-    let holds = largest(backend, grown.slot_size).is_none_or(|l| l.0 <= grown.slots);
+    let holds = needs <= grown.slots;
     // A ring the budgets cannot hold leaves the run with the smaller one.
     let (opts2, mut note2) = match budgets(m, grown, backend, graphs) {
         Ok(r) => r,
@@ -319,9 +336,8 @@ fn budgets<B: Backend>(
     // for a model of thousands of tensors) stays with the process once it has planned: plan
     // each phase once before measuring, so that the measure, and with it the prediction of the
     // peak, includes it. A model the planner refuses is reported below.
-    // Likewise the backend's state for running them (a GPU backend's compiled pipelines).
+    // Likewise the backend's state for running them, made ready by `exec_options` first.
     for (g, model) in graphs {
-        backend.prepare(g)?;
         if let Ok(least) = nibble_core::plan::min_device_bytes(g, model, backend) {
             let _ = nibble_core::exec::Executor::plan_only(g, model, backend, options(m, r, least));
         }
@@ -532,14 +548,7 @@ fn budgets<B: Backend>(
             let Ok(plan) = nibble_core::exec::Executor::plan_only(g, model, backend, opts) else {
                 continue;
             };
-            let device = if plan.device_in_host_memory {
-                plan.peak_device_bytes
-            } else {
-                0
-            };
-            let need = rss
-                .saturating_add(plan.peak_host_bytes)
-                .saturating_add(device);
+            let need = rss.saturating_add(plan.host_bytes_with_device());
             if need > h {
                 anyhow::bail!(
                     "the plan needs {} of host memory (the process {} + ring, loader and kernel \
@@ -551,7 +560,7 @@ fn budgets<B: Backend>(
                     if plan.device_in_host_memory {
                         format!(
                             " + device memory, which is host memory here, {}",
-                            fmt_bytes(device)
+                            fmt_bytes(plan.peak_device_bytes)
                         )
                     } else {
                         String::new()
