@@ -196,6 +196,9 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
         .collect();
     let (s_bytes, h_bytes) = (u(&s["bytes_per_step"]), u(&h["bytes_per_step"]));
     assert_eq!(u(&plan["source_bytes_per_step"]), s_bytes);
+    // wgpu uploads from plain host memory (CUDA's tier is pinned); no host tier, no memory.
+    assert_eq!(three["host_tier_memory"], "host memory");
+    assert!(resident["host_tier_memory"].is_null());
     // The first pass reads both tiers from the source; later ones the source tier only.
     assert_eq!((src[0], hst[0]), (s_bytes + h_bytes, 0), "first step");
     for (i, (a, b)) in src.iter().zip(&hst).enumerate().skip(1) {

@@ -216,6 +216,54 @@ fn cpu_ref_resident_and_streamed_equal_the_ops_by_hand() {
     }
 }
 
+/// The scalar reference backend keeps its memory apart from the host's (no host-memory
+/// capability), so it gets a host tier like a GPU: with one that holds about half the streamed
+/// groups, the steps equal the ops by hand, the first step reads every streamed byte from the
+/// source, and every later one reads only the source tier's groups there and uploads the host
+/// tier's from host memory, as planned.
+#[test]
+fn cpu_ref_host_tier_equals_the_ops_by_hand_and_moves_the_planned_bytes() {
+    let m = model();
+    let want = want();
+    let mut o = small_budget(CpuRefBackend::new);
+    let probe = Executor::new(mlp_graph(&m), &m, CpuRefBackend::new(), o).expect("plan");
+    let streamed: Vec<u64> = probe
+        .plan()
+        .groups
+        .iter()
+        .filter(|g| g.placement != nibble_core::plan::Placement::Resident)
+        .map(|g| g.bytes)
+        .collect();
+    drop(probe);
+    assert!(streamed.len() >= 4, "groups stream: {streamed:?}");
+    o.budgets.host_tier_bytes = streamed.iter().sum::<u64>() / 2;
+    let mut ex = Executor::new(mlp_graph(&m), &m, CpuRefBackend::new(), o).expect("executor");
+    let plan = ex.plan().clone();
+    let tiers = plan.tiers();
+    let (host, source) = (tiers[1].bytes, tiers[2].bytes);
+    assert!(
+        host > 0 && source > 0,
+        "both streamed tiers in use: {tiers:?}"
+    );
+    assert_eq!(plan.host_tier_bytes, host);
+    assert_eq!(plan.source_bytes_per_step, source);
+    ex.limit_stream_passes(3);
+    let hidden = dims(&m).hidden;
+    for (i, seed) in [1u64, 2, 3].into_iter().enumerate() {
+        let x = HostTensor::f32(&[ROWS, hidden], random_values(ROWS * hidden, seed)).expect("x");
+        let (out, stats) = ex.step(&[x]).expect("step");
+        assert_bits_eq(out[0].as_f32(), &want[i], "host tier");
+        let planned = if i == 0 {
+            (host + source, 0)
+        } else {
+            (source, host)
+        };
+        assert_eq!((stats.source_bytes, stats.host_bytes), planned, "step {i}");
+    }
+    // Measured at the source: the host tier's bytes were read from it once.
+    assert_eq!(ex.tier_totals(), (host + 3 * source, 2 * host));
+}
+
 #[test]
 fn wgpu_resident_and_streamed_match_cpu_ref() {
     let Some(backend) = wgpu_or_absent("executor") else {

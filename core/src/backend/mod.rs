@@ -137,8 +137,8 @@ pub trait Backend {
     /// first chunk). Asynchronous backends mark here how far the queued compute had got, so
     /// that a later upload waits only for the kernels that read the region it overwrites.
     fn begin_group_load(&mut self) {}
-    /// Memory for the staging ring's slots (pinned host memory for CUDA); `None`: plain host
-    /// memory.
+    /// Memory for the staging ring's slots and the host tier (pinned host memory for CUDA, so
+    /// that uploads from them are DMA); `None`: plain host memory.
     fn slot_allocator(&self) -> Option<Box<dyn SlotAllocator>> {
         None
     }

@@ -68,8 +68,8 @@ fn element_size(d: Dtype) -> usize {
 }
 
 impl<B: Backend> Executor<B> {
-    /// Places one chunk's tensors: uploads (the fences of the uploads are returned), host-side
-    /// quant-state parts, dense weights. With `lent`, a packed weight that lies whole in the
+    /// Places one chunk's tensors: uploads (the fences of the uploads are pushed to `fences`,
+    /// also those queued before an error), host-side quant-state parts, dense weights. With `lent`, a packed weight that lies whole in the
     /// chunk is lent to a host-memory backend in place (its pool offset is pushed to `lent`;
     /// the caller then keeps `data` unchanged until `end_lend`, and ends the lends itself if
     /// this returns an error).
@@ -78,8 +78,8 @@ impl<B: Backend> Executor<B> {
         spec: &ChunkSpec,
         data: &[u8],
         mut lent: Option<&mut Vec<u64>>,
-    ) -> Result<Vec<Box<dyn Fence>>> {
-        let mut fences = Vec::new();
+        fences: &mut Vec<Box<dyn Fence>>,
+    ) -> Result<()> {
         let verify = !self.finite_seen[spec.group];
         for part in &spec.parts {
             let bytes = data
@@ -139,7 +139,7 @@ impl<B: Backend> Executor<B> {
                 }
             }
         }
-        Ok(fences)
+        Ok(())
     }
 
     /// Writes a piece of a dense weight into its arena value: widened to f32 (straight into the
@@ -260,25 +260,59 @@ impl<B: Backend> Executor<B> {
         }
         let idx = (chunk.seq % per as u64) as usize;
         let last_of_group = idx + 1 == per || pf.chunk_spec(idx + 1).map(|c| c.group) != Some(g);
+        let streamed = self.streamed_group.get(g) == Some(&true);
+        // A host-tier chunk held in the store is uploaded from there: no copy into the slot, and
+        // on CUDA a DMA from pinned memory. The slot goes back to the ring at once.
+        let store = self
+            .tier
+            .as_ref()
+            .filter(|_| self.host_group.get(g) == Some(&true))
+            .map(|t| t.store.clone());
+        let store = store
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()));
+        let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
+        if let Some(bytes) = store.as_ref().and_then(|s| s.get(&key)) {
+            // Host-tier groups go to device backends only (a host-memory backend's device
+            // budget is the host's memory): uploads, never lent.
+            let mut fences = Vec::new();
+            let placed = self.handle(&chunk.spec, bytes, None, &mut fences);
+            drop(chunk);
+            // The store's bytes never change: the fences matter only before the store is
+            // freed, and uploads complete in order, so the last one stands for all (on the
+            // error path too: the copies queued before it still read the store).
+            if let (Some(f), Some(t)) = (fences.pop(), self.tier.as_mut()) {
+                t.fence = Some(f);
+            }
+            placed?;
+            return Ok(last_of_group);
+        }
+        drop(store);
         // Zero copy: the packed weights of a streamed group may be read from the slot in place;
         // the slot then stays out of the ring until the group's last op. At least one slot is
         // never held, so that the readers can always fill the chunk the executor waits for.
-        let lend = self.host_memory
-            && self.streamed_group.get(g) == Some(&true)
-            && self.held.len() + 2 <= pf.ring().slots();
+        let lend = self.host_memory && streamed && self.held.len() + 2 <= pf.ring().slots();
         let mut lent = Vec::new();
-        let placed = self.handle(&chunk.spec, chunk.bytes(), lend.then_some(&mut lent));
-        let fences = match placed {
-            Ok(f) => f,
-            Err(e) => {
-                // The slot goes back to the ring when `chunk` drops: nothing may read it after.
-                self.end_lends(&lent);
-                return Err(e);
-            }
-        };
+        let mut fences = Vec::new();
+        let placed = self.handle(
+            &chunk.spec,
+            chunk.bytes(),
+            lend.then_some(&mut lent),
+            &mut fences,
+        );
         let Chunk { slot, .. } = chunk;
         // Uploads from one slot complete in order: the last one frees the slot.
-        let fence = fences.into_iter().last();
+        let fence = fences.pop();
+        if let Err(e) = placed {
+            // Nothing reads the slot after the lends end and the uploads queued before the
+            // error have run: then it goes back to the ring.
+            self.end_lends(&lent);
+            match fence {
+                Some(f) => slot.release_after(f),
+                None => drop(slot),
+            }
+            return Err(e);
+        }
         if !lent.is_empty() {
             self.held.push(Held {
                 group: g,
@@ -341,9 +375,13 @@ impl<B: Backend> Executor<B> {
             len: at,
             parts,
         };
-        for f in self.handle(&spec, &buf, None)? {
+        let mut fences = Vec::new();
+        let placed = self.handle(&spec, &buf, None, &mut fences);
+        // `buf` is dropped below: the copies from it must have run, on the error path too.
+        for f in fences {
             f.wait();
         }
+        placed?;
         drop(buf);
         self.finish_group(g)?;
         Ok(StepStats {

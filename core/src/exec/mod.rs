@@ -20,6 +20,7 @@ use crate::io::model::ModelIndex;
 use crate::io::source::{ByteSource, RangeSource, ThreadedSource};
 use crate::plan::layout::{Layout, Q4Scratch};
 use crate::plan::{Budgets, MemoryPlan, Planner, Rules};
+use crate::stream::host_tier::TierStore;
 use crate::stream::prefetch::{chunk_schedule, ChunkSpec, Prefetcher, StepStats};
 use crate::stream::ring::{HostAllocator, StagingRing};
 use load::{Held, Role};
@@ -64,6 +65,24 @@ struct ResidentLoad {
 /// The naive offloader's mode: no ring for the streamed groups.
 struct Naive {
     source: std::sync::Arc<dyn RangeSource>,
+}
+
+/// The host tier's store (from the backend's slot allocator: pinned on CUDA, so that uploads
+/// from it are DMA) and the last upload from it, which is waited for before the store may go:
+/// uploads complete in order, so no copy reads the store after it.
+struct TierMemory {
+    store: crate::stream::host_tier::SharedStore,
+    fence: Option<Box<dyn crate::stream::ring::Fence>>,
+    /// What memory it is, for the run's report.
+    memory: String,
+}
+
+impl Drop for TierMemory {
+    fn drop(&mut self) {
+        if let Some(f) = self.fence.take() {
+            f.wait();
+        }
+    }
 }
 
 /// A graph bound to a model, a backend and a plan.
@@ -111,6 +130,8 @@ pub struct Executor<B: Backend> {
     step_tier_bytes: (u64, u64),
     /// What the host tier's source counted (source, host) over the run.
     tier_counters: Option<std::sync::Arc<crate::stream::host_tier::TierCounters>>,
+    /// The host tier's memory, which its chunks are uploaded from after their first read.
+    tier: Option<TierMemory>,
     /// Per group: its weights were seen finite when it was first loaded (dense values, quant
     /// maps, absmax after double quantization is undone); later loads skip the check.
     finite_seen: Vec<bool>,
@@ -290,6 +311,7 @@ impl<B: Backend> Executor<B> {
             host_seen: Default::default(),
             step_tier_bytes: (0, 0),
             tier_counters: None,
+            tier: None,
         };
         ex.reset_state()?;
         // Resident groups: one pass through the ring, then the ring streams the rest every step.
@@ -357,17 +379,39 @@ impl<B: Backend> Executor<B> {
             for (g, gp) in self.plan.groups.iter().enumerate() {
                 self.host_group[g] = gp.placement == crate::plan::Placement::Host;
             }
-            let keep = chunks
+            let keep: Vec<_> = chunks
                 .iter()
                 .filter(|c| self.host_group.get(c.group) == Some(&true))
                 .map(|c| (c.file, c.offset, c.len))
                 .collect();
+            // Allocated once, now, from the memory the backend uploads fastest from (pinned on
+            // CUDA); where the driver refuses that much, plain host memory, which only uploads
+            // slower, and the executor says so.
+            let (store, memory) = match self.backend.slot_allocator() {
+                Some(alloc) => match TierStore::new(keep.iter().copied(), alloc.as_ref()) {
+                    Ok(s) => (s, "pinned host memory".to_string()),
+                    Err(e) => (
+                        TierStore::new(keep, &HostAllocator)?,
+                        format!("plain host memory (the backend's allocation failed: {e})"),
+                    ),
+                },
+                None => (
+                    TierStore::new(keep, &HostAllocator)?,
+                    "host memory".to_string(),
+                ),
+            };
+            let store = std::sync::Arc::new(std::sync::Mutex::new(store));
             let counters = std::sync::Arc::new(crate::stream::host_tier::TierCounters::default());
             let source = crate::stream::host_tier::HostTierSource::new(
                 make_source(),
-                keep,
+                store.clone(),
                 counters.clone(),
             );
+            self.tier = Some(TierMemory {
+                store,
+                fence: None,
+                memory,
+            });
             self.tier_counters = Some(counters);
             let source: Box<dyn ByteSource> = Box::new(source);
             self.prefetch = Some(Prefetcher::new(source, ring, chunks, None)?);
@@ -382,6 +426,13 @@ impl<B: Backend> Executor<B> {
             .as_ref()
             .map(|c| c.get())
             .unwrap_or_default()
+    }
+
+    /// What memory holds the host tier (`pinned host memory` on CUDA, `host memory` on the
+    /// other device backends, or the reason a pinned allocation fell back to plain memory);
+    /// `None` without a host tier.
+    pub fn host_tier_memory(&self) -> Option<&str> {
+        self.tier.as_ref().map(|t| t.memory.as_str())
     }
 
     /// Limits the weight stream to `passes` more passes (steps or decoded tokens), so that no
@@ -402,6 +453,7 @@ impl<B: Backend> Executor<B> {
             None => self.spare_ring.take(),
         };
         self.backend.release();
+        self.tier = None;
         (self.backend, ring)
     }
 

@@ -1,15 +1,18 @@
 //! The host tier: a [`ByteSource`] in front of the model's source that keeps the bytes of the
-//! chunks it is told to keep after their first read, and answers later reads of them from host
-//! memory (a copy into the ring slot) without asking the source again. Reads of other chunks go
-//! to the source as before. It counts the bytes each side delivered.
+//! chunks it is told to keep after their first read, in one allocation made when the stream
+//! starts ([`TierStore`], from the backend's slot allocator: pinned host memory for CUDA, so that
+//! uploads from it are DMA), and answers later reads of them without asking the source again:
+//! the consumer uploads such a chunk straight from the store, without a copy into the ring slot.
+//! Reads of other chunks go to the source as before. It counts the bytes each side delivered.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::error::Result;
-use crate::io::source::{ByteSource, ReadCompletion, ReadRequest, SourceFile};
+use crate::error::{Error, Result};
+use crate::io::source::{ByteSource, ReadCompletion, ReadRequest, SlotBuffer, SourceFile};
+use crate::stream::ring::SlotAllocator;
 
 /// A chunk: file, offset, length.
 pub type ChunkKey = (usize, u64, usize);
@@ -33,15 +36,144 @@ impl TierCounters {
     }
 }
 
-/// The caching source.
+/// Where each kept chunk starts in the store: a multiple of this many bytes.
+const CHUNK_ALIGN: usize = 64;
+
+/// The host tier's memory: every kept chunk at its own place in one buffer, allocated once when
+/// the stream starts (so that it counts in RSS from then on, as the plan predicts). A chunk's
+/// bytes are written once, by its first read, and only read after that: a reference to them
+/// stays valid while the store lives.
+pub struct TierStore {
+    /// Owns the memory `base` points into (`None` when nothing is kept).
+    _buf: Option<SlotBuffer>,
+    base: *mut u8,
+    /// Per kept chunk: its offset in the buffer and whether its bytes are there.
+    at: HashMap<ChunkKey, (usize, bool)>,
+    bytes: u64,
+}
+
+// SAFETY: `base` points into `_buf`, which the store owns and which is `Send`; the store writes
+// through it only in `fill` (`&mut self`) and into a chunk no reference has been handed out for.
+unsafe impl Send for TierStore {}
+
+impl std::fmt::Debug for TierStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierStore")
+            .field("chunks", &self.at.len())
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl TierStore {
+    /// Room for the chunks `keep`, from `alloc` (checked against the memory available first).
+    pub fn new(
+        keep: impl IntoIterator<Item = ChunkKey>,
+        alloc: &dyn SlotAllocator,
+    ) -> Result<Self> {
+        let mut keys: Vec<ChunkKey> = keep.into_iter().collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let mut at = HashMap::with_capacity(keys.len());
+        let mut total = 0usize;
+        for k in keys {
+            at.insert(k, (total, false));
+            total = total
+                .checked_add(k.2.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN)
+                .ok_or_else(|| Error::Invalid("the host tier is larger than memory".into()))?;
+        }
+        if total == 0 {
+            // Nothing to hold (or only empty chunks): a well-aligned dangling pointer, which
+            // empty slices and copies of no bytes accept.
+            return Ok(TierStore {
+                _buf: None,
+                base: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                at,
+                bytes: 0,
+            });
+        }
+        crate::io::machine::check_alloc(total as u64, "the host tier")?;
+        let mut buf = alloc.allocate(total)?;
+        let mem = buf.bytes_mut();
+        if mem.len() < total {
+            return Err(Error::Invalid(format!(
+                "the host tier asked for {total} bytes and got {}",
+                mem.len()
+            )));
+        }
+        let base = mem.as_mut_ptr();
+        Ok(TierStore {
+            _buf: Some(buf),
+            base,
+            at,
+            bytes: total as u64,
+        })
+    }
+
+    /// Bytes allocated.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether `key` is kept here.
+    pub fn keeps(&self, key: &ChunkKey) -> bool {
+        self.at.contains_key(key)
+    }
+
+    /// Bytes held now (the kept chunks read so far).
+    pub fn held_bytes(&self) -> u64 {
+        self.at
+            .iter()
+            .filter(|(_, (_, filled))| *filled)
+            .map(|(k, _)| k.2 as u64)
+            .sum()
+    }
+
+    /// The bytes of `key`, once its first read has arrived. They do not change while the
+    /// store lives (a chunk is written once), whatever the store does meanwhile.
+    pub fn get(&self, key: &ChunkKey) -> Option<&[u8]> {
+        match self.at.get(key) {
+            // SAFETY: the chunk lies inside the buffer (placed in `new`), was written by `fill`,
+            // and is never written again.
+            Some(&(off, true)) => {
+                Some(unsafe { std::slice::from_raw_parts(self.base.add(off), key.2) })
+            }
+            _ => None,
+        }
+    }
+
+    /// Keeps `bytes` as the chunk `key` (its first read); false when `key` is not kept here
+    /// or already held.
+    fn fill(&mut self, key: ChunkKey, bytes: &[u8]) -> bool {
+        match self.at.get_mut(&key) {
+            Some((off, filled)) if !*filled && bytes.len() >= key.2 => {
+                // SAFETY: the chunk's place lies inside the buffer, no reference to it has been
+                // handed out (it was not filled), and `bytes` is another allocation (a ring slot).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(*off), key.2)
+                };
+                *filled = true;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A [`TierStore`] shared by the tier's source (which fills it) and the consumer (which uploads
+/// from it).
+pub type SharedStore = Arc<Mutex<TierStore>>;
+
+/// The caching source. A completion for a kept chunk that is already held carries its slot
+/// unfilled: the consumer takes the bytes from the store ([`TierStore::get`]), which holds them
+/// from the chunk's first read on (before that read's completion is handed out).
 pub struct HostTierSource {
     inner: Box<dyn ByteSource>,
-    keep: HashSet<ChunkKey>,
-    held: HashMap<ChunkKey, Vec<u8>>,
+    store: SharedStore,
     /// Reads sent to the source, by tag: the chunk and whether to keep its bytes.
     pending: HashMap<u64, (ChunkKey, bool)>,
     /// Later reads of a kept chunk whose first read is still in flight (a ring deeper than one
-    /// step): served from host memory when it arrives, never read twice.
+    /// step): answered from the store when it arrives, never read twice.
     waiting: HashMap<ChunkKey, Vec<ReadRequest>>,
     ready: VecDeque<ReadCompletion>,
     counters: Arc<TierCounters>,
@@ -50,23 +182,22 @@ pub struct HostTierSource {
 impl std::fmt::Debug for HostTierSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostTierSource")
-            .field("keep", &self.keep.len())
-            .field("held", &self.held.len())
+            .field("store", &self.store)
             .finish()
     }
 }
 
 impl HostTierSource {
-    /// In front of `inner`, keeping the chunks `keep`; `counters` count what each side gave.
+    /// In front of `inner`, keeping the chunks `store` has room for; `counters` count what each
+    /// side gave.
     pub fn new(
         inner: Box<dyn ByteSource>,
-        keep: HashSet<ChunkKey>,
+        store: SharedStore,
         counters: Arc<TierCounters>,
     ) -> Self {
         HostTierSource {
             inner,
-            keep,
-            held: HashMap::new(),
+            store,
             pending: HashMap::new(),
             waiting: HashMap::new(),
             ready: VecDeque::new(),
@@ -74,21 +205,22 @@ impl HostTierSource {
         }
     }
 
-    /// Bytes held in host memory now.
-    pub fn held_bytes(&self) -> u64 {
-        self.held.values().map(|v| v.len() as u64).sum()
+    fn store(&self) -> std::sync::MutexGuard<'_, TierStore> {
+        // A panic while the lock was held left no chunk half-marked (`fill` marks after its
+        // copy): the store is still sound.
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A completion from the source: counted, its bytes kept when asked, and the reads that
-    /// waited for it answered (from host memory; with its error if it failed).
+    /// waited for it answered (from the store; with its error if it failed).
     fn arrived(&mut self, c: ReadCompletion) -> ReadCompletion {
         if let Some((key, keep)) = self.pending.remove(&c.tag) {
             if c.result.is_ok() {
                 self.counters
                     .source
                     .fetch_add(key.2 as u64, Ordering::Relaxed);
-                if keep && !self.held.contains_key(&key) {
-                    self.held.insert(key, c.slot.bytes()[..key.2].to_vec());
+                if keep {
+                    self.store().fill(key, c.slot.bytes());
                 }
             }
             for req in self.waiting.remove(&key).unwrap_or_default() {
@@ -97,7 +229,7 @@ impl HostTierSource {
                     Err(e) => self.ready.push_back(ReadCompletion {
                         tag: req.tag,
                         slot: req.slot,
-                        result: Err(crate::error::Error::Invalid(format!(
+                        result: Err(Error::Invalid(format!(
                             "{}: the read this chunk waited for failed: {e}",
                             req.what
                         ))),
@@ -109,11 +241,8 @@ impl HostTierSource {
         c
     }
 
-    /// Answers `req` from host memory.
-    fn serve(&mut self, mut req: ReadRequest, bytes_len: usize) {
-        if let Some(bytes) = self.held.get(&(req.file, req.offset, req.len)) {
-            req.slot.bytes_mut()[..bytes_len].copy_from_slice(bytes);
-        }
+    /// Answers `req` from the store: the consumer reads the bytes there.
+    fn serve(&mut self, req: ReadRequest, bytes_len: usize) {
         self.counters
             .host
             .fetch_add(bytes_len as u64, Ordering::Relaxed);
@@ -133,11 +262,14 @@ impl ByteSource for HostTierSource {
 
     fn submit(&mut self, req: ReadRequest) -> Result<()> {
         let key = (req.file, req.offset, req.len);
-        if let Some(n) = self.held.get(&key).map(|b| b.len()) {
-            self.serve(req, n);
+        let (held, keep) = {
+            let store = self.store();
+            (store.get(&key).is_some(), store.keeps(&key))
+        };
+        if held {
+            self.serve(req, key.2);
             return Ok(());
         }
-        let keep = self.keep.contains(&key);
         if keep && self.pending.values().any(|(k, _)| *k == key) {
             self.waiting.entry(key).or_default().push(req);
             return Ok(());
@@ -205,13 +337,28 @@ mod tests {
         }
     }
 
+    /// Counts the allocations asked of it (as the backend's slot allocator would see them).
+    #[derive(Default)]
+    struct Counting(std::sync::Mutex<Vec<usize>>);
+    impl SlotAllocator for Counting {
+        fn allocate(&self, bytes: usize) -> Result<SlotBuffer> {
+            self.0.lock().expect("lock").push(bytes);
+            Ok(Box::new(HostSlot::new(bytes)))
+        }
+    }
+
     /// A host tier keeping `kept` in front of `readers` threads over `data`, with the count of
-    /// bytes the data was read for and the tier's counters.
+    /// bytes the data was read for, the tier's counters and its store.
     fn tier_over(
         data: &[u8],
         kept: ChunkKey,
         readers: usize,
-    ) -> (HostTierSource, Arc<AtomicU64>, Arc<TierCounters>) {
+    ) -> (
+        HostTierSource,
+        Arc<AtomicU64>,
+        Arc<TierCounters>,
+        SharedStore,
+    ) {
         let reads = Arc::new(AtomicU64::new(0));
         let src = Arc::new(Bytes(
             vec![SourceFile {
@@ -222,20 +369,53 @@ mod tests {
             reads.clone(),
         ));
         let counters = Arc::new(TierCounters::default());
+        let store = Arc::new(Mutex::new(
+            TierStore::new([kept], &crate::stream::ring::HostAllocator).expect("store"),
+        ));
         let s = HostTierSource::new(
             Box::new(ThreadedSource::new(src, readers)),
-            [kept].into_iter().collect(),
+            store.clone(),
             counters.clone(),
         );
-        (s, reads, counters)
+        (s, reads, counters, store)
+    }
+
+    /// The bytes a consumer uploads for a completed chunk: the store's once it holds them,
+    /// else the slot's.
+    fn delivered(store: &SharedStore, key: ChunkKey, slot: &[u8]) -> Vec<u8> {
+        let s = store.lock().expect("lock");
+        s.get(&key).unwrap_or(&slot[..key.2]).to_vec()
+    }
+
+    #[test]
+    fn the_store_is_one_allocation_from_the_backends_allocator() {
+        let alloc = Counting::default();
+        let store =
+            TierStore::new([(0, 0, 100), (1, 64, 4096), (0, 0, 100)], &alloc).expect("store");
+        // Each chunk at a multiple of 64 bytes, duplicates once, all in one allocation.
+        assert_eq!(*alloc.0.lock().expect("lock"), [128 + 4096]);
+        assert_eq!(store.bytes(), 128 + 4096);
+        assert!(store.keeps(&(1, 64, 4096)) && !store.keeps(&(1, 0, 4096)));
+        assert_eq!(store.held_bytes(), 0);
+        assert!(
+            store.get(&(0, 0, 100)).is_none(),
+            "nothing held before the first read"
+        );
+        let none = TierStore::new([], &alloc).expect("empty store");
+        assert_eq!(none.bytes(), 0);
+        assert_eq!(
+            alloc.0.lock().expect("lock").len(),
+            1,
+            "no allocation for no chunks"
+        );
     }
 
     #[test]
     fn kept_chunks_are_read_once_then_served_from_host_memory() {
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
-        let (mut s, reads, counters) = tier_over(&data, (0, 0, 1000), 1);
+        let (mut s, reads, counters, store) = tier_over(&data, (0, 0, 1000), 1);
         let mut tag = 0;
-        for _pass in 0..3 {
+        for pass in 0..3 {
             for &(off, len) in &[(0u64, 1000usize), (1000, 3000)] {
                 s.submit(ReadRequest {
                     tag,
@@ -249,23 +429,28 @@ mod tests {
                 let c = s.wait_completion().expect("completion");
                 assert_eq!(c.tag, tag);
                 c.result.expect("ok");
+                let key = (0, off, len);
                 assert_eq!(
-                    &c.slot.bytes()[..len],
+                    delivered(&store, key, c.slot.bytes()),
                     &data[off as usize..off as usize + len]
                 );
+                if pass > 0 && off == 0 {
+                    // Served from the store: not copied into the ring slot.
+                    assert!(c.slot.bytes()[..len].iter().all(|&b| b == 0));
+                }
                 tag += 1;
             }
         }
         // The kept chunk once from the source, the other every pass.
         assert_eq!(reads.load(Ordering::Relaxed), 1000 + 3 * 3000);
         assert_eq!(counters.get(), (1000 + 3 * 3000, 2 * 1000));
-        assert_eq!(s.held_bytes(), 1000);
+        assert_eq!(store.lock().expect("lock").held_bytes(), 1000);
     }
 
     #[test]
     fn a_kept_chunk_asked_again_before_it_arrives_is_read_once() {
         let data: Vec<u8> = (0..2048u32).map(|i| (i % 253) as u8).collect();
-        let (mut s, reads, counters) = tier_over(&data, (0, 100, 500), 2);
+        let (mut s, reads, counters, store) = tier_over(&data, (0, 100, 500), 2);
         // A ring deeper than a step: the next pass asks for the chunk while the first read is
         // still in flight.
         for tag in 0..3 {
@@ -283,7 +468,10 @@ mod tests {
         let mut tags = Vec::new();
         while let Some(c) = s.wait_completion() {
             c.result.expect("ok");
-            assert_eq!(&c.slot.bytes()[..500], &data[100..600]);
+            assert_eq!(
+                delivered(&store, (0, 100, 500), c.slot.bytes()),
+                &data[100..600]
+            );
             tags.push(c.tag);
         }
         tags.sort_unstable();

@@ -188,6 +188,7 @@ pub(super) fn run<B: Backend>(
                 "source": dec.executor().tier_totals().0,
                 "host_tier": dec.executor().tier_totals().1,
             },
+            "host_tier_memory": dec.executor().host_tier_memory(),
             "plan": dec.executor().plan().to_json(),
         });
         crate::output::write_stdout(&format!("{v}\n"))?;
@@ -207,6 +208,9 @@ pub(super) fn run<B: Backend>(
                 String::new()
             }
         );
+        if let Some(m) = dec.executor().host_tier_memory() {
+            eprintln!("host tier in {m}");
+        }
     }
     Ok(())
 }
