@@ -187,12 +187,24 @@ impl<B: Backend> Executor<B> {
                 part.tensor
             ))),
             None => {
-                let mut vals = vec![0f32; piece.len];
-                if !widen_into(bytes, dtype, &mut vals) {
-                    return Err(not_floats());
+                // In pieces, so that the host copies a dense weight takes on its way to the
+                // device (widened floats, their words, the backend's own copy) stay within what
+                // the plan counts for them, whatever the slot size.
+                let n = crate::plan::DENSE_PIECE_WORDS;
+                let mut vals = vec![0f32; piece.len.min(n)];
+                for (k, b) in bytes.chunks(n * es).enumerate() {
+                    let vals = &mut vals[..b.len() / es];
+                    if !widen_into(b, dtype, vals) {
+                        return Err(not_floats());
+                    }
+                    let words: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
+                    let dst = ArenaSlice {
+                        offset: piece.offset + k * n,
+                        len: words.len(),
+                    };
+                    self.backend.write_arena(dst, &words)?;
                 }
-                let words: Vec<u32> = vals.iter().map(|v| v.to_bits()).collect();
-                self.backend.write_arena(piece, &words)
+                Ok(())
             }
         }
     }

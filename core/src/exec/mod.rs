@@ -73,8 +73,8 @@ struct Naive {
 struct TierMemory {
     store: crate::stream::host_tier::SharedStore,
     fence: Option<Box<dyn crate::stream::ring::Fence>>,
-    /// What memory it is, for the run's report.
-    memory: String,
+    /// What memory it is, for the run's report (`None`: the tier holds nothing).
+    memory: Option<String>,
 }
 
 impl Drop for TierMemory {
@@ -387,7 +387,8 @@ impl<B: Backend> Executor<B> {
             // Allocated once, now, from the memory the backend uploads fastest from (pinned on
             // CUDA); where the driver refuses that much, plain host memory, which only uploads
             // slower, and the executor says so.
-            let (store, memory) = match self.backend.slot_allocator() {
+            let any = !keep.is_empty();
+            let (store, memory) = match self.backend.slot_allocator().filter(|_| any) {
                 Some(alloc) => match TierStore::new(keep.iter().copied(), alloc.as_ref()) {
                     Ok(s) => (s, "pinned host memory".to_string()),
                     Err(e) => (
@@ -410,7 +411,7 @@ impl<B: Backend> Executor<B> {
             self.tier = Some(TierMemory {
                 store,
                 fence: None,
-                memory,
+                memory: any.then_some(memory),
             });
             self.tier_counters = Some(counters);
             let source: Box<dyn ByteSource> = Box::new(source);
@@ -432,7 +433,7 @@ impl<B: Backend> Executor<B> {
     /// other device backends, or the reason a pinned allocation fell back to plain memory);
     /// `None` without a host tier.
     pub fn host_tier_memory(&self) -> Option<&str> {
-        self.tier.as_ref().map(|t| t.memory.as_str())
+        self.tier.as_ref().and_then(|t| t.memory.as_deref())
     }
 
     /// Limits the weight stream to `passes` more passes (steps or decoded tokens), so that no

@@ -149,7 +149,8 @@ pub struct MemoryPlan {
     /// Ring bytes (slots x slot size).
     pub ring_bytes: u64,
     /// Host buffers of the loader besides the ring: the loading group's small quant-state
-    /// tensors and one decoded absmax.
+    /// tensors, one decoded absmax, and on a device backend the pieces dense weights are
+    /// widened in ([`DENSE_PIECE_HOST_BYTES`]).
     pub loader_bytes: u64,
     /// Reads kept in flight ahead of the consumer (one per ring slot).
     pub prefetch_depth: u64,
@@ -426,6 +427,12 @@ impl MemoryPlan {
     }
 }
 
+/// A dense weight goes to a backend without host memory this many 4-byte words at a time.
+pub const DENSE_PIECE_WORDS: usize = 1 << 18;
+/// The host bytes that takes at most: the widened floats, their words, and the backend's copy
+/// of them for its upload (wgpu's bytes; the upload staging itself is the kernel workspace).
+pub const DENSE_PIECE_HOST_BYTES: u64 = 3 * 4 * DENSE_PIECE_WORDS as u64;
+
 /// A graph bound to a model's stored tensors and a backend's rules: everything the planner needs,
 /// gathered (and checked against the model) once; [`Planner::plan`] then costs nothing but
 /// arithmetic on it.
@@ -519,6 +526,12 @@ impl Planner {
         }
         let lifetimes = layout::lifetimes(&graph);
         let (scratch, group_buf, absmax_buf) = layout::scratch(&graph, &states);
+        // A device backend gets dense weights through host copies made a piece at a time.
+        let dense_piece_bytes = if !rules.host_memory && dense_dtypes.iter().any(Option::is_some) {
+            DENSE_PIECE_HOST_BYTES
+        } else {
+            0
+        };
         Ok(Planner {
             graph,
             rules,
@@ -528,7 +541,7 @@ impl Planner {
             group_tensors,
             lifetimes,
             scratch,
-            loader_bytes: (group_buf + absmax_buf) as u64,
+            loader_bytes: (group_buf + absmax_buf) as u64 + dense_piece_bytes,
         })
     }
 
