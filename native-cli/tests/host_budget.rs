@@ -157,14 +157,7 @@ fn three_tiers_on_wgpu_move_the_planned_bytes() {
     }
     let resident = run_wgpu(&[]);
     assert_eq!(u(&resident["plan"]["streamed_groups"]), 0);
-    let mem = [
-        "--device-budget",
-        "130MiB",
-        "--slots",
-        "2",
-        "--slot-size",
-        "4MiB",
-    ];
+    let mem = device_130mib("4MiB");
     // Everything the device does not hold fits the host tier.
     let all = run_wgpu(&[&mem[..], &["--host-budget", "1TiB"]].concat());
     // A host budget that holds about half of those groups besides the process, the buffers and
@@ -237,22 +230,10 @@ fn a_source_tier_on_wgpu_stays_within_the_plan() {
     if nibble_tests::wgpu_or_absent("a source tier on wgpu").is_none() {
         return;
     }
-    let mem = [
-        "--device-budget",
-        "130MiB",
-        "--slots",
-        "2",
-        "--slot-size",
-        "16MiB",
-    ];
+    let mem = device_130mib("16MiB");
     let all = run_wgpu(&[&mem[..], &["--host-budget", "1TiB"]].concat());
-    let plan = &all["plan"];
-    let held = u(&tier(plan, "host")["bytes"]);
-    // What it held when it planned, its buffers and device memory, 3 MiB for the process's
-    // variation between runs: at most a group or so in the host tier.
-    let host = u(&all["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) - held
-        + device_bytes_in_ram(plan)
-        + 3 * MIB;
+    // 3 MiB for the process's variation between runs: at most a group or so in the host tier.
+    let host = host_budget_with_a_tier_of(&all, 3 * MIB);
     let src = run_wgpu(&[&mem[..], &["--host-budget", &host.to_string()]].concat());
     let plan = &src["plan"];
     assert!(
@@ -268,15 +249,36 @@ fn a_source_tier_on_wgpu_stays_within_the_plan() {
     );
 }
 
+/// A host budget for the run `all` that holds half of its host tier.
+fn half_the_host_tier(all: &serde_json::Value) -> u64 {
+    let held = u(&tier(&all["plan"], "host")["bytes"]);
+    host_budget_with_a_tier_of(all, held / 2)
+}
+
 /// A host budget for the run `all` (whose host tier holds every group the device does not):
 /// what it held when it planned, its buffers, its device memory where that is host RAM, and
-/// half of its host tier.
-fn half_the_host_tier(all: &serde_json::Value) -> u64 {
+/// `tier_bytes` for the host tier.
+fn host_budget_with_a_tier_of(all: &serde_json::Value, tier_bytes: u64) -> u64 {
     let plan = &all["plan"];
     let held = u(&tier(plan, "host")["bytes"]);
     assert!(held > 0 && u(&tier(plan, "source")["bytes"]) == 0, "{plan}");
     let device = device_bytes_in_ram(plan);
-    u(&all["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) - held + device + held / 2
+    u(&all["budget"]["rss_at_plan_bytes"]) + u(&plan["peak_host_bytes"]) - held
+        + device
+        + tier_bytes
+}
+
+/// SmolLM2's run options for a 130 MiB device budget (most layers off the device) and a ring of
+/// two `slot_size` slots.
+fn device_130mib(slot_size: &str) -> [&str; 6] {
+    [
+        "--device-budget",
+        "130MiB",
+        "--slots",
+        "2",
+        "--slot-size",
+        slot_size,
+    ]
 }
 
 /// A DiT on wgpu with all three tiers: its latents equal the resident run's, every step after
