@@ -69,8 +69,8 @@ fn element_size(d: Dtype) -> usize {
 
 impl<B: Backend> Executor<B> {
     /// Places one chunk's tensors: uploads (the fences of the uploads are pushed to `fences`,
-    /// also those queued before an error), host-side quant-state parts, dense weights. With `lent`, a packed weight that lies whole in the
-    /// chunk is lent to a host-memory backend in place (its pool offset is pushed to `lent`;
+    /// also those queued before an error), host-side quant-state parts, dense weights. With
+    /// `lent`, a packed weight that lies whole in the chunk is lent to a host-memory backend in place (its pool offset is pushed to `lent`;
     /// the caller then keeps `data` unchanged until `end_lend`, and ends the lends itself if
     /// this returns an error).
     fn handle(
@@ -255,10 +255,12 @@ impl<B: Backend> Executor<B> {
         g: usize,
     ) -> Result<bool> {
         let per = pf.chunks_per_step();
-        if self.streamed_group.get(g) == Some(&true) {
-            let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
+        let streamed = self.streamed_group.get(g) == Some(&true);
+        let host = self.host_group.get(g) == Some(&true);
+        let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
+        if streamed {
             let len = chunk.spec.len as u64;
-            if self.host_group.get(g) == Some(&true) && !self.host_seen.insert(key) {
+            if host && !self.host_seen.insert(key) {
                 self.step_tier_bytes.1 += len;
             } else {
                 self.step_tier_bytes.0 += len;
@@ -272,18 +274,12 @@ impl<B: Backend> Executor<B> {
         }
         let idx = (chunk.seq % per as u64) as usize;
         let last_of_group = idx + 1 == per || pf.chunk_spec(idx + 1).map(|c| c.group) != Some(g);
-        let streamed = self.streamed_group.get(g) == Some(&true);
         // A host-tier chunk held in the store is uploaded from there: no copy into the slot, and
         // on CUDA a DMA from pinned memory. The slot goes back to the ring at once.
-        let store = self
-            .tier
-            .as_ref()
-            .filter(|_| self.host_group.get(g) == Some(&true))
-            .map(|t| t.store.clone());
+        let store = self.tier.as_ref().filter(|_| host).map(|t| t.store.clone());
         let store = store
             .as_ref()
             .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()));
-        let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
         if let Some(bytes) = store.as_ref().and_then(|s| s.get(&key)) {
             // Host-tier groups go to device backends only (a host-memory backend's device
             // budget is the host's memory): uploads, never lent.

@@ -388,17 +388,21 @@ impl<B: Backend> Executor<B> {
             // CUDA); where the driver refuses that much, plain host memory, which only uploads
             // slower, and the executor says so.
             let any = !keep.is_empty();
-            let (store, memory) = match self.backend.slot_allocator().filter(|_| any) {
-                Some(alloc) => match TierStore::new(keep.iter().copied(), alloc.as_ref()) {
-                    Ok(s) => (s, "pinned host memory".to_string()),
-                    Err(e) => (
-                        TierStore::new(keep, &HostAllocator)?,
-                        format!("plain host memory (the backend's allocation failed: {e})"),
-                    ),
-                },
-                None => (
+            let backends = self
+                .backend
+                .slot_allocator()
+                .filter(|_| any)
+                .map(|a| TierStore::new(keep.iter().copied(), a.as_ref()));
+            let (store, memory) = match backends {
+                Some(Ok(s)) => (s, "pinned host memory".to_string()),
+                other => (
                     TierStore::new(keep, &HostAllocator)?,
-                    "host memory".to_string(),
+                    match other {
+                        Some(Err(e)) => {
+                            format!("plain host memory (the backend's allocation failed: {e})")
+                        }
+                        _ => "host memory".to_string(),
+                    },
                 ),
             };
             let store = std::sync::Arc::new(std::sync::Mutex::new(store));

@@ -142,20 +142,18 @@ impl TierStore {
         }
     }
 
-    /// Keeps `bytes` as the chunk `key` (its first read); false when `key` is not kept here
+    /// Keeps `bytes` as the chunk `key` (its first read); nothing when `key` is not kept here
     /// or already held.
-    fn fill(&mut self, key: ChunkKey, bytes: &[u8]) -> bool {
-        match self.at.get_mut(&key) {
-            Some((off, filled)) if !*filled && bytes.len() >= key.2 => {
+    fn fill(&mut self, key: ChunkKey, bytes: &[u8]) {
+        if let Some((off, filled)) = self.at.get_mut(&key) {
+            if !*filled && bytes.len() >= key.2 {
                 // SAFETY: the chunk's place lies inside the buffer, no reference to it has been
                 // handed out (it was not filled), and `bytes` is another allocation (a ring slot).
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(*off), key.2)
                 };
                 *filled = true;
-                true
             }
-            _ => false,
         }
     }
 }
