@@ -87,6 +87,22 @@ fn llm(model: &Path, extra: &[&str]) -> Vec<String> {
     a
 }
 
+/// The backends present on this machine, by their `--backend` names: the two CPU backends
+/// always, wgpu and CUDA where an adapter or device is found (required where CI says so).
+fn present_backends() -> Vec<&'static str> {
+    let mut v = vec!["cpu-ref", "cpu"];
+    if nibble_tests::wgpu_or_absent("bad numbers").is_some() {
+        v.push("wgpu");
+    }
+    if nibble_tests::cuda_or_absent("bad numbers").is_some() {
+        v.push("cuda");
+    }
+    v
+}
+
+/// Streaming every group through a ring of two 64 KiB slots.
+const STREAMED: [&str; 5] = ["--stream-all", "--slots", "2", "--slot-size", "64KiB"];
+
 fn run(args: Vec<String>, want: &[&str]) {
     let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     refused(&refs, want);
@@ -105,24 +121,21 @@ fn non_finite_weights_in_the_file_are_named_on_every_backend_and_placement() {
         ("model.embed_tokens.weight", f32::NAN),
         ("lm_head.weight", f32::NAN),
     ];
+    let backends = present_backends();
     for (tensor, value) in cases {
         let d = poked("tiny-llama-nf4/model", tensor, value);
         let weight = tensor
             .trim_end_matches(".nested_absmax")
             .trim_end_matches(".quant_map");
-        for placement in [
-            &["--backend", "cpu-ref"][..],
-            &[
-                "--backend",
-                "cpu",
-                "--stream-all",
-                "--slots",
-                "2",
-                "--slot-size",
-                "64KiB",
-            ][..],
-        ] {
-            run(llm(d.path(), placement), &[weight, "not a finite number"]);
+        // Every backend present, each both resident and streamed through a small ring.
+        for &backend in &backends {
+            for streamed in [false, true] {
+                let mut extra = vec!["--backend", backend];
+                if streamed {
+                    extra.extend(STREAMED);
+                }
+                run(llm(d.path(), &extra), &[weight, "not a finite number"]);
+            }
         }
     }
 }
@@ -135,10 +148,13 @@ fn finite_weights_whose_results_overflow_stop_the_run_naming_the_output() {
         "model.layers.0.input_layernorm.weight",
         1e30,
     );
-    run(
-        llm(d.path(), &["--backend", "cpu"]),
-        &["logits", "not a finite number"],
-    );
+    let backends = present_backends();
+    for &backend in &backends {
+        run(
+            llm(d.path(), &["--backend", backend]),
+            &["logits", "not a finite number"],
+        );
+    }
 
     let d = poked_all(
         "tiny-dit-nf4/model",
@@ -149,7 +165,7 @@ fn finite_weights_whose_results_overflow_stop_the_run_naming_the_output() {
         1e30,
     );
     let m = d.path().to_str().expect("utf8").to_string();
-    for backend in ["cpu", "cpu-ref"] {
+    for &backend in &backends {
         refused(
             &["run", "--model", &m, "--steps", "2", "--backend", backend],
             &["step 1 of 2", "not a finite number"],
@@ -158,16 +174,18 @@ fn finite_weights_whose_results_overflow_stop_the_run_naming_the_output() {
 
     let d = poked("minilm-nf4/model", "embeddings.LayerNorm.weight", 1e30);
     let m = d.path().to_str().expect("utf8").to_string();
-    refused(
-        &[
-            "run",
-            "--model",
-            &m,
-            "--prompt",
-            "a sentence",
-            "--backend",
-            "cpu",
-        ],
-        &["not a finite number"],
-    );
+    for &backend in &backends {
+        refused(
+            &[
+                "run",
+                "--model",
+                &m,
+                "--prompt",
+                "a sentence",
+                "--backend",
+                backend,
+            ],
+            &["not a finite number"],
+        );
+    }
 }

@@ -287,11 +287,9 @@ fn cases(op: &OpKind) -> Vec<Case> {
             vec![c("9 ids from 77x33", vec![ids, t(&[77, 33], 30)])]
         }
         OpKind::Concat { axis } => {
-            let (a, b) = if *axis == 0 {
-                (t(&[5, 7, 3], 31), t(&[2, 7, 3], 32))
-            } else {
-                (t(&[5, 7, 3], 31), t(&[5, 2, 3], 32))
-            };
+            let mut other = vec![5, 7, 3];
+            other[*axis] = 2;
+            let (a, b) = (t(&[5, 7, 3], 31), t(&other, 32));
             vec![c("5x7x3 with 2 more", vec![a, b])]
         }
         OpKind::Slice { .. } => vec![c("slice of 6x13x5", vec![t(&[6, 13, 5], 33)])],
@@ -347,15 +345,16 @@ fn cases(op: &OpKind) -> Vec<Case> {
     }
 }
 
-/// One op of each kind (and the option combinations that change kernels' paths).
-fn ops() -> Vec<OpKind> {
+/// One op of each `OpKind` variant, with any parameters: [`branches`] expands it into every
+/// parameter branch. A variant missing here fails
+/// `every_op_kind_variant_and_parameter_branch_has_a_case`, which names it (the variants are
+/// read from the enum's source).
+fn representatives() -> Vec<OpKind> {
     vec![
         OpKind::Dequant4,
         OpKind::LinearQ4 { bias: true },
-        OpKind::LinearQ4 { bias: false },
         OpKind::Linear { bias: true },
         OpKind::MatMul { transpose_b: false },
-        OpKind::MatMul { transpose_b: true },
         OpKind::Add,
         OpKind::Mul,
         OpKind::Scale { factor: -0.37 },
@@ -363,10 +362,6 @@ fn ops() -> Vec<OpKind> {
         OpKind::LayerNorm {
             eps: 1e-6,
             affine: true,
-        },
-        OpKind::LayerNorm {
-            eps: 1e-6,
-            affine: false,
         },
         OpKind::Silu,
         OpKind::QuickGelu,
@@ -376,22 +371,13 @@ fn ops() -> Vec<OpKind> {
         OpKind::Rope {
             mode: RopeMode::RotateHalf,
         },
-        OpKind::Rope {
-            mode: RopeMode::Interleaved,
-        },
         OpKind::Attention {
             causal: true,
             scale: 0.25,
             key_mask: false,
         },
-        OpKind::Attention {
-            causal: false,
-            scale: 0.25,
-            key_mask: true,
-        },
         OpKind::Embedding,
         OpKind::Concat { axis: 0 },
-        OpKind::Concat { axis: 1 },
         OpKind::Slice {
             axis: 1,
             start: 4,
@@ -415,17 +401,174 @@ fn ops() -> Vec<OpKind> {
             pad: 1,
             bias: true,
         },
-        OpKind::Conv2d {
-            kernel: 1,
-            pad: 0,
-            bias: false,
-        },
         OpKind::GroupNorm {
             groups: 4,
             eps: 1e-6,
         },
         OpKind::Upsample2x,
     ]
+}
+
+/// Every rope layout. Exhaustive: a new mode does not compile until it is listed.
+fn rope_modes() -> Vec<RopeMode> {
+    let all = [RopeMode::RotateHalf, RopeMode::Interleaved];
+    for m in all {
+        match m {
+            RopeMode::RotateHalf | RopeMode::Interleaved => {}
+        }
+    }
+    all.to_vec()
+}
+
+/// Every parameter branch of `op`'s variant that changes what a kernel does: each flag both
+/// ways, each rope mode, each concat axis kind (first, inner, last), both kernel sizes of a
+/// convolution. Exhaustive over `OpKind` (and destructuring every field), so a new variant or a
+/// new parameter does not compile until its branches are listed here.
+fn branches(op: &OpKind) -> Vec<OpKind> {
+    let both = [false, true];
+    match op {
+        OpKind::LinearQ4 { bias: _ } => both.map(|bias| OpKind::LinearQ4 { bias }).to_vec(),
+        OpKind::Linear { bias: _ } => both.map(|bias| OpKind::Linear { bias }).to_vec(),
+        OpKind::MatMul { transpose_b: _ } => both
+            .map(|transpose_b| OpKind::MatMul { transpose_b })
+            .to_vec(),
+        OpKind::LayerNorm { eps, affine: _ } => both
+            .map(|affine| OpKind::LayerNorm { eps: *eps, affine })
+            .to_vec(),
+        OpKind::Rope { mode: _ } => rope_modes()
+            .into_iter()
+            .map(|mode| OpKind::Rope { mode })
+            .collect(),
+        OpKind::Attention {
+            causal: _,
+            scale,
+            key_mask: _,
+        } => both
+            .iter()
+            .flat_map(|&causal| {
+                both.map(|key_mask| OpKind::Attention {
+                    causal,
+                    scale: *scale,
+                    key_mask,
+                })
+            })
+            .collect(),
+        OpKind::Concat { axis: _ } => (0..3).map(|axis| OpKind::Concat { axis }).collect(),
+        OpKind::Conv2d {
+            kernel: _,
+            pad: _,
+            bias: _,
+        } => [(3, 1), (1, 0)]
+            .iter()
+            .flat_map(|&(kernel, pad)| both.map(|bias| OpKind::Conv2d { kernel, pad, bias }))
+            .collect(),
+        OpKind::TimestepEmbedding {
+            dim,
+            flip_sin_to_cos: _,
+            downscale_freq_shift,
+            scale,
+            max_period,
+        } => both
+            .map(|flip_sin_to_cos| OpKind::TimestepEmbedding {
+                dim: *dim,
+                flip_sin_to_cos,
+                downscale_freq_shift: *downscale_freq_shift,
+                scale: *scale,
+                max_period: *max_period,
+            })
+            .to_vec(),
+        OpKind::Dequant4
+        | OpKind::Add
+        | OpKind::Mul
+        | OpKind::Scale { factor: _ }
+        | OpKind::RmsNorm { eps: _ }
+        | OpKind::Silu
+        | OpKind::Gelu
+        | OpKind::GeluTanh
+        | OpKind::QuickGelu
+        | OpKind::Softmax
+        | OpKind::Embedding
+        | OpKind::Slice {
+            axis: _,
+            start: _,
+            len: _,
+        }
+        | OpKind::Permute { perm: _ }
+        | OpKind::Reshape { shape: _ }
+        | OpKind::AdaLnModulate
+        | OpKind::CacheWrite
+        | OpKind::GroupNorm { groups: _, eps: _ }
+        | OpKind::Upsample2x => vec![op.clone()],
+    }
+}
+
+/// Every op the table runs: each variant's every parameter branch.
+fn ops() -> Vec<OpKind> {
+    representatives().iter().flat_map(branches).collect()
+}
+
+/// The variant name of an op (`LinearQ4` of `LinearQ4 { bias: true }`).
+fn variant_name(op: &OpKind) -> String {
+    format!("{op:?}")
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect()
+}
+
+/// The variants of `OpKind` as its source declares them (the lines of the enum's body indented
+/// one level that start with a capital letter).
+fn declared_variants() -> Vec<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/src/graph/ops.rs");
+    let src = std::fs::read_to_string(&path).expect("read core/src/graph/ops.rs");
+    let body = src
+        .split("pub enum OpKind {")
+        .nth(1)
+        .expect("ops.rs declares `pub enum OpKind {`");
+    let body = &body[..body.find("\n}").expect("the enum's closing brace")];
+    body.lines()
+        .filter(|l| l.starts_with("    ") && !l.starts_with("     "))
+        .map(str::trim)
+        .filter(|l| l.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
+        .map(|l| {
+            l.chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn every_op_kind_variant_and_parameter_branch_has_a_case() {
+    let declared = declared_variants();
+    assert!(declared.len() >= 20, "read {declared:?} from ops.rs");
+    let ops = ops();
+    let covered: std::collections::BTreeSet<String> = ops.iter().map(variant_name).collect();
+    let missing: Vec<&String> = declared.iter().filter(|v| !covered.contains(*v)).collect();
+    assert!(
+        missing.is_empty(),
+        "OpKind variants without a conformance case (add them to `representatives`): {missing:?}"
+    );
+    for op in &ops {
+        assert!(!cases(op).is_empty(), "{}: no case", op_label(op));
+        // Each branch is its own row: labels name the parameters that tell branches apart.
+        let label = op_label(op);
+        let same: Vec<&OpKind> = ops.iter().filter(|o| op_label(o) == label).collect();
+        assert_eq!(same.len(), 1, "two branches share the row label {label}");
+    }
+    // The boolean flags and modes the kernels branch on: each value has a row.
+    for want in [
+        "linear_q4 (bias=false)",
+        "linear (bias=false)",
+        "attention (causal=true, key_mask=true)",
+        "attention (causal=false, key_mask=false)",
+        "layer_norm (affine=false)",
+        "matmul (transpose_b=true)",
+        "rope (Interleaved)",
+        "conv2d (1x1, pad=0, bias=true)",
+        "timestep_embedding (flip_sin_to_cos=false)",
+    ] {
+        assert!(ops.iter().any(|o| op_label(o) == want), "no row {want}");
+    }
 }
 
 fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Result<(), String> {
@@ -503,6 +646,9 @@ fn op_label(op: &OpKind) -> String {
         OpKind::Conv2d { kernel, pad, bias } => {
             format!("{kernel}x{kernel}, pad={pad}, bias={bias}")
         }
+        OpKind::TimestepEmbedding {
+            flip_sin_to_cos, ..
+        } => format!("flip_sin_to_cos={flip_sin_to_cos}"),
         _ => String::new(),
     };
     if opts.is_empty() {
