@@ -2,7 +2,7 @@
 //! rows into the FMA tiles of the dense linear (so the column buffer stays small at any image
 //! size), group normalization split across the pool by group, and nearest 2x upsampling.
 
-use super::ops::dense_linear;
+use super::dense::dense_linear;
 use super::{Out, Rows, ThreadPool};
 
 /// Bytes of im2col columns built at once (a band of output rows).

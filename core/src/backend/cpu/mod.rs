@@ -5,6 +5,7 @@
 //! tiles for a register-blocked GEMM for many; the dense linear, matmul and attention use the
 //! same FMA tiles; heavy ops are split across a fixed pool of threads (all cores).
 
+mod dense;
 mod image;
 pub mod kernels;
 mod ops;
