@@ -1,5 +1,5 @@
 //! Local files as a [`RangeSource`], with the read strategies measured against each other in
-//! `nibble bench stream --file-mode` (README, "Streaming"):
+//! `nibble bench stream --file-mode` (docs/streaming.md, "Read strategy"):
 //!
 //! - `pread`: positional reads into the ring slot (page cache kept by the kernel).
 //! - `pread-dropcache`: `pread`, then `posix_fadvise(DONTNEED)` on the range, so that streaming a
@@ -23,7 +23,7 @@ use crate::io::source::{RangeSource, SlotMemory, SourceFile};
 pub enum FileReadMode {
     /// `pread` when the model's files fit in half of the available RAM (later steps then run at
     /// memory speed from the page cache), `pread-dropcache` otherwise (the page cache stays
-    /// bounded at about the same disk throughput). Chosen from the measurements in the README.
+    /// bounded at about the same disk throughput). Chosen from the measurements in docs/streaming.md.
     #[default]
     Auto,
     /// Positional reads.

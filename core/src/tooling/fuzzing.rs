@@ -102,7 +102,7 @@ mod tests {
         *s
     }
 
-    /// Deterministic mutation smoke test (the real fuzzing runs with `cargo fuzz`, see README):
+    /// Deterministic mutation smoke test (the real fuzzing runs with `cargo fuzz`, see docs/testing.md):
     /// flips, truncations and splices of valid inputs must never panic.
     #[test]
     fn mutated_inputs_never_panic() {
