@@ -85,18 +85,35 @@ pub struct MemoryArgs {
     pub stream_all: bool,
 }
 
-/// A memory budget: `auto` (from the machine) or a size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Budget {
-    /// Decided from the model and the machine.
-    Auto,
-    /// This many bytes.
-    Bytes(u64),
+impl MemoryArgs {
+    /// What these options ask of core's budget decision.
+    pub fn request(&self) -> nibble_core::plan::budget::BudgetRequest {
+        nibble_core::plan::budget::BudgetRequest {
+            device: self.device_budget.into(),
+            host: self.host_budget,
+            slots: self.slots.0,
+            slot_size: self.slot_size.0,
+            stream_all: self.stream_all,
+        }
+    }
 }
+
+/// A memory budget: `auto` (from the machine) or a size (core's, which decides budgets).
+pub use nibble_core::plan::budget::Budget;
 
 /// A number given, or `auto` (`None`): nibble decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OrAuto(pub Option<u64>);
+
+impl std::fmt::Display for OrAuto {
+    /// As the command line takes it: `auto` or the number.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            None => f.write_str("auto"),
+            Some(n) => write!(f, "{n}"),
+        }
+    }
+}
 
 /// `auto` or a count of at least 1.
 pub fn count_or_auto(s: &str) -> Result<OrAuto, String> {

@@ -319,13 +319,13 @@ fn a_binding_limit_is_met_at_plan_time_by_tiling_or_refused() {
         stream_all: false,
         naive: false,
     };
-    let err = nibble_core::exec::Executor::plan_only(&full, &m, &mut b, o)
+    let err = nibble_core::plan::plan_graph(&full, &m, &mut b, o.budgets, o.stream_all)
         .expect_err("an operand over the limit");
     assert!(
         err.to_string().contains("limit of") && err.to_string().contains(&limit.to_string()),
         "{err}"
     );
-    nibble_core::exec::Executor::plan_only(&tiled, &m, &mut b, o).expect("a tile's decoder fits");
+    nibble_core::plan::plan_graph(&tiled, &m, &mut b, o.budgets, o.stream_all).expect("a tile's decoder fits");
     let root = fixture("tiny-flux-pipeline/pipeline");
     let pipe = FluxPipeline::open(&root.to_string_lossy(), Default::default()).expect("open");
     let req = |vae_tiling| FluxRequest {

@@ -295,7 +295,6 @@ fn cpu_keeps_bf16_tables_at_half_the_bytes_with_cpu_ref_results() {
 /// one request per run of adjacent ones: nothing else, and nothing twice.
 #[test]
 fn opening_and_planning_over_http_reads_each_quant_state_once() {
-    use nibble_core::exec::Executor;
     use nibble_core::models::llama;
     use nibble_tests::http_server::{Fault, TestServer};
     let dir = model_dir();
@@ -308,7 +307,9 @@ fn opening_and_planning_over_http_reads_each_quant_state_once() {
     let srv = TestServer::start(files, Fault::None);
     let m = ModelIndex::open_url(&format!("{}/m", srv.base), Default::default()).expect("open");
     let lg = llama::build(&m, LlamaShape::generate(8, 8)).expect("graph");
-    Executor::plan_only(&lg.graph, &m, &mut CpuBackend::new(), opts()).expect("plan");
+    let o = opts();
+    nibble_core::plan::plan_graph(&lg.graph, &m, &mut CpuBackend::new(), o.budgets, o.stream_all)
+        .expect("plan");
     let requests = srv.stats().requests;
     // Runs of adjacent quant-state tensors, from the local copy's header.
     let local = ModelIndex::open(&dir).expect("local");

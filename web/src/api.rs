@@ -14,7 +14,7 @@ use nibble_core::models::llama::{
 };
 use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::models::ModelKind;
-use nibble_core::plan::{Budgets, MemoryPlan};
+use nibble_core::plan::budget::{Budget, BudgetDecision, BudgetRequest, DeviceBudget, Machine};
 use nibble_wgpu::WgpuBackend;
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
@@ -117,45 +117,40 @@ pub(crate) fn settings_from(v: &Value, base: Settings) -> Result<Settings, JsVal
     Ok(s)
 }
 
+/// Core's budget decision for the page's settings over `graphs` (a run's phases): the device
+/// budget given; else every weight resident (`resident`, a pipeline opened so), else the least
+/// that runs, every group streamed ("min"). The page tells no host memory.
+pub(crate) fn decide(
+    s: Settings,
+    resident: bool,
+    graphs: &[(&Graph, &ModelIndex)],
+    backend: &mut WgpuBackend,
+) -> Result<BudgetDecision, JsValue> {
+    let req = BudgetRequest {
+        device: match s.device_bytes {
+            Some(b) => DeviceBudget::Bytes(b),
+            None if resident => DeviceBudget::Resident,
+            None => DeviceBudget::Least,
+        },
+        host: Budget::Auto,
+        slots: Some(s.slots),
+        slot_size: Some(s.slot_bytes),
+        stream_all: s.device_bytes.is_none() && !resident,
+    };
+    nibble_core::plan::budget::decide(&req, &Machine::unknown(), backend, graphs).map_err(js_err)
+}
+
+/// The executor options of one graph's run (one reader: the page's fetches).
 fn exec_options(
     s: Settings,
     graph: &Graph,
     model: &ModelIndex,
     backend: &mut WgpuBackend,
 ) -> Result<ExecOptions, JsValue> {
-    let device_bytes = match s.device_bytes {
-        Some(b) => b,
-        None => nibble_core::plan::min_device_bytes(graph, model, backend).map_err(js_err)?,
-    };
-    Ok(ExecOptions {
-        budgets: Budgets {
-            device_bytes,
-            ring_slots: s.slots,
-            slot_bytes: s.slot_bytes,
-            host_tier_bytes: 0,
-        },
-        readers: 1,
-        stream_all: s.device_bytes.is_none(),
-        naive: false,
-    })
-}
-
-pub(crate) fn plan_json(plan: &MemoryPlan) -> Value {
-    let (resident, streamed) = plan.counts();
-    json!({
-        "resident_groups": resident,
-        "streamed_groups": streamed,
-        "resident_bytes": plan.resident_read_bytes(),
-        "streamed_bytes_per_step": plan.streamed_bytes_per_step,
-        "ring_bytes": plan.ring_bytes,
-        "pool_bytes": plan.pool_bytes,
-        "peak_device_bytes": plan.peak_device_bytes,
-        "peak_host_bytes": plan.peak_host_bytes,
-        "device_budget": plan.budgets.device_bytes,
-        "slots": plan.budgets.ring_slots,
-        "slot_bytes": plan.budgets.slot_bytes,
-        "text": plan.explain(),
-    })
+    Ok(ExecOptions::decided(
+        &decide(s, false, &[(graph, model)], backend)?,
+        1,
+    ))
 }
 
 /// Sampling from JavaScript: `{ temperature: 0, topK: 0, topP: 1, seed: 0 }` (greedy by
@@ -471,7 +466,7 @@ impl Nibble {
             let decoded = tokens.len().saturating_sub(1);
             let v = json!({
                 "tokens": tokens,
-                "plan": plan_json(&plan),
+                "plan": plan.to_json(),
                 "prefill_tok_s": prompt.len() as f64 / prefill_s.max(1e-9),
                 "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
                 "passes": passes,
@@ -543,7 +538,7 @@ impl Nibble {
             r?;
             let v = json!({
                 "steps": rows,
-                "plan": plan_json(&plan),
+                "plan": plan.to_json(),
                 "weight_bytes": traffic_bytes(&traffic, "weights") - before,
                 "predicted_weight_bytes": plan.read_bytes(steps as u64),
             });
@@ -644,9 +639,11 @@ async fn plan_for(state: &Rc<RefCell<State>>, opts: &Value) -> Result<Value, JsV
                 Denoiser::<WgpuBackend>::graph_for(model, &inputs).map_err(js_err)?
             }
         };
-        let o = exec_options(s, &graph, model, &mut backend)?;
-        let plan = Executor::plan_only(&graph, model, &mut backend, o).map_err(js_err)?;
-        Ok(plan_json(&plan))
+        let d = decide(s, false, &[(&graph, model)], &mut backend)?;
+        match &d.phases[0].plan {
+            Ok(plan) => Ok(plan.to_json()),
+            Err(e) => Err(js_err(e)),
+        }
     })();
     state.borrow_mut().backend = Some(backend);
     r

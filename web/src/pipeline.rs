@@ -13,14 +13,13 @@ use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
 use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Noise, VaeTiling};
 use nibble_core::models::{Drive, SourceMaker};
-use nibble_core::plan::Budgets;
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 use web_time::Instant;
 
 use crate::api::{
-    backend_of, from_js, js_err, plan_json, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
+    backend_of, from_js, js_err, decide, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
     Settings,
 };
 use crate::fetch::{FetchFolder, FetchSource};
@@ -180,46 +179,29 @@ impl Nibble {
             let mut prepared = pipe.prepare(&req).map_err(js_err)?;
             let mut backend = backend_of(&state).await?;
             let planned = (|| {
-                let device_bytes = match s.device_bytes {
-                    Some(b) => b,
-                    None if resident => pipe.resident_device_bytes(&prepared, &mut backend)?,
-                    None => {
-                        let mut most = 0;
-                        for (_, g, m) in pipe.budget_graphs(&prepared)? {
-                            most =
-                                most.max(nibble_core::plan::min_device_bytes(&g, m, &mut backend)?);
-                        }
-                        most
-                    }
-                };
-                let opts = ExecOptions {
-                    budgets: Budgets {
-                        device_bytes,
-                        ring_slots: s.slots,
-                        slot_bytes: s.slot_bytes,
-                        host_tier_bytes: 0,
-                    },
-                    readers: 1,
-                    // "min": every group of every phase streamed (as `load`'s "min").
-                    stream_all: s.device_bytes.is_none() && !resident,
-                    naive: false,
-                };
-                let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
-                Ok::<_, nibble_core::Error>((opts, plans))
+                // "min": every group of every phase streamed (as `load`'s "min").
+                let phases = pipe.budget_graphs(&prepared).map_err(js_err)?;
+                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+                let d = decide(s, resident, &graphs, &mut backend)?;
+                drop(graphs);
+                drop(phases);
+                let opts = ExecOptions::decided(&d, 1);
+                let plans = pipe
+                    .plans(&mut prepared, &mut backend, opts)
+                    .map_err(js_err)?;
+                Ok::<_, JsValue>((opts, plans))
             })();
             let (opts, plans) = match planned {
                 Ok(x) => x,
                 Err(e) => {
                     state.borrow_mut().backend = Some(backend);
-                    return Err(js_err(e));
+                    return Err(e);
                 }
             };
             let plans_v: Vec<Value> = plans
                 .iter()
                 .map(|(phase, p)| {
-                    let mut v = plan_json(p);
-                    v["phase"] = json!(phase);
-                    v
+                    p.phase_json(phase)
                 })
                 .collect();
             let predicted: u64 = plans

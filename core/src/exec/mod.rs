@@ -40,6 +40,19 @@ pub struct ExecOptions {
     pub naive: bool,
 }
 
+impl ExecOptions {
+    /// The options of a budget decision ([`crate::plan::budget::decide`]), reading with
+    /// `readers` threads.
+    pub fn decided(d: &crate::plan::budget::BudgetDecision, readers: usize) -> Self {
+        ExecOptions {
+            budgets: d.budgets,
+            readers,
+            stream_all: d.stream_all,
+            naive: false,
+        }
+    }
+}
+
 /// Per-step figures.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ExecStats {
@@ -150,42 +163,6 @@ impl<B: Backend> Executor<B> {
     /// Plans memory, allocates the backend's arena and pool once, and loads resident weights.
     pub fn new(graph: Graph, model: &ModelIndex, backend: B, opts: ExecOptions) -> Result<Self> {
         Self::with_ring(graph, model, backend, opts, None)
-    }
-
-    /// The plan [`Executor::new`] would make, without allocating or reading any weight (lets a
-    /// pipeline print the plans of all its phases first).
-    pub fn plan_only(
-        graph: &Graph,
-        model: &ModelIndex,
-        backend: &mut B,
-        opts: ExecOptions,
-    ) -> Result<MemoryPlan> {
-        let planner = Planner::new(graph.clone(), model, Rules::of(backend, graph))?;
-        Ok(planner.plan(opts.budgets, opts.stream_all)?.0)
-    }
-
-    /// The largest weight group that `opts` leave streamed or in the host tier (both pass
-    /// through the ring every step): the ring slots of `opts`' slot size it takes to be read
-    /// in whole, its bytes and its name; `None` when every group is resident. A group's
-    /// tensors are cut into slot-sized chunks and neighbours share a chunk only while they fit,
-    /// so a group can take more slots than its bytes over the slot size.
-    pub fn largest_streamed_group(
-        graph: &Graph,
-        model: &ModelIndex,
-        backend: &mut B,
-        opts: ExecOptions,
-    ) -> Result<Option<(u64, u64, String)>> {
-        let planner = Planner::new(graph.clone(), model, Rules::of(backend, graph))?;
-        let (plan, lay) = planner.plan(opts.budgets, opts.stream_all)?;
-        let slot = opts.budgets.slot_bytes as usize;
-        Ok(lay
-            .streamed
-            .iter()
-            .map(|&g| {
-                let chunks = chunk_schedule([(g, lay.reads[g].as_slice())], slot).len() as u64;
-                (chunks, plan.groups[g].bytes, plan.groups[g].name.clone())
-            })
-            .max_by_key(|l| (l.0, l.1)))
     }
 
     /// [`Executor::new`] reusing a staging ring from an earlier phase (same slot count and

@@ -7,7 +7,12 @@ use crate::error::{Error, Result};
 /// the machine says how much that is): a size read from a file or the command line must not
 /// abort the process on a failed allocation.
 pub fn check_alloc(bytes: u64, what: &str) -> Result<()> {
-    if let Some(avail) = available_memory_bytes() {
+    check_alloc_within(available_memory_bytes(), bytes, what)
+}
+
+/// [`check_alloc`] against memory available read before (`None`: unknown).
+pub fn check_alloc_within(available: Option<u64>, bytes: u64, what: &str) -> Result<()> {
+    if let Some(avail) = available {
         if bytes > avail {
             return Err(Error::Invalid(format!(
                 "{what} needs {bytes} bytes, more than the {avail} bytes of memory available"

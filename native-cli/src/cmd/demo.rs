@@ -17,14 +17,13 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use nibble_core::backend::Backend;
-use nibble_core::exec::ExecOptions;
 use nibble_core::models::flux::noise::NoiseMath;
 use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
-use nibble_core::plan::{fmt_bytes, Budgets};
+use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth_flux::{write_pipeline, FluxSynthShape};
 use serde_json::json;
 
-use crate::args::{size, BackendArg};
+use crate::args::{budget, count_or_auto, size, size_or_auto, BackendArg, Budget, MemoryArgs, OrAuto};
 use crate::cmd::run::flux::{generate, plans_json, write_png};
 
 /// Options of `nibble demo`.
@@ -57,15 +56,18 @@ pub struct DemoArgs {
     /// Seed of the models and of the noise (torch's CPU generator, as diffusers draws it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Device memory for each phase.
-    #[arg(long, value_parser = size, default_value = "512MiB", value_name = "SIZE")]
-    pub device_budget: u64,
-    /// Ring slots.
-    #[arg(long, default_value_t = 4)]
-    pub slots: u64,
-    /// Bytes per ring slot.
-    #[arg(long, value_parser = size, default_value = "32MiB", value_name = "SIZE")]
-    pub slot_size: u64,
+    /// Device memory for each phase: a size, or `auto` (as `nibble run --device-budget`).
+    #[arg(long, value_parser = budget, default_value = "512MiB", value_name = "SIZE|auto")]
+    pub device_budget: Budget,
+    /// Host memory the run may use: a size, or `auto` (as `nibble run --host-budget`).
+    #[arg(long, value_parser = budget, default_value = "auto", value_name = "SIZE|auto")]
+    pub host_budget: Budget,
+    /// Ring slots, or `auto` (as `nibble run --slots`).
+    #[arg(long, value_parser = count_or_auto, default_value = "4", value_name = "N|auto")]
+    pub slots: OrAuto,
+    /// Bytes per ring slot, or `auto` (as `nibble run --slot-size`).
+    #[arg(long, value_parser = size_or_auto, default_value = "32MiB", value_name = "SIZE|auto")]
+    pub slot_size: OrAuto,
     /// Backend that runs the ops.
     #[arg(long, value_enum, default_value_t)]
     pub backend: BackendArg,
@@ -135,19 +137,26 @@ impl crate::backends::WithBackend for Demo<'_> {
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         let Demo { o, pipe, req } = self;
         let quiet = o.json;
-        let opts = ExecOptions {
-            budgets: Budgets {
-                device_bytes: o.device_budget,
-                ring_slots: o.slots,
-                slot_bytes: o.slot_size,
-                host_tier_bytes: 0,
-            },
-            readers: 2,
+        let memory = MemoryArgs {
+            device_budget: o.device_budget,
+            host_budget: o.host_budget,
+            slots: o.slots,
+            slot_size: o.slot_size,
             stream_all: false,
-            naive: false,
         };
+        let mut opts = None;
         let t0 = Instant::now();
-        let g = generate(&pipe, &req, backend, label, quiet, None, |_, _, _| Ok(opts))?;
+        let g = generate(&pipe, &req, backend, label, quiet, None, |pipe, prepared, backend| {
+            let phases = pipe.budget_graphs(prepared)?;
+            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+            let (o, note) = crate::cmd::run::exec_options(&memory, backend, &graphs)?;
+            if !quiet {
+                eprintln!("{}", note.note);
+            }
+            opts = Some(o);
+            Ok(o)
+        })?;
+        let opts = opts.context("the pipeline decided its budgets")?;
         let total_secs = t0.elapsed().as_secs_f64();
 
         std::fs::create_dir_all(&o.out_dir)

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, Executor};
+use crate::exec::ExecOptions;
 use crate::graph::Graph;
 use crate::io::model::ModelIndex;
 use crate::models::clip::{self, ClipText};
@@ -389,16 +389,6 @@ impl FluxPipeline {
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// The device bytes that hold every phase with all its weights resident (the largest
-    /// phase's).
-    pub fn resident_device_bytes<B: Backend>(&self, p: &Prepared, backend: &mut B) -> Result<u64> {
-        let mut most = 0;
-        for (_, g, m) in self.budget_graphs(p)? {
-            most = most.max(crate::plan::resident_device_bytes(&g, m, backend)?);
-        }
-        Ok(most)
-    }
-
     /// Decides the VAE's tiling (`Auto`: tiles only when the whole image's decoder does not fit
     /// the device budget) and returns the four phases' plans (CLIP, T5, transformer, VAE) for
     /// `opts`, made before anything is allocated or read; an impossible budget is an error
@@ -413,7 +403,7 @@ impl FluxPipeline {
         let graphs = self.graphs(p)?;
         let mut out = Vec::new();
         for (phase, g, m) in &graphs {
-            match Executor::plan_only(g, m, backend, opts) {
+            match crate::plan::plan_graph(g, m, backend, opts.budgets, opts.stream_all) {
                 Ok(plan) => out.push((*phase, plan)),
                 Err(e) => {
                     // One budget serves every phase: name the smallest that runs them all.
@@ -467,7 +457,7 @@ impl FluxPipeline {
             VaeTiling::On => larger.then_some(tiling),
             VaeTiling::Auto => {
                 let (g, _) = vae::build(&self.vae, p.grid.0, p.grid.1)?;
-                let fits = Executor::plan_only(&g, &self.vae, backend, opts)
+                let fits = crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
                     .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
                 (larger && !fits).then_some(tiling)
             }

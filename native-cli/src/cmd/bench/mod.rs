@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use crate::args::{size, BackendArg, FileModeArg};
+use crate::args::{budget, count_or_auto, size, size_or_auto, BackendArg, Budget, FileModeArg, OrAuto};
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]
@@ -59,15 +59,15 @@ pub struct OffloadArgs {
     /// Steps per mode.
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
-    /// Device budget of the streamed and naive modes.
-    #[arg(long, value_parser = size, default_value = "512MiB", value_name = "SIZE")]
-    pub device_budget: u64,
-    /// Ring slots.
-    #[arg(long, default_value_t = 4)]
-    pub slots: u64,
-    /// Bytes per ring slot.
-    #[arg(long, value_parser = size, default_value = "32MiB", value_name = "SIZE")]
-    pub slot_size: u64,
+    /// Device budget of the streamed and naive modes: a size, or `auto` (as `nibble run`).
+    #[arg(long, value_parser = budget, default_value = "512MiB", value_name = "SIZE|auto")]
+    pub device_budget: Budget,
+    /// Ring slots, or `auto` (as `nibble run --slots`).
+    #[arg(long, value_parser = count_or_auto, default_value = "4", value_name = "N|auto")]
+    pub slots: OrAuto,
+    /// Bytes per ring slot, or `auto` (as `nibble run --slot-size`).
+    #[arg(long, value_parser = size_or_auto, default_value = "32MiB", value_name = "SIZE|auto")]
+    pub slot_size: OrAuto,
     /// Backend that runs the ops.
     #[arg(long, value_enum, default_value_t)]
     pub backend: BackendArg,

@@ -12,7 +12,8 @@ use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::dit::DitConfig;
 use nibble_core::models::dit::{schedule, Denoiser, DitInputs};
-use nibble_core::plan::{fmt_bytes, Budgets};
+use nibble_core::plan::budget::{decide, Budget, BudgetRequest, DeviceBudget, Machine};
+use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
 use super::OffloadArgs;
@@ -25,26 +26,28 @@ struct OneMode<'a> {
 
 impl crate::backends::WithBackend for OneMode<'_> {
     type Output = serde_json::Value;
-    fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<serde_json::Value> {
+    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
         let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
         let cfg = DitConfig::of(&model)?;
         let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0)?;
         let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens())?;
-        let device_bytes = match self.mode {
-            "resident" => u64::MAX / 4,
-            _ => b.device_budget,
-        };
-        let opts = ExecOptions {
-            budgets: Budgets {
-                device_bytes,
-                ring_slots: b.slots,
-                slot_bytes: b.slot_size,
-                host_tier_bytes: 0,
+        let req = BudgetRequest {
+            device: match self.mode {
+                "resident" => DeviceBudget::Resident,
+                _ => b.device_budget.into(),
             },
-            readers: 2,
+            host: Budget::Auto,
+            slots: b.slots.0,
+            slot_size: b.slot_size.0,
             stream_all: false,
+        };
+        let graph = Denoiser::<B>::graph_for(&model, &inputs)?;
+        let d = decide(&req, &Machine::measure(), &mut backend, &[(&graph, &model)])?;
+        drop(graph);
+        let opts = ExecOptions {
             naive: self.mode == "naive",
+            ..ExecOptions::decided(&d, 2)
         };
         let mut den = Denoiser::new(&model, backend, inputs, sigmas, opts)?;
         let plan = den.executor().plan().clone();

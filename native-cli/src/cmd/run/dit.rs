@@ -10,7 +10,7 @@ use nibble_core::models::dit::{schedule, Checkpoint, DenoiseStep, Denoiser, DitI
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, RunArgs};
+use super::options::RunArgs;
 
 /// Reads inputs named like the fixture's (`hidden_states`, `encoder_hidden_states`, ...).
 pub fn read_inputs(path: &std::path::Path, cfg: &DitConfig) -> Result<DitInputs> {
@@ -123,22 +123,18 @@ pub(super) fn run<B: Backend>(
         bail!("--steps must be at least 1");
     }
     let graph = Denoiser::<B>::graph_for(model, &inputs)?;
-    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&graph, model)])?;
-    if o.plan_only {
-        let phases = [("transformer", &graph, model)];
-        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
-    }
+    let Some((opts, budget_note)) =
+        super::plan::prelude(o, &mut backend, label, "transformer", &graph, model)?
+    else {
+        return Ok(());
+    };
     drop(graph);
-    if !o.json {
-        eprintln!("{}", budget_note.note);
-    }
     let mut den = Denoiser::new(model, backend, inputs, sigmas, opts)?;
     if let Some(c) = &resumed {
         den.restore(c)?;
     }
+    super::plan::announce(o, label, &budget_note, den.executor().plan());
     if !o.json {
-        eprintln!("backend {label}");
-        eprint!("{}", den.executor().plan().explain());
         if let Some(c) = &resumed {
             eprintln!("resuming after step {} of {}", c.done, den.steps());
         }

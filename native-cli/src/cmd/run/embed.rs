@@ -11,7 +11,7 @@ use nibble_core::models::text::TextTokenizer;
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, RunArgs};
+use super::options::RunArgs;
 
 /// Embeds `o.prompt` (or `o.text.prompt_ids`) and prints the vector.
 pub(super) fn run<B: Backend>(
@@ -44,18 +44,16 @@ pub(super) fn run<B: Backend>(
     }
     let pooling = Pooling::for_model(model)?;
     let bg = bert::build(model, ids.len())?;
-    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&bg.graph, model)])?;
-    if o.plan_only {
-        let phases = [("encoder", &bg.graph, model)];
-        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
-    }
+    let Some((opts, budget_note)) =
+        super::plan::prelude(o, &mut backend, label, "encoder", &bg.graph, model)?
+    else {
+        return Ok(());
+    };
     let t_setup = Instant::now();
     let mut enc = Encoder::from_graph(bg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;
+    super::plan::announce(o, label, &budget_note, enc.executor().plan());
     if !o.json {
-        eprintln!("backend {label}");
-        eprintln!("{}", budget_note.note);
-        eprint!("{}", enc.executor().plan().explain());
         eprintln!(
             "{} tokens; setup {:.0} ms",
             ids.len(),

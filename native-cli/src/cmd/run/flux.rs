@@ -256,17 +256,9 @@ pub fn bar(done: usize, total: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), "-".repeat(w - filled))
 }
 
-/// Each phase's planned device and host bytes, as `--json` reports them.
+/// Each phase's plan, as `--json` reports it (the one plan shape, with its phase).
 pub fn plans_json(plans: &[(&'static str, MemoryPlan)]) -> serde_json::Value {
-    plans
-        .iter()
-        .map(|(phase, p)| {
-            json!({"phase": phase, "peak_device_bytes": p.peak_device_bytes,
-                   "peak_host_bytes": p.peak_host_bytes,
-                   "streamed_bytes_per_pass": p.streamed_bytes_per_step,
-                   "resident_groups": p.counts().0, "streamed_groups": p.counts().1})
-        })
-        .collect()
+    plans.iter().map(|(phase, p)| p.phase_json(phase)).collect()
 }
 
 impl crate::backends::WithBackend for Run<'_> {
@@ -278,13 +270,29 @@ impl crate::backends::WithBackend for Run<'_> {
             let mut prepared = pipe.prepare(&req)?;
             let phases = pipe.budget_graphs(&prepared)?;
             let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-            let (opts, note) = super::options::exec_options(&o.memory, &mut backend, &graphs)?;
+            let machine = nibble_core::plan::budget::Machine::measure();
+            let d = nibble_core::plan::budget::decide(
+                &o.memory.request(),
+                &machine,
+                &mut backend,
+                &graphs,
+            )?;
+            let opts = ExecOptions::decided(&d, 2);
             drop(graphs);
             drop(phases);
+            // The VAE's tiling follows the budgets: its phase is planned again as it will run.
             prepared.tiling = pipe.vae_tiling(&prepared, &mut backend, opts)?;
             let phases = pipe.graphs(&prepared)?;
-            let named: Vec<_> = phases.iter().map(|(n, g, m)| (*n, g, *m)).collect();
-            return super::plan::print(o, &mut backend, label, &note, opts, &named);
+            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+            let planned = nibble_core::plan::budget::phase_budgets(
+                d.budgets,
+                d.stream_all,
+                &machine,
+                &mut backend,
+                &graphs,
+            )?;
+            let named: Vec<_> = phases.iter().map(|(n, ..)| *n).zip(planned).collect();
+            return super::plan::print(o, label, &d.note, &named);
         }
         let g = generate(
             &pipe,

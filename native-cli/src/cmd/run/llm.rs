@@ -16,7 +16,7 @@ use nibble_core::models::text::{TextStream, TextTokenizer};
 use nibble_core::plan::fmt_bytes;
 use serde_json::json;
 
-use super::options::{exec_options, RunArgs};
+use super::options::RunArgs;
 
 pub(super) fn run<B: Backend>(
     o: &RunArgs,
@@ -68,18 +68,16 @@ pub(super) fn run<B: Backend>(
         hidden_states: false,
     };
     let lg = llama::build(model, shape)?;
-    let (opts, budget_note) = exec_options(&o.memory, &mut backend, &[(&lg.graph, model)])?;
-    if o.plan_only {
-        let phases = [("decoder", &lg.graph, model)];
-        return super::plan::print(o, &mut backend, label, &budget_note, opts, &phases);
-    }
+    let Some((opts, budget_note)) =
+        super::plan::prelude(o, &mut backend, label, "decoder", &lg.graph, model)?
+    else {
+        return Ok(());
+    };
     let t_setup = Instant::now();
     let mut dec = Decoder::from_graph(lg, model, backend, opts)
         .with_context(|| format!("planning {} on {label}", o.model))?;
+    super::plan::announce(o, label, &budget_note, dec.executor().plan());
     if !o.json {
-        eprintln!("backend {label}");
-        eprintln!("{}", budget_note.note);
-        eprint!("{}", dec.executor().plan().explain());
         eprintln!(
             "prompt {} tokens, up to {} new; setup {:.0} ms",
             prompt_ids.len(),

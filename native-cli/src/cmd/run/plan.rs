@@ -1,32 +1,60 @@
-//! `nibble plan`: what `nibble run` with the same options would plan, printed without reading a
-//! weight byte: where the budgets came from, each phase's plan with its tiers, and the smallest
-//! device budget each phase runs with (every group streamed).
+//! The run prelude every `nibble run` kind shares, and `nibble plan`: what `nibble run` with the
+//! same options would plan, printed without reading a weight byte: where the budgets came from,
+//! each phase's plan with its tiers, and the smallest device budget each phase runs with (every
+//! group streamed).
 
 use anyhow::Result;
 use nibble_core::backend::Backend;
-use nibble_core::exec::{ExecOptions, Executor};
+use nibble_core::exec::ExecOptions;
 use nibble_core::graph::Graph;
 use nibble_core::io::model::ModelIndex;
-use nibble_core::plan::fmt_bytes;
+use nibble_core::plan::budget::{BudgetNote, PhaseBudget};
+use nibble_core::plan::{fmt_bytes, MemoryPlan};
 use serde_json::json;
 
-use super::options::{BudgetNote, RunArgs};
+use super::options::RunArgs;
 
-/// Prints the plan of each phase (`phases`: name, graph, model) for `opts`.
-pub(super) fn print<B: Backend>(
+/// The prelude of a run of one phase (`phase`: its name, of `graph` on `model`): core's budget
+/// decision; with `nibble plan`, the plan printed and `None` (nothing allocated or read).
+pub(super) fn prelude<B: Backend>(
     o: &RunArgs,
     backend: &mut B,
     label: &str,
+    phase: &str,
+    graph: &Graph,
+    model: &ModelIndex,
+) -> Result<Option<(ExecOptions, BudgetNote)>> {
+    let d = super::options::decide(&o.memory, backend, &[(graph, model)])?;
+    if o.plan_only {
+        let phases: Vec<_> = d.phases.iter().map(|p| (phase, p.clone())).collect();
+        print(o, label, &d.note, &phases)?;
+        return Ok(None);
+    }
+    Ok(Some((ExecOptions::decided(&d, 2), d.note)))
+}
+
+/// What a run prints once its executor is planned and allocated, before its first step: the
+/// backend, where the budgets came from and the plan.
+pub(super) fn announce(o: &RunArgs, label: &str, note: &BudgetNote, plan: &MemoryPlan) {
+    if !o.json {
+        eprintln!("backend {label}");
+        eprintln!("{}", note.note);
+        eprint!("{}", plan.explain());
+    }
+}
+
+/// Prints each phase's plan (`phases`: name and its plan under the decided budgets).
+pub(super) fn print(
+    o: &RunArgs,
+    label: &str,
     note: &BudgetNote,
-    opts: ExecOptions,
-    phases: &[(&str, &Graph, &ModelIndex)],
+    phases: &[(&str, PhaseBudget)],
 ) -> Result<()> {
     let mut rows = Vec::new();
     let mut text = format!("{}\nbackend {label}\n{}\n", o.model, note.note);
-    for (name, g, m) in phases {
-        let least = nibble_core::plan::min_device_bytes(g, m, backend)?;
-        let resident = nibble_core::plan::resident_device_bytes(g, m, backend)?;
-        match Executor::plan_only(g, m, backend, opts) {
+    for (name, p) in phases {
+        let (least, resident) = (p.min_device_bytes, p.resident_device_bytes);
+        match &p.plan {
             Ok(plan) => {
                 text.push_str(&format!(
                     "phase {name}: smallest device budget {} (every group streamed), every \
@@ -57,7 +85,7 @@ pub(super) fn print<B: Backend>(
                     fmt_bytes(least),
                     fmt_bytes(resident)
                 ));
-                rows.push(json!({"phase": name, "error": e.to_string(),
+                rows.push(json!({"phase": name, "error": e,
                     "min_device_bytes": least, "resident_device_bytes": resident}));
             }
         }
