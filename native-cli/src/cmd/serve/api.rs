@@ -37,7 +37,8 @@ use nibble_core::models::ModelKind;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
-use super::engine::{Engine, Event, Job, Shared};
+use super::engine::{Client, Engine, Event, Job, Shared};
+use super::metrics::Metrics;
 use super::request::{
     ChatRequest, Common, CompletionRequest, Content, EmbeddingRequest, OneOrMany, Prompt,
 };
@@ -66,6 +67,7 @@ struct App {
     /// Token ids the model embeds.
     vocab: usize,
     shared: Arc<Shared>,
+    metrics: Metrics,
     plan: Value,
     api_key: Option<String>,
     max_body: usize,
@@ -235,7 +237,7 @@ impl crate::backends::WithBackend for Serve<'_> {
                         let t0 = Instant::now();
                         match enc.embed(ids, &pooling) {
                             Ok((v, stats)) => {
-                                shared.metrics.pass(
+                                shared.counters.pass(
                                     t0.elapsed().as_secs_f64(),
                                     stats.source_bytes,
                                     stats.host_bytes,
@@ -276,6 +278,7 @@ impl Serve<'_> {
             context,
             vocab,
             shared: shared.clone(),
+            metrics: Metrics::default(),
             plan,
             api_key: self.a.api.api_key.clone(),
             max_body: self.a.api.max_body.min(usize::MAX as u64) as usize,
@@ -368,7 +371,7 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
         | "/v1/embeddings" => path.as_str(),
         _ => "other",
     };
-    app.shared.metrics.request(endpoint, status);
+    app.metrics.request(endpoint, status);
     tracing::info!(
         "{method} {path} {status} {:.1} ms",
         t0.elapsed().as_secs_f64() * 1e3
@@ -379,7 +382,7 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.shared.metrics.render(),
+        app.metrics.render(&app.shared.counters),
     )
         .into_response()
 }
@@ -654,7 +657,7 @@ async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
         sampling: a.sampling,
         stop: a.stop,
         stop_at_eos: a.stop_at_eos,
-        events: tx,
+        events: Box::new(Client(tx)),
     };
     if jobs.send(job).is_err() {
         return error(
@@ -869,7 +872,7 @@ async fn embeddings(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) ->
         }
     };
     app.shared
-        .metrics
+        .counters
         .prompt_tokens
         .fetch_add(tokens as u64, std::sync::atomic::Ordering::Relaxed);
     let data: Vec<Value> = vectors
