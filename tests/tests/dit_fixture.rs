@@ -129,7 +129,7 @@ fn tiny_dit_euler_loop_streamed() {
     let steps = sigmas.len() - 1;
     assert!(steps > 0, "euler_sigmas has at least two values");
     assert_eq!(
-        nibble_core::models::dit::FlowMatchEuler::default().sigmas(steps),
+        nibble_core::models::scheduler::SchedulerConfig::default().default_sigmas(steps, 0.0),
         sigmas,
         "diffusers' schedule, bit for bit"
     );

@@ -135,7 +135,7 @@ fn check_vae<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             let mut b = make();
             let (g, cfg) = vae::build(&m, h, w).expect("vae graph");
             let o = opts(&g, &m, streamed, &mut b);
-            let mut dec = VaeDecoder::new(&m, b, h, w, o).expect("vae");
+            let mut dec = VaeDecoder::new(&m, b, (h, w), o).expect("vae");
             let (img, stats) = dec.decode(&z).expect("decode");
             if streamed {
                 assert!(stats.stream.bytes > 0, "{what}: VAE streamed");
@@ -283,6 +283,7 @@ fn tiled_vae_decoding_on_cpu_ref_cpu_and_wgpu() {
 fn a_binding_limit_is_met_at_plan_time_by_tiling_or_refused() {
     use nibble_core::models::flux::noise::NoiseMath;
     use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+    use nibble_core::models::pipeline::Pipeline;
     use nibble_core::models::vae;
     if wgpu_or_absent("binding limit").is_none() {
         return;
@@ -325,7 +326,8 @@ fn a_binding_limit_is_met_at_plan_time_by_tiling_or_refused() {
         err.to_string().contains("limit of") && err.to_string().contains(&limit.to_string()),
         "{err}"
     );
-    nibble_core::plan::plan_graph(&tiled, &m, &mut b, o.budgets, o.stream_all).expect("a tile's decoder fits");
+    nibble_core::plan::plan_graph(&tiled, &m, &mut b, o.budgets, o.stream_all)
+        .expect("a tile's decoder fits");
     let root = fixture("tiny-flux-pipeline/pipeline");
     let pipe = FluxPipeline::open(&root.to_string_lossy(), Default::default()).expect("open");
     let req = |vae_tiling| FluxRequest {

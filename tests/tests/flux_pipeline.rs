@@ -3,8 +3,8 @@
 //! into tokens and their position ids, `mu`, the sigmas and the timesteps.
 
 use nibble_core::models::flux::noise::NoiseMath;
-use nibble_core::models::flux::scheduler::SchedulerConfig;
 use nibble_core::models::flux::{initial_latents, latent_grid, latent_image_ids, pack_latents};
+use nibble_core::models::scheduler::SchedulerConfig;
 use nibble_tests::*;
 
 fn expected() -> Expected {
@@ -86,7 +86,7 @@ fn mu_sigmas_and_timesteps_are_diffusers() {
     for i in 0..2 {
         let mu = cfg.mu(tokens);
         assert_eq!(mu, f64s(&e, &format!("p{i}.mu"))[0], "p{i}: mu");
-        let sigmas = cfg.flux_sigmas(steps, mu).expect("sigmas");
+        let sigmas = cfg.pipeline_sigmas(steps, mu).expect("sigmas");
         let want = e.f32(&format!("p{i}.sigmas")).expect("sigmas");
         assert_eq!(sigmas.len(), want.len());
         for (a, b) in sigmas.iter().zip(&want) {
@@ -151,6 +151,7 @@ fn both_prompt_tokenizers_give_the_pipelines_ids() {
 #[test]
 fn the_embedding_key_follows_the_encoders_etags_and_modification_times() {
     use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+    use nibble_core::models::pipeline::Pipeline;
     use nibble_tests::http_server::{Fault, TestServer};
     let dir = fixture("tiny-flux-pipeline/pipeline");
     let files = nibble_tests::http_server::files_under(&dir, "pipeline");

@@ -308,8 +308,14 @@ fn opening_and_planning_over_http_reads_each_quant_state_once() {
     let m = ModelIndex::open_url(&format!("{}/m", srv.base), Default::default()).expect("open");
     let lg = llama::build(&m, LlamaShape::generate(8, 8)).expect("graph");
     let o = opts();
-    nibble_core::plan::plan_graph(&lg.graph, &m, &mut CpuBackend::new(), o.budgets, o.stream_all)
-        .expect("plan");
+    nibble_core::plan::plan_graph(
+        &lg.graph,
+        &m,
+        &mut CpuBackend::new(),
+        o.budgets,
+        o.stream_all,
+    )
+    .expect("plan");
     let requests = srv.stats().requests;
     // Runs of adjacent quant-state tensors, from the local copy's header.
     let local = ModelIndex::open(&dir).expect("local");

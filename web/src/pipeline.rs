@@ -11,7 +11,8 @@ use nibble_core::exec::ExecOptions;
 use nibble_core::io::folder::ModelFolder;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
-use nibble_core::models::flux::pipeline::{Event, FluxPipeline, FluxRequest, Noise, VaeTiling};
+use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+use nibble_core::models::pipeline::{Event, Pipeline};
 use nibble_core::models::{Drive, SourceMaker};
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
@@ -19,7 +20,7 @@ use wasm_bindgen_futures::future_to_promise;
 use web_time::Instant;
 
 use crate::api::{
-    backend_of, from_js, js_err, decide, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
+    backend_of, decide, from_js, js_err, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
     Settings,
 };
 use crate::fetch::{FetchFolder, FetchSource};
@@ -198,12 +199,7 @@ impl Nibble {
                     return Err(e);
                 }
             };
-            let plans_v: Vec<Value> = plans
-                .iter()
-                .map(|(phase, p)| {
-                    p.phase_json(phase)
-                })
-                .collect();
+            let plans_v: Vec<Value> = plans.iter().map(|(phase, p)| p.phase_json(phase)).collect();
             let predicted: u64 = plans
                 .iter()
                 .map(|(phase, p)| {

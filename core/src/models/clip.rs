@@ -8,11 +8,13 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::exec::ExecStats;
 use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, typed_config, Drive, Runner, W};
+use crate::models::component::{Component, ComponentKind};
+use crate::models::nn::{merge_heads, split_heads, Attention};
+use crate::models::{require_block, typed_config, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,21 +154,11 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, ClipConfig)> 
         let y = g.op(ln.clone(), &[x, n1w, n1b], None)?;
         let mut heads = |w: W| -> Result<_> {
             let z = w.apply(&mut g, y)?;
-            let z = reshape(&mut g, z, &[t, nh, hd])?;
-            swap01(&mut g, z)
+            split_heads(&mut g, z, t, nh, hd)
         };
         let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
-        let a = g.op(
-            OpKind::Attention {
-                causal: true,
-                scale: 1.0 / (hd as f32).sqrt(),
-                key_mask: false,
-            },
-            &[q, k, v],
-            None,
-        )?;
-        let a = swap01(&mut g, a)?;
-        let a = reshape(&mut g, a, &[t, h])?;
+        let a = Attention::scaled(hd).causal().apply(&mut g, q, k, v)?;
+        let a = merge_heads(&mut g, a, t, h)?;
         let a = o.apply(&mut g, a)?;
         x = g.op(OpKind::Add, &[x, a], None)?;
         let y = g.op(ln.clone(), &[x, n2w, n2b], None)?;
@@ -188,60 +180,23 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, ClipConfig)> 
     Ok((g, cfg))
 }
 
+/// CLIP's text model as a pipeline component: built for a token count.
+#[derive(Debug)]
+pub enum Clip {}
+
+impl ComponentKind for Clip {
+    type Shape = usize;
+    type Config = ClipConfig;
+    const NAME: &'static str = "ClipText";
+    fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, ClipConfig)> {
+        build(model, seq_len)
+    }
+}
+
 /// A CLIP text model ready to run on a backend.
-pub struct ClipText<B: crate::backend::Backend> {
-    run: Runner<B>,
-    config: ClipConfig,
-    seq_len: usize,
-}
+pub type ClipText<B> = Component<Clip, B>;
 
-impl<B: crate::backend::Backend> std::fmt::Debug for ClipText<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClipText")
-            .field("seq_len", &self.seq_len)
-            .finish()
-    }
-}
-
-impl<B: crate::backend::Backend> ClipText<B> {
-    /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
-    #[cfg(feature = "native")]
-    pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
-        crate::io::folder::block_on(Self::open(model, backend, seq_len, opts, &Drive::Blocking))
-    }
-
-    /// [`ClipText::new`], reading as `drive` says.
-    pub async fn open(
-        model: &ModelIndex,
-        backend: B,
-        seq_len: usize,
-        opts: ExecOptions,
-        drive: &Drive<'_>,
-    ) -> Result<Self> {
-        let (graph, config) = build(model, seq_len)?;
-        Ok(ClipText {
-            run: Runner::open(graph, model, backend, opts, drive).await?,
-            config,
-            seq_len,
-        })
-    }
-
-    /// The executor (its plan, its backend).
-    pub fn executor(&self) -> &Executor<B> {
-        &self.run.ex
-    }
-
-    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
-    /// that will not come (the bytes read then equal the plan's).
-    pub fn limit_passes(&mut self, passes: u64) {
-        self.run.ex.limit_stream_passes(passes);
-    }
-
-    /// The backend back, its device memory released (for the next phase).
-    pub fn into_backend(self) -> B {
-        self.run.into_backend()
-    }
-
+impl<B: crate::backend::Backend> Component<Clip, B> {
     /// The final hidden state `[seq_len, hidden]` of `ids` (exactly `seq_len` of them, padded
     /// as the tokenizer pads) and the pooled output `[hidden]`.
     #[cfg(feature = "native")]
@@ -252,7 +207,7 @@ impl<B: crate::backend::Backend> ClipText<B> {
     /// [`ClipText::forward`], awaiting the results where the runner was opened on an event
     /// loop.
     pub async fn forward_async(&mut self, ids: &[u32]) -> Result<(Vec<f32>, Vec<f32>, ExecStats)> {
-        let t = self.seq_len;
+        let t = self.shape;
         if ids.len() != t {
             return Err(Error::Invalid(format!(
                 "{} token ids for a CLIP graph built for {t}",
@@ -269,7 +224,7 @@ impl<B: crate::backend::Backend> ClipText<B> {
             HostTensor::u32(&[t], ids.to_vec())?,
             HostTensor::u32(&[t], (0..t as u32).collect())?,
         ];
-        let (states, stats) = self.run.run(&inputs, "CLIP's hidden states").await?;
+        let (states, stats) = self.pass(&inputs, "CLIP's hidden states").await?;
         let at = self.pooled_position(ids);
         let h = self.config.hidden;
         let pooled = states[at * h..(at + 1) * h].to_vec();

@@ -10,18 +10,22 @@
 
 pub mod bert;
 pub mod clip;
+pub mod component;
+pub mod denoise;
 pub mod dit;
 pub mod flux;
 pub mod llama;
+pub mod nn;
+pub mod pipeline;
+pub mod scheduler;
 pub mod t5;
 #[cfg(feature = "text")]
 pub mod text;
 pub mod vae;
 
 use crate::error::Result;
-use crate::graph::{Graph, ValueId, WeightId};
-use crate::graph::{OpKind, Q4Info};
 use crate::io::model::ModelIndex;
+pub(crate) use nn::{reshape, swap01, W};
 
 /// What a model folder holds, by its `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,51 +70,6 @@ impl ModelKind {
     }
 }
 
-/// A projection's weight in a graph: 4-bit where the checkpoint quantized it, dense otherwise;
-/// with its bias where the checkpoint has one.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum W {
-    Q4(WeightId, Option<ValueId>),
-    Dense(ValueId, Option<ValueId>),
-}
-
-impl W {
-    /// The weight `name` (`[out, inp]`) of group `grp`, and `<name without .weight>.bias`.
-    pub(crate) fn load(
-        g: &mut Graph,
-        model: &ModelIndex,
-        grp: usize,
-        name: &str,
-        out: usize,
-        inp: usize,
-    ) -> Result<W> {
-        let bias_name = format!("{}.bias", name.trim_end_matches(".weight"));
-        let bias = model
-            .get(&bias_name)
-            .map(|_| g.dense_weight(grp, &bias_name, &[out]));
-        if let Some(k) = model.q4_key(name)? {
-            let s = model.quant_state_json(k)?;
-            let info = Q4Info {
-                shape: vec![out, inp],
-                blocksize: s.blocksize as usize,
-            };
-            Ok(W::Q4(g.q4_weight(grp, name, info), bias))
-        } else {
-            Ok(W::Dense(g.dense_weight(grp, name, &[out, inp]), bias))
-        }
-    }
-
-    /// `x · Wᵀ (+ b)`.
-    pub(crate) fn apply(self, g: &mut Graph, x: ValueId) -> Result<ValueId> {
-        match self {
-            W::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w)),
-            W::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w)),
-            W::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None),
-            W::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None),
-        }
-    }
-}
-
 /// Checks that the model holds block `prefix` (some tensor named `prefix.*`) before the graph
 /// declares it: a block count in config.json is checked against the file as the graph is built,
 /// so that a count no file backs (1e18 layers) fails at the first missing block instead of
@@ -129,28 +88,6 @@ pub(crate) fn require_block(
         file: model.locate("config.json"),
         msg: format!("{field} is {count}, but the model has no tensor of {prefix}"),
     })
-}
-
-/// The same data in another shape.
-pub(crate) fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> Result<ValueId> {
-    g.op(
-        OpKind::Reshape {
-            shape: shape.to_vec(),
-        },
-        &[x],
-        None,
-    )
-}
-
-/// `[a, b, c]` to `[b, a, c]` (tokens x heads to heads x tokens and back).
-pub(crate) fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
-    g.op(
-        OpKind::Permute {
-            perm: vec![1, 0, 2],
-        },
-        &[x],
-        None,
-    )
 }
 
 /// The model's `config.json` typed as `T`, and its location for messages.
@@ -185,61 +122,5 @@ impl std::fmt::Debug for Drive<'_> {
             Drive::Blocking => "Blocking",
             Drive::EventLoop(_) => "EventLoop",
         })
-    }
-}
-
-/// A model's graph bound to a backend, with one output: the runner the encoders and the VAE
-/// share.
-pub(crate) struct Runner<B: crate::backend::Backend> {
-    pub(crate) ex: crate::exec::Executor<B>,
-    event_loop: bool,
-}
-
-impl<B: crate::backend::Backend> Runner<B> {
-    /// Plans, allocates and loads the resident weights of `graph`, as `drive` says.
-    pub(crate) async fn open(
-        graph: Graph,
-        model: &ModelIndex,
-        backend: B,
-        opts: crate::exec::ExecOptions,
-        drive: &Drive<'_>,
-    ) -> Result<Self> {
-        let ex = match drive {
-            Drive::Blocking => crate::exec::Executor::new(graph, model, backend, opts)?,
-            Drive::EventLoop(maker) => {
-                let mut make = maker(model);
-                crate::exec::Executor::with_source_async(graph, model, backend, opts, &mut make)
-                    .await?
-            }
-        };
-        Ok(Runner {
-            ex,
-            event_loop: matches!(drive, Drive::EventLoop(_)),
-        })
-    }
-
-    /// One step with `inputs`: the output, checked finite (`what` names it in the error).
-    pub(crate) async fn run(
-        &mut self,
-        inputs: &[crate::graph::HostTensor],
-        what: &str,
-    ) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
-        let (out, stats) = if self.event_loop {
-            self.ex.step_program_async(0, inputs).await?
-        } else {
-            self.ex.step(inputs)?
-        };
-        let v = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| crate::Error::Invalid(format!("{what}: the graph has no output")))?
-            .into_f32();
-        crate::error::check_finite(&v, || what.to_string())?;
-        Ok((v, stats))
-    }
-
-    /// The backend back, its device memory released (for the next phase).
-    pub(crate) fn into_backend(self) -> B {
-        self.ex.into_parts().0
     }
 }

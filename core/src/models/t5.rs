@@ -10,11 +10,13 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::exec::ExecStats;
 use crate::format::json::{positive, positive_f32};
 use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{require_block, reshape, swap01, typed_config, Drive, Runner, W};
+use crate::models::component::{Component, ComponentKind};
+use crate::models::nn::{merge_heads, split_heads, Attention};
+use crate::models::{require_block, reshape, typed_config, W};
 
 /// What the graph needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -206,17 +208,16 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
         let y = g.op(rms.clone(), &[x, n0], None)?;
         let mut heads = |w: W| -> Result<_> {
             let z = w.apply(&mut g, y)?;
-            let z = reshape(&mut g, z, &[t, nh, hd])?;
-            swap01(&mut g, z)
+            split_heads(&mut g, z, t, nh, hd)
         };
         let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
         // scores = q kᵀ + bias (T5 does not scale), softmax, times v.
-        let s = g.op(OpKind::MatMul { transpose_b: true }, &[q, k], None)?;
-        let s = g.op(OpKind::Add, &[s, bias], None)?;
-        let p = g.op(OpKind::Softmax, &[s], None)?;
-        let a = g.op(OpKind::MatMul { transpose_b: false }, &[p, v], None)?;
-        let a = swap01(&mut g, a)?;
-        let a = reshape(&mut g, a, &[t, inner])?;
+        let a = Attention {
+            bias: Some(bias),
+            ..Attention::with_scale(1.0)
+        }
+        .apply(&mut g, q, k, v)?;
+        let a = merge_heads(&mut g, a, t, inner)?;
         let a = o.apply(&mut g, a)?;
         x = g.op(OpKind::Add, &[x, a], None)?;
         let y = g.op(rms.clone(), &[x, n1], None)?;
@@ -234,60 +235,23 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
     Ok((g, cfg))
 }
 
+/// T5's encoder as a pipeline component: built for a token count.
+#[derive(Debug)]
+pub enum T5 {}
+
+impl ComponentKind for T5 {
+    type Shape = usize;
+    type Config = T5Config;
+    const NAME: &'static str = "T5Encoder";
+    fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
+        build(model, seq_len)
+    }
+}
+
 /// A T5 encoder ready to run on a backend.
-pub struct T5Encoder<B: crate::backend::Backend> {
-    run: Runner<B>,
-    config: T5Config,
-    seq_len: usize,
-}
+pub type T5Encoder<B> = Component<T5, B>;
 
-impl<B: crate::backend::Backend> std::fmt::Debug for T5Encoder<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("T5Encoder")
-            .field("seq_len", &self.seq_len)
-            .finish()
-    }
-}
-
-impl<B: crate::backend::Backend> T5Encoder<B> {
-    /// Builds the graph for `seq_len` tokens, plans memory and loads the resident weights.
-    #[cfg(feature = "native")]
-    pub fn new(model: &ModelIndex, backend: B, seq_len: usize, opts: ExecOptions) -> Result<Self> {
-        crate::io::folder::block_on(Self::open(model, backend, seq_len, opts, &Drive::Blocking))
-    }
-
-    /// [`T5Encoder::new`], reading as `drive` says.
-    pub async fn open(
-        model: &ModelIndex,
-        backend: B,
-        seq_len: usize,
-        opts: ExecOptions,
-        drive: &Drive<'_>,
-    ) -> Result<Self> {
-        let (graph, config) = build(model, seq_len)?;
-        Ok(T5Encoder {
-            run: Runner::open(graph, model, backend, opts, drive).await?,
-            config,
-            seq_len,
-        })
-    }
-
-    /// The executor (its plan, its backend).
-    pub fn executor(&self) -> &Executor<B> {
-        &self.run.ex
-    }
-
-    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
-    /// that will not come (the bytes read then equal the plan's).
-    pub fn limit_passes(&mut self, passes: u64) {
-        self.run.ex.limit_stream_passes(passes);
-    }
-
-    /// The backend back, its device memory released (for the next phase).
-    pub fn into_backend(self) -> B {
-        self.run.into_backend()
-    }
-
+impl<B: crate::backend::Backend> Component<T5, B> {
     /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`, padded).
     #[cfg(feature = "native")]
     pub fn forward(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
@@ -297,7 +261,7 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
     /// [`T5Encoder::forward`], awaiting the results where the runner was opened on an event
     /// loop.
     pub async fn forward_async(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
-        let t = self.seq_len;
+        let t = self.shape;
         if ids.len() != t {
             return Err(Error::Invalid(format!(
                 "{} token ids for a T5 graph built for {t}",
@@ -317,7 +281,7 @@ impl<B: crate::backend::Backend> T5Encoder<B> {
                 bucket_ids(t, self.config.buckets, self.config.max_distance),
             )?,
         ];
-        let (states, stats) = self.run.run(&inputs, "T5's hidden states").await?;
+        let (states, stats) = self.pass(&inputs, "T5's hidden states").await?;
         Ok((states, stats))
     }
 }

@@ -10,11 +10,13 @@
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::exec::{ExecOptions, ExecStats};
 use crate::format::json::positive;
 use crate::graph::{Graph, HostTensor, OpKind, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::{reshape, typed_config, Drive, Runner, W};
+use crate::models::component::{Component, ComponentKind};
+use crate::models::nn::Attention;
+use crate::models::{reshape, typed_config, Drive, W};
 
 /// What the decoder needs of `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -266,20 +268,11 @@ impl Blocks<'_> {
         );
         // Scores through matmul and softmax: the width (the channel count, 512 in Flux's VAE)
         // is more than the fused attention kernels take.
-        let s = self
-            .g
-            .op(OpKind::MatMul { transpose_b: true }, &[q, k], None)?;
-        let s = self.g.op(
-            OpKind::Scale {
-                factor: 1.0 / (c as f32).sqrt(),
-            },
-            &[s],
-            None,
-        )?;
-        let a = self.g.op(OpKind::Softmax, &[s], None)?;
-        let a = self
-            .g
-            .op(OpKind::MatMul { transpose_b: false }, &[a, v], None)?;
+        let a = Attention {
+            unfused: true,
+            ..Attention::scaled(c)
+        }
+        .apply(&mut self.g, q, k, v)?;
         let a = reshape(&mut self.g, a, &[hw, c])?;
         let a = self.linear(grp, &format!("{p}.to_out.0"), a, c)?;
         let a = self
@@ -365,71 +358,23 @@ pub fn to_rgb8(image: &[f32], h: usize, w: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The VAE's decoder as a pipeline component: built for a latent's height and width.
+#[derive(Debug)]
+pub enum Vae {}
+
+impl ComponentKind for Vae {
+    type Shape = (usize, usize);
+    type Config = VaeConfig;
+    const NAME: &'static str = "VaeDecoder";
+    fn build(model: &ModelIndex, (h, w): (usize, usize)) -> Result<(Graph, VaeConfig)> {
+        build(model, h, w)
+    }
+}
+
 /// A VAE decoder ready to run on a backend.
-pub struct VaeDecoder<B: crate::backend::Backend> {
-    run: Runner<B>,
-    config: VaeConfig,
-    shape: (usize, usize),
-}
+pub type VaeDecoder<B> = Component<Vae, B>;
 
-impl<B: crate::backend::Backend> std::fmt::Debug for VaeDecoder<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VaeDecoder")
-            .field("latent", &self.shape)
-            .finish()
-    }
-}
-
-impl<B: crate::backend::Backend> VaeDecoder<B> {
-    /// Builds the graph for an `h x w` latent, plans memory and loads the resident weights.
-    #[cfg(feature = "native")]
-    pub fn new(
-        model: &ModelIndex,
-        backend: B,
-        h: usize,
-        w: usize,
-        opts: ExecOptions,
-    ) -> Result<Self> {
-        crate::io::folder::block_on(Self::open(model, backend, (h, w), opts, &Drive::Blocking))
-    }
-
-    /// [`VaeDecoder::new`], reading as `drive` says.
-    pub async fn open(
-        model: &ModelIndex,
-        backend: B,
-        (h, w): (usize, usize),
-        opts: ExecOptions,
-        drive: &Drive<'_>,
-    ) -> Result<Self> {
-        let (graph, config) = build(model, h, w)?;
-        Ok(VaeDecoder {
-            run: Runner::open(graph, model, backend, opts, drive).await?,
-            config,
-            shape: (h, w),
-        })
-    }
-
-    /// The executor (its plan, its backend).
-    pub fn executor(&self) -> &Executor<B> {
-        &self.run.ex
-    }
-
-    /// Limits the weight stream to `passes` more runs, so that nothing is read ahead into a run
-    /// that will not come (the bytes read then equal the plan's).
-    pub fn limit_passes(&mut self, passes: u64) {
-        self.run.ex.limit_stream_passes(passes);
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &VaeConfig {
-        &self.config
-    }
-
-    /// The backend back, its device memory released.
-    pub fn into_backend(self) -> B {
-        self.run.into_backend()
-    }
-
+impl<B: crate::backend::Backend> Component<Vae, B> {
     /// The image `[out_channels, h * f, w * f]` of a decoder input `[latent_channels, h, w]`.
     #[cfg(feature = "native")]
     pub fn decode(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
@@ -441,7 +386,7 @@ impl<B: crate::backend::Backend> VaeDecoder<B> {
     pub async fn decode_async(&mut self, z: &[f32]) -> Result<(Vec<f32>, ExecStats)> {
         let (h, w) = self.shape;
         let input = HostTensor::f32(&[self.config.latent_channels, h, w], z.to_vec())?;
-        let (image, stats) = self.run.run(&[input], "the VAE's image").await?;
+        let (image, stats) = self.pass(&[input], "the VAE's image").await?;
         Ok((image, stats))
     }
 }

@@ -202,7 +202,9 @@ impl Phases<'_> {
     fn largest(&self, b: Budgets) -> Option<(u64, u64, String)> {
         let mut most: Option<(u64, u64, String)> = None;
         for p in &self.planners {
-            if let Ok(Some(l)) = p.largest_streamed_group(b, self.req.stream_all, self.machine.available) {
+            if let Ok(Some(l)) =
+                p.largest_streamed_group(b, self.req.stream_all, self.machine.available)
+            {
                 if most.as_ref().is_none_or(|x| (l.0, l.1) > (x.0, x.1)) {
                     most = Some(l);
                 }
@@ -586,7 +588,9 @@ fn budgets_for<B: Backend + ?Sized>(
         (DeviceBudget::Auto, Some(h)) if device_in_ram && !shares_host => {
             // The auto budget above is the device's; its memory is RAM, so the host budget
             // bounds it too.
-            let room = h.saturating_sub(rss).saturating_sub(host_peak(device_bytes));
+            let room = h
+                .saturating_sub(rss)
+                .saturating_sub(host_peak(device_bytes));
             if device_bytes > room {
                 (
                     room,

@@ -13,10 +13,7 @@ pub mod budget;
 pub mod layout;
 mod planner;
 
-pub use planner::{
-    min_device_bytes, plan_graph, resident_device_bytes, spread_order, Planner,
-};
-
+pub use planner::{min_device_bytes, plan_graph, resident_device_bytes, spread_order, Planner};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};

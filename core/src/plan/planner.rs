@@ -380,11 +380,9 @@ impl Planner {
             .streamed
             .iter()
             .map(|&g| {
-                let chunks = crate::stream::prefetch::chunk_schedule(
-                    [(g, lay.reads[g].as_slice())],
-                    slot,
-                )
-                .len() as u64;
+                let chunks =
+                    crate::stream::prefetch::chunk_schedule([(g, lay.reads[g].as_slice())], slot)
+                        .len() as u64;
                 (chunks, plan.groups[g].bytes, plan.groups[g].name.clone())
             })
             .max_by_key(|l| (l.0, l.1)))
@@ -422,4 +420,3 @@ pub fn resident_device_bytes<B: Backend + ?Sized>(
 ) -> Result<u64> {
     Planner::new(graph.clone(), model, Rules::of(backend, graph))?.resident_device_bytes()
 }
-

@@ -19,11 +19,14 @@ use clap::Args;
 use nibble_core::backend::Backend;
 use nibble_core::models::flux::noise::NoiseMath;
 use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
+use nibble_core::models::pipeline::Pipeline;
 use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth_flux::{write_pipeline, FluxSynthShape};
 use serde_json::json;
 
-use crate::args::{budget, count_or_auto, size, size_or_auto, BackendArg, Budget, MemoryArgs, OrAuto};
+use crate::args::{
+    budget, count_or_auto, size, size_or_auto, BackendArg, Budget, MemoryArgs, OrAuto,
+};
 use crate::cmd::run::flux::{generate, plans_json, write_png};
 
 /// Options of `nibble demo`.
@@ -146,16 +149,24 @@ impl crate::backends::WithBackend for Demo<'_> {
         };
         let mut opts = None;
         let t0 = Instant::now();
-        let g = generate(&pipe, &req, backend, label, quiet, None, |pipe, prepared, backend| {
-            let phases = pipe.budget_graphs(prepared)?;
-            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-            let (o, note) = crate::cmd::run::exec_options(&memory, backend, &graphs)?;
-            if !quiet {
-                eprintln!("{}", note.note);
-            }
-            opts = Some(o);
-            Ok(o)
-        })?;
+        let g = generate(
+            &pipe,
+            &req,
+            backend,
+            label,
+            quiet,
+            None,
+            |pipe, prepared, backend| {
+                let phases = pipe.budget_graphs(prepared)?;
+                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+                let (o, note) = crate::cmd::run::exec_options(&memory, backend, &graphs)?;
+                if !quiet {
+                    eprintln!("{}", note.note);
+                }
+                opts = Some(o);
+                Ok(o)
+            },
+        )?;
         let opts = opts.context("the pipeline decided its budgets")?;
         let total_secs = t0.elapsed().as_secs_f64();
 

@@ -14,7 +14,8 @@ use crate::graph::{ElemType, OpKind, ValueInfo};
 use crate::graph::{Graph, ValueId};
 use crate::io::model::ModelIndex;
 use crate::models::bert::BertConfig;
-use crate::models::{require_block, reshape, swap01, W};
+use crate::models::nn::{merge_heads, split_heads, Attention};
+use crate::models::{require_block, W};
 
 /// The prefix of the encoder's tensor names: none for a saved `BertModel`, `bert.` for a model
 /// with a head (`BertForMaskedLM`, ...).
@@ -112,21 +113,11 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<BertGraph> {
         let (n2w, n2b) = norm(&mut g, "output.LayerNorm");
         let heads = |g: &mut Graph, w: W| -> Result<ValueId> {
             let y = w.apply(g, x)?;
-            let y = reshape(g, y, &[t, nh, hd])?;
-            swap01(g, y)
+            split_heads(g, y, t, nh, hd)
         };
         let (q, k, v) = (heads(&mut g, q)?, heads(&mut g, k)?, heads(&mut g, v)?);
-        let a = g.op(
-            OpKind::Attention {
-                causal: false,
-                scale: 1.0 / (hd as f32).sqrt(),
-                key_mask: true,
-            },
-            &[q, k, v, mask],
-            None,
-        )?;
-        let a = swap01(&mut g, a)?;
-        let a = reshape(&mut g, a, &[t, h])?;
+        let a = Attention::scaled(hd).masked(mask).apply(&mut g, q, k, v)?;
+        let a = merge_heads(&mut g, a, t, h)?;
         let a = o.apply(&mut g, a)?;
         let a = g.op(OpKind::Add, &[a, x], None)?;
         x = g.op(ln.clone(), &[a, n1w, n1b], None)?;

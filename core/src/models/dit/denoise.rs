@@ -1,14 +1,16 @@
-//! Denoising with a Flux-style DiT as a resumable loop: the inputs, the flow-matching Euler
-//! schedule and the latent, one streaming pass over the blocks per step, and checkpoints that a
-//! run can resume from bit for bit. `nibble run`, `nibble demo` and the browser build on it.
+//! Denoising with a Flux-style DiT: its inputs, Flux's transformer as a model of the shared
+//! denoise loop ([`crate::models::denoise`]) with flow-matching Euler, and checkpoints that a run
+//! can resume from bit for bit. `nibble run`, `nibble demo` and the browser build on it.
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, ExecStats, Executor};
+use crate::exec::{ExecOptions, Executor};
 use crate::graph::HostTensor;
 use crate::io::model::ModelIndex;
+pub use crate::models::denoise::DenoiseStep;
+use crate::models::denoise::{DenoiseLoop, DenoiseModel};
 use crate::models::dit::{self, DitConfig};
-use crate::models::dit::{flux_mu, FlowMatchEuler, Shift};
+use crate::models::scheduler::{Euler, FlowSampler, SchedulerConfig};
 
 /// The conditioning and the starting latent of a denoising run.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,38 +161,92 @@ impl DitInputs {
     }
 }
 
-/// What one denoising step cost.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DenoiseStep {
-    /// Step number, from 1.
-    pub step: usize,
-    /// Wall time of the step.
-    pub wall: std::time::Duration,
-    /// Streaming figures of the step.
-    pub stats: ExecStats,
-    /// Process RSS after the step (0 where unknown).
-    pub rss_bytes: u64,
-}
-
-/// A DiT denoising run bound to a backend.
-pub struct Denoiser<B: Backend> {
+/// Flux's transformer as a [`DenoiseModel`]: the executor of its graph and the inputs that stay
+/// the same every step (the text states, the pooled embedding, the rotary tables).
+pub struct FluxTransformer<B: Backend> {
     ex: Executor<B>,
-    /// The model's configuration.
-    pub config: DitConfig,
-    inputs: DitInputs,
-    sigmas: Vec<f32>,
-    x: Vec<f32>,
-    next: usize,
+    config: DitConfig,
+    guidance: f32,
+    image_tokens: usize,
     fixed: Vec<HostTensor>,
     cos: HostTensor,
     sin: HostTensor,
 }
 
+impl<B: Backend> FluxTransformer<B> {
+    fn over(ex: Executor<B>, cfg: DitConfig, inputs: &DitInputs) -> Result<Self> {
+        let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
+        let ids: Vec<f32> = inputs
+            .txt_ids
+            .iter()
+            .chain(&inputs.img_ids)
+            .copied()
+            .collect();
+        let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
+        let half = cfg.head_dim / 2;
+        let fixed = vec![
+            HostTensor::f32(&[t, cfg.joint_dim], inputs.context.clone())?,
+            HostTensor::f32(&[1, cfg.pooled_dim], inputs.pooled.clone())?,
+        ];
+        Ok(FluxTransformer {
+            ex,
+            guidance: inputs.guidance,
+            image_tokens: n,
+            cos: HostTensor::f32(&[t + n, half], cos)?,
+            sin: HostTensor::f32(&[t + n, half], sin)?,
+            config: cfg,
+            fixed,
+        })
+    }
+}
+
+impl<B: Backend> DenoiseModel for FluxTransformer<B> {
+    type Backend = B;
+
+    fn executor(&self) -> &Executor<B> {
+        &self.ex
+    }
+
+    fn executor_mut(&mut self) -> &mut Executor<B> {
+        &mut self.ex
+    }
+
+    fn into_executor(self) -> Executor<B> {
+        self.ex
+    }
+
+    fn step_inputs(&self, x: &[f32], timestep: f32) -> Result<Vec<HostTensor>> {
+        let cfg = &self.config;
+        let mut inputs = Vec::with_capacity(7);
+        inputs.push(HostTensor::f32(
+            &[self.image_tokens, cfg.in_channels],
+            x.to_vec(),
+        )?);
+        inputs.extend(self.fixed.iter().cloned());
+        inputs.push(HostTensor::f32(&[1], vec![timestep])?);
+        if cfg.guidance {
+            inputs.push(HostTensor::f32(&[1], vec![self.guidance * 1000.0])?);
+        }
+        inputs.push(self.cos.clone());
+        inputs.push(self.sin.clone());
+        Ok(inputs)
+    }
+}
+
+/// A DiT denoising run bound to a backend: Flux's transformer in the shared denoise loop with
+/// flow-matching Euler, and the inputs a checkpoint records.
+pub struct Denoiser<B: Backend> {
+    run: DenoiseLoop<FluxTransformer<B>, Euler>,
+    /// The model's configuration.
+    pub config: DitConfig,
+    inputs: DitInputs,
+}
+
 impl<B: Backend> std::fmt::Debug for Denoiser<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Denoiser")
-            .field("step", &self.next)
-            .field("steps", &(self.sigmas.len() - 1))
+            .field("step", &self.run.done())
+            .field("steps", &self.run.steps())
             .finish()
     }
 }
@@ -199,7 +255,7 @@ impl<B: Backend> std::fmt::Debug for Denoiser<B> {
 pub const MAX_STEPS: usize = 100_000;
 
 /// The schedule of `steps` steps (1 to [`MAX_STEPS`]): static `shift` (finite, positive), or
-/// Flux's resolution-dependent one.
+/// Flux's resolution-dependent one (the scheduler's own `set_timesteps`, diffusers' defaults).
 pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) -> Result<Vec<f32>> {
     if steps == 0 || steps > MAX_STEPS {
         return Err(Error::Invalid(format!(
@@ -211,15 +267,12 @@ pub fn schedule(steps: usize, shift: f64, dynamic: bool, image_tokens: usize) ->
             "schedule shift {shift} is not a finite positive number"
         )));
     }
-    Ok(FlowMatchEuler {
-        num_train_timesteps: 1000,
-        shift: if dynamic {
-            Shift::Dynamic(flux_mu(image_tokens))
-        } else {
-            Shift::Static(shift)
-        },
-    }
-    .sigmas(steps))
+    let cfg = SchedulerConfig {
+        shift,
+        use_dynamic_shifting: dynamic,
+        ..Default::default()
+    };
+    Ok(cfg.default_sigmas(steps, cfg.mu(image_tokens)))
 }
 
 impl<B: Backend> Denoiser<B> {
@@ -276,40 +329,23 @@ impl<B: Backend> Denoiser<B> {
     }
 
     fn over(ex: Executor<B>, cfg: DitConfig, inputs: DitInputs, sigmas: Vec<f32>) -> Result<Self> {
-        let (n, t) = (inputs.image_tokens(), inputs.text_tokens());
-        let ids: Vec<f32> = inputs
-            .txt_ids
-            .iter()
-            .chain(&inputs.img_ids)
-            .copied()
-            .collect();
-        let (cos, sin) = cfg.rope_tables(&ids, 10000.0);
-        let half = cfg.head_dim / 2;
-        let fixed = vec![
-            HostTensor::f32(&[t, cfg.joint_dim], inputs.context.clone())?,
-            HostTensor::f32(&[1, cfg.pooled_dim], inputs.pooled.clone())?,
-        ];
+        let model = FluxTransformer::over(ex, cfg.clone(), &inputs)?;
+        let sampler = Euler::new(sigmas, 1000)?;
         Ok(Denoiser {
-            ex,
-            x: inputs.x0.clone(),
-            cos: HostTensor::f32(&[t + n, half], cos)?,
-            sin: HostTensor::f32(&[t + n, half], sin)?,
+            run: DenoiseLoop::new(model, sampler, inputs.x0.clone()),
             config: cfg,
             inputs,
-            sigmas,
-            next: 0,
-            fixed,
         })
     }
 
     /// The executor (plan, backend).
     pub fn executor(&self) -> &Executor<B> {
-        &self.ex
+        self.run.model().executor()
     }
 
     /// The executor, mutable.
     pub fn executor_mut(&mut self) -> &mut Executor<B> {
-        &mut self.ex
+        self.run.model_mut().executor_mut()
     }
 
     /// The graph this run would build for `inputs` (to plan it before allocating).
@@ -319,22 +355,22 @@ impl<B: Backend> Denoiser<B> {
 
     /// Ends the run: releases its device memory, gives back the backend and the ring.
     pub fn into_parts(self) -> (B, Option<crate::stream::ring::StagingRing>) {
-        self.ex.into_parts()
+        self.run.into_parts().0.into_executor().into_parts()
     }
 
     /// Steps in the schedule.
     pub fn steps(&self) -> usize {
-        self.sigmas.len() - 1
+        self.run.steps()
     }
 
     /// Steps done.
     pub fn done(&self) -> usize {
-        self.next
+        self.run.done()
     }
 
     /// The latent now.
     pub fn latent(&self) -> &[f32] {
-        &self.x
+        self.run.latent()
     }
 
     /// The inputs.
@@ -344,79 +380,23 @@ impl<B: Backend> Denoiser<B> {
 
     /// The schedule.
     pub fn sigmas(&self) -> &[f32] {
-        &self.sigmas
+        self.run.sampler().sigmas()
     }
 
     /// One Euler step: one streaming pass over the blocks. `None` once every step is done.
     pub fn step(&mut self) -> Result<Option<DenoiseStep>> {
-        let t0 = web_time::Instant::now();
-        let Some(inputs) = self.step_inputs()? else {
-            return Ok(None);
-        };
-        let (out, stats) = self.ex.step(&inputs)?;
-        self.stepped(t0, out, stats).map(Some)
+        self.run.step()
     }
 
     /// [`Denoiser::step`] on an event loop (the browser).
     pub async fn step_async(&mut self) -> Result<Option<DenoiseStep>> {
-        let t0 = web_time::Instant::now();
-        let Some(inputs) = self.step_inputs()? else {
-            return Ok(None);
-        };
-        let (out, stats) = self.ex.step_program_async(0, &inputs).await?;
-        self.stepped(t0, out, stats).map(Some)
-    }
-
-    /// The model's inputs for the next step; `None` once every step is done.
-    fn step_inputs(&self) -> Result<Option<Vec<HostTensor>>> {
-        let i = self.next;
-        if i + 1 >= self.sigmas.len() {
-            return Ok(None);
-        }
-        let cfg = &self.config;
-        let n = self.inputs.image_tokens();
-        let mut inputs = Vec::with_capacity(7);
-        inputs.push(HostTensor::f32(&[n, cfg.in_channels], self.x.clone())?);
-        inputs.extend(self.fixed.iter().cloned());
-        inputs.push(HostTensor::f32(&[1], vec![self.sigmas[i] * 1000.0])?);
-        if cfg.guidance {
-            inputs.push(HostTensor::f32(&[1], vec![self.inputs.guidance * 1000.0])?);
-        }
-        inputs.push(self.cos.clone());
-        inputs.push(self.sin.clone());
-        Ok(Some(inputs))
-    }
-
-    /// The Euler update from the model's output.
-    fn stepped(
-        &mut self,
-        t0: web_time::Instant,
-        out: Vec<HostTensor>,
-        stats: ExecStats,
-    ) -> Result<DenoiseStep> {
-        let i = self.next;
-        let v = out
-            .first()
-            .ok_or_else(|| Error::Invalid("the DiT graph has no output".into()))?;
-        let n = self.steps();
-        crate::error::check_finite(v.as_f32(), || {
-            format!("step {} of {n}: the model's output (velocity)", i + 1)
-        })?;
-        FlowMatchEuler::step(&mut self.x, v.as_f32(), self.sigmas[i], self.sigmas[i + 1]);
-        crate::error::check_finite(&self.x, || format!("step {} of {n}: the latent", i + 1))?;
-        self.next += 1;
-        Ok(DenoiseStep {
-            step: self.next,
-            wall: t0.elapsed(),
-            stats,
-            rss_bytes: crate::io::machine::rss_bytes().unwrap_or(0),
-        })
+        self.run.step_async().await
     }
 
     /// Continues a run from a checkpoint: the latent, the step count and the inputs it holds
     /// must fit this run (same schedule, same inputs), else an error says what differs.
     pub fn restore(&mut self, c: &Checkpoint) -> Result<()> {
-        if c.sigmas != self.sigmas {
+        if c.sigmas != self.sigmas() {
             return Err(Error::Invalid(format!(
                 "the checkpoint's schedule ({} steps) is not this run's ({} steps)",
                 c.sigmas.len().saturating_sub(1),
@@ -428,22 +408,15 @@ impl<B: Backend> Denoiser<B> {
                 "the checkpoint was made with other inputs (seed, size or text)".into(),
             ));
         }
-        if c.latent.len() != self.x.len() || c.done > self.steps() {
-            return Err(Error::Invalid(
-                "the checkpoint's latent does not fit this run".into(),
-            ));
-        }
-        self.x = c.latent.clone();
-        self.next = c.done;
-        Ok(())
+        self.run.resume(c.done, c.latent.clone(), &[])
     }
 
     /// This run's state as a checkpoint.
     pub fn checkpoint(&self) -> Checkpoint {
         Checkpoint {
-            done: self.next,
-            latent: self.x.clone(),
-            sigmas: self.sigmas.clone(),
+            done: self.run.done(),
+            latent: self.run.latent().to_vec(),
+            sigmas: self.sigmas().to_vec(),
             inputs: self.inputs.clone(),
         }
     }

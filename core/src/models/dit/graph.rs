@@ -9,6 +9,7 @@ use crate::graph::{Graph, ValueId};
 use crate::graph::{OpKind, Q4Info, RopeMode, ValueInfo};
 use crate::io::model::ModelIndex;
 use crate::models::dit::DitConfig;
+use crate::models::nn::{merge_heads, modulate, Attention};
 use crate::models::require_block;
 
 /// Inputs in order: latent tokens `[N, in]`, text tokens `[T, joint]`, pooled `[pooled]`,
@@ -96,7 +97,7 @@ impl Builder<'_> {
             },
             &[x],
         )?;
-        self.op(OpKind::AdaLnModulate, &[n, shift, scale])
+        modulate(&mut self.g, n, shift, scale)
     }
 
     /// q, k or v: projection, split into heads, RMS qk-norm when a norm weight is given.
@@ -163,22 +164,8 @@ impl Builder<'_> {
         let q = self.swap01(q)?;
         let k = self.swap01(k)?;
         let v = self.swap01(v)?;
-        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        let a = self.op(
-            OpKind::Attention {
-                causal: false,
-                scale,
-                key_mask: false,
-            },
-            &[q, k, v],
-        )?;
-        let a = self.swap01(a)?;
-        self.op(
-            OpKind::Reshape {
-                shape: vec![s, cfg.dim()],
-            },
-            &[a],
-        )
+        let a = Attention::scaled(cfg.head_dim).apply(&mut self.g, q, k, v)?;
+        merge_heads(&mut self.g, a, s, cfg.dim())
     }
 }
 

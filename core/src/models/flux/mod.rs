@@ -1,5 +1,6 @@
 //! Text to image with a diffusers Flux pipeline folder, the pieces `FluxPipeline` computes
-//! around its models: the scheduler's sigmas ([`scheduler`]), torch-compatible initial noise
+//! around its models (the scheduler is the flow-matching family's, [`crate::models::scheduler`]):
+//! torch-compatible initial noise
 //! ([`noise`]), the prompt's CLIP and T5 token ids (`tokens`, with the `text` feature), the
 //! 2x2 packing of latents into tokens and the tokens' position ids; and the whole text-to-image
 //! run of a pipeline folder (`pipeline`, with the `text` feature).
@@ -7,7 +8,6 @@
 pub mod noise;
 #[cfg(feature = "text")]
 pub mod pipeline;
-pub mod scheduler;
 #[cfg(feature = "text")]
 pub mod tokens;
 

@@ -2,7 +2,7 @@
 //! CLIP (pooled) and T5 (per token), torch-compatible initial noise packed into 2x2 tokens, the
 //! flow-matching Euler loop of the transformer with the dynamic shift `mu`, unpacking, the VAE
 //! decoder on `latents / scaling_factor + shift_factor`, and 8-bit RGB. Each phase is planned
-//! before any weight byte of the run is read ([`FluxPipeline::plans`]); phases run one after
+//! before any weight byte of the run is read ([`Pipeline::plans`]); phases run one after
 //! another on one backend, each releasing its device memory before the next allocates.
 
 use std::collections::BTreeMap;
@@ -10,18 +10,17 @@ use std::collections::BTreeMap;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::exec::ExecOptions;
-use crate::graph::Graph;
 use crate::io::model::ModelIndex;
 use crate::models::clip::{self, ClipText};
 use crate::models::dit::{self, Denoiser, DitInputs};
 use crate::models::flux::noise::NoiseMath;
-use crate::models::flux::scheduler::SchedulerConfig;
 use crate::models::flux::tokens::{ClipTokenizer, T5Tokenizer};
 use crate::models::flux::{latent_grid, latent_image_ids, unpack_latents};
+use crate::models::pipeline::{Event, PhaseGraph, Pipeline};
+use crate::models::scheduler::SchedulerConfig;
 use crate::models::t5::{self, T5Encoder};
 use crate::models::vae::{self, VaeConfig, VaeDecoder};
 use crate::models::Drive;
-use crate::plan::MemoryPlan;
 
 /// The components a Flux pipeline folder must list in `model_index.json`, with the classes
 /// nibble computes.
@@ -232,9 +231,88 @@ impl FluxPipeline {
         })
     }
 
+    /// The key of the encoders' outputs for `p` in an embedding cache: a SHA-256 over the two
+    /// encoders' configs and files (names, lengths, header layouts, local modification times)
+    /// and the prompt's CLIP and T5 ids.
+    pub fn embed_key(&self, p: &Prepared) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"nibble flux embeds v1\0");
+        for m in [&self.text_encoder, &self.text_encoder_2] {
+            h.update(m.config.as_ref().map(|c| c.to_string()).unwrap_or_default());
+            let source = m.source();
+            for (i, s) in m.shards.iter().enumerate() {
+                let hd = &s.header;
+                h.update(format!(
+                    "{}|{}|{}|{}\0",
+                    s.name, hd.file, hd.file_len, hd.header_len
+                ));
+                // A local file's modification time, an HTTP file's ETag / Last-Modified.
+                if let Some(v) = source.version(i) {
+                    h.update(v);
+                }
+                for t in &hd.tensors {
+                    h.update(format!("{}:{:?}:{}:{}\0", t.name, t.dtype, t.offset, t.len));
+                }
+            }
+        }
+        for ids in [&p.clip_ids, &p.t5_ids] {
+            h.update((ids.len() as u64).to_le_bytes());
+            for i in ids.iter() {
+                h.update(i.to_le_bytes());
+            }
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The VAE's tiling for `p` on `backend` with `opts`: `Off` none, `On` tiles when the
+    /// latent is larger than a tile, `Auto` tiles when it is larger and the whole image's
+    /// decoder cannot be planned within the device budget (or within the backend's limit for
+    /// one operand, a WebGPU adapter's storage binding size).
+    pub fn vae_tiling<B: Backend>(
+        &self,
+        p: &Prepared,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Option<vae::Tiling>> {
+        let (tiling, larger) = Self::tile_settings(p)?;
+        Ok(match p.tiling_choice {
+            VaeTiling::Off => None,
+            VaeTiling::On => larger.then_some(tiling),
+            VaeTiling::Auto => {
+                let (g, _) = vae::build(&self.vae, p.grid.0, p.grid.1)?;
+                let fits =
+                    crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
+                        .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
+                (larger && !fits).then_some(tiling)
+            }
+        })
+    }
+
+    /// The VAE tiling `p` asks for (the VAE's default tile, or `--vae-tile-size`), checked, and
+    /// whether the latent is larger than one tile.
+    fn tile_settings(p: &Prepared) -> Result<(vae::Tiling, bool)> {
+        let mut tiling = p.vae.default_tiling();
+        if let Some(t) = p.tile {
+            if t == 0 {
+                return Err(Error::Invalid("a VAE tile of 0 latent positions".into()));
+            }
+            tiling.latent_tile = t;
+        }
+        tiling.check(p.vae.scale_factor())?;
+        let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
+        Ok((tiling, larger))
+    }
+}
+
+impl Pipeline for FluxPipeline {
+    type Request = FluxRequest;
+    type Prepared = Prepared;
+    type Output = FluxOutput;
+
     /// Everything the run computes before any model: token ids, the latent grid, `mu`, the
     /// sigmas and the initial packed latents.
-    pub fn prepare(&self, req: &FluxRequest) -> Result<Prepared> {
+    fn prepare(&self, req: &FluxRequest) -> Result<Prepared> {
         let dcfg = dit::DitConfig::of(&self.transformer)?;
         let vcfg = VaeConfig::of(&self.vae)?;
         let channels = dcfg.in_channels / 4;
@@ -278,7 +356,7 @@ impl FluxPipeline {
             .t5_tokenizer
             .encode(&req.prompt, req.max_sequence_length)?;
         let mu = self.scheduler.mu(tokens);
-        let sigmas = self.scheduler.flux_sigmas(req.steps, mu)?;
+        let sigmas = self.scheduler.pipeline_sigmas(req.steps, mu)?;
         let n = channels * grid.0 * grid.1;
         let latents = match &req.noise {
             Noise::Seed(seed, math) => {
@@ -315,7 +393,7 @@ impl FluxPipeline {
 
     /// The phases' graphs (CLIP, T5, transformer, VAE; the encoders only when their outputs are
     /// not cached) with their models.
-    pub fn graphs(&self, p: &Prepared) -> Result<Vec<(&'static str, Graph, &ModelIndex)>> {
+    fn graphs(&self, p: &Prepared) -> Result<Vec<PhaseGraph<'_>>> {
         let mut v = Vec::new();
         if p.embeds.is_none() {
             v.push((
@@ -355,134 +433,10 @@ impl FluxPipeline {
         Ok(v)
     }
 
-    /// The key of the encoders' outputs for `p` in an embedding cache: a SHA-256 over the two
-    /// encoders' configs and files (names, lengths, header layouts, local modification times)
-    /// and the prompt's CLIP and T5 ids.
-    pub fn embed_key(&self, p: &Prepared) -> String {
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        h.update(b"nibble flux embeds v1\0");
-        for m in [&self.text_encoder, &self.text_encoder_2] {
-            h.update(m.config.as_ref().map(|c| c.to_string()).unwrap_or_default());
-            let source = m.source();
-            for (i, s) in m.shards.iter().enumerate() {
-                let hd = &s.header;
-                h.update(format!(
-                    "{}|{}|{}|{}\0",
-                    s.name, hd.file, hd.file_len, hd.header_len
-                ));
-                // A local file's modification time, an HTTP file's ETag / Last-Modified.
-                if let Some(v) = source.version(i) {
-                    h.update(v);
-                }
-                for t in &hd.tensors {
-                    h.update(format!("{}:{:?}:{}:{}\0", t.name, t.dtype, t.offset, t.len));
-                }
-            }
-        }
-        for ids in [&p.clip_ids, &p.t5_ids] {
-            h.update((ids.len() as u64).to_le_bytes());
-            for i in ids.iter() {
-                h.update(i.to_le_bytes());
-            }
-        }
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
-    }
-
-    /// Decides the VAE's tiling (`Auto`: tiles only when the whole image's decoder does not fit
-    /// the device budget) and returns the four phases' plans (CLIP, T5, transformer, VAE) for
-    /// `opts`, made before anything is allocated or read; an impossible budget is an error
-    /// naming the phase.
-    pub fn plans<B: Backend>(
-        &self,
-        p: &mut Prepared,
-        backend: &mut B,
-        opts: ExecOptions,
-    ) -> Result<Vec<(&'static str, MemoryPlan)>> {
-        p.tiling = self.vae_tiling(p, backend, opts)?;
-        let graphs = self.graphs(p)?;
-        let mut out = Vec::new();
-        for (phase, g, m) in &graphs {
-            match crate::plan::plan_graph(g, m, backend, opts.budgets, opts.stream_all) {
-                Ok(plan) => out.push((*phase, plan)),
-                Err(e) => {
-                    // One budget serves every phase: name the smallest that runs them all.
-                    let e = e.to_string();
-                    // Only a phase refused for its budget gets a budget to use.
-                    let own = crate::plan::min_device_bytes(g, m, backend);
-                    if !own.is_ok_and(|b| b > opts.budgets.device_bytes) {
-                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
-                    }
-                    let mut need = Vec::new();
-                    for (ph, g, m) in &graphs {
-                        if let Ok(b) = crate::plan::min_device_bytes(g, m, backend) {
-                            need.push((b, *ph));
-                        }
-                    }
-                    let Some(&(most, which)) = need.iter().max() else {
-                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
-                    };
-                    if most <= opts.budgets.device_bytes {
-                        return Err(Error::Invalid(format!("{phase} phase: {e}")));
-                    }
-                    // Rounded up, so that the size given runs.
-                    let use_mib = (most as f64 / 1048576.0 * 100.0).ceil() / 100.0;
-                    return Err(Error::Invalid(format!(
-                        "device budget {} cannot hold the {phase} phase; every phase runs with \
-                         the same budget, and the smallest that runs all four is {} (the \
-                         {which} phase's, every group streamed): use --device-budget {} or more",
-                        crate::plan::fmt_bytes(opts.budgets.device_bytes),
-                        crate::plan::fmt_bytes(most),
-                        format_args!("{use_mib:.2}MiB")
-                    )));
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// The VAE's tiling for `p` on `backend` with `opts`: `Off` none, `On` tiles when the
-    /// latent is larger than a tile, `Auto` tiles when it is larger and the whole image's
-    /// decoder cannot be planned within the device budget (or within the backend's limit for
-    /// one operand, a WebGPU adapter's storage binding size).
-    pub fn vae_tiling<B: Backend>(
-        &self,
-        p: &Prepared,
-        backend: &mut B,
-        opts: ExecOptions,
-    ) -> Result<Option<vae::Tiling>> {
-        let (tiling, larger) = Self::tile_settings(p)?;
-        Ok(match p.tiling_choice {
-            VaeTiling::Off => None,
-            VaeTiling::On => larger.then_some(tiling),
-            VaeTiling::Auto => {
-                let (g, _) = vae::build(&self.vae, p.grid.0, p.grid.1)?;
-                let fits = crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
-                    .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
-                (larger && !fits).then_some(tiling)
-            }
-        })
-    }
-
-    /// The VAE tiling `p` asks for (the VAE's default tile, or `--vae-tile-size`), checked, and
-    /// whether the latent is larger than one tile.
-    fn tile_settings(p: &Prepared) -> Result<(vae::Tiling, bool)> {
-        let mut tiling = p.vae.default_tiling();
-        if let Some(t) = p.tile {
-            if t == 0 {
-                return Err(Error::Invalid("a VAE tile of 0 latent positions".into()));
-            }
-            tiling.latent_tile = t;
-        }
-        tiling.check(p.vae.scale_factor())?;
-        let larger = p.grid.0 > tiling.latent_tile || p.grid.1 > tiling.latent_tile;
-        Ok((tiling, larger))
-    }
-
     /// The phases' graphs to size budgets from before the VAE's tiling is decided: the VAE at
     /// its tile size wherever tiling may be chosen (`on` or `auto` with a latent larger than a
     /// tile), so that a whole-image decoder that tiling would avoid does not set the budget.
-    pub fn budget_graphs(&self, p: &Prepared) -> Result<Vec<(&'static str, Graph, &ModelIndex)>> {
+    fn budget_graphs(&self, p: &Prepared) -> Result<Vec<PhaseGraph<'_>>> {
         let (tiling, larger) = Self::tile_settings(p)?;
         if p.tiling.is_none() && larger && p.tiling_choice != VaeTiling::Off {
             let mut q = p.clone();
@@ -492,28 +446,27 @@ impl FluxPipeline {
         self.graphs(p)
     }
 
-    /// Runs the four phases on `backend`, reporting each phase and step to `on`.
-    #[cfg(feature = "native")]
-    pub fn run<B: Backend>(
+    /// Decides the VAE's tiling (`Auto`: tiles only when the whole image's decoder does not fit
+    /// the device budget).
+    fn settle<B: Backend>(
         &self,
-        p: &Prepared,
-        backend: B,
+        p: &mut Prepared,
+        backend: &mut B,
         opts: ExecOptions,
-        on: impl FnMut(Event<'_>),
-    ) -> Result<FluxOutput> {
-        crate::io::folder::block_on(self.run_with(p, backend, opts, &Drive::Blocking, on))
-            .map(|(out, _)| out)
+    ) -> Result<()> {
+        p.tiling = self.vae_tiling(p, backend, opts)?;
+        Ok(())
     }
 
-    /// [`FluxPipeline::run`], each phase reading as `drive` says (the browser awaits); the
-    /// backend comes back with the output, its device memory released.
-    pub async fn run_with<B: Backend>(
+    /// The four phases in order: CLIP and T5 (skipped when their outputs are cached), the
+    /// transformer's denoise loop, the VAE (tiled where settled so).
+    async fn run_with<B: Backend, F: FnMut(Event<'_>)>(
         &self,
         p: &Prepared,
         backend: B,
         opts: ExecOptions,
         drive: &Drive<'_>,
-        mut on: impl FnMut(Event<'_>),
+        mut on: F,
     ) -> Result<(FluxOutput, B)> {
         let mut tensors = BTreeMap::new();
         let ids_f32 = |v: &[u32]| v.iter().map(|&i| i as f32).collect::<Vec<_>>();
@@ -772,39 +725,6 @@ impl Prepared {
     pub fn tokens(&self) -> usize {
         (self.grid.0 / 2) * (self.grid.1 / 2)
     }
-}
-
-/// Progress of a run.
-#[derive(Debug)]
-pub enum Event<'a> {
-    /// A phase begins (its model is about to be loaded).
-    PhaseStart {
-        /// CLIP, T5, transformer or VAE.
-        phase: &'static str,
-    },
-    /// One denoising step is done.
-    Step {
-        /// From 1.
-        step: usize,
-        /// Of this many.
-        steps: usize,
-        /// Its figures.
-        info: &'a dit::DenoiseStep,
-    },
-    /// A phase was skipped: its outputs came from the embedding cache.
-    Cached {
-        /// CLIP or T5.
-        phase: &'static str,
-    },
-    /// A phase is done and its device memory released.
-    PhaseDone {
-        /// CLIP, T5, transformer or VAE.
-        phase: &'static str,
-        /// Wall time.
-        ms: f64,
-        /// Weight bytes streamed.
-        bytes_streamed: u64,
-    },
 }
 
 /// The picture and the tensors diffusers names along the way.

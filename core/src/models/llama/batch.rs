@@ -25,6 +25,7 @@ use crate::graph::{ElemType, Graph, HostTensor, OpKind, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
 use crate::models::llama::graph::{finish_layer, qkv, refuse_unread_tensors, weights, Weights};
 use crate::models::llama::LlamaConfig;
+use crate::models::nn::Attention;
 use crate::models::reshape;
 
 /// What a batched decoder is built for.
@@ -220,15 +221,9 @@ fn rows_program(
             let (kc, vc) = caches[l][s];
             let kc = g.op(OpKind::CacheWrite, &[kc, kr, pos[r]], None)?;
             let vc = g.op(OpKind::CacheWrite, &[vc, vr, pos[r]], None)?;
-            let ar = g.op(
-                OpKind::Attention {
-                    causal: false,
-                    scale,
-                    key_mask: true,
-                },
-                &[qr, kc, vc, masks[r]],
-                None,
-            )?;
+            let ar = Attention::with_scale(scale)
+                .masked(masks[r])
+                .apply(g, qr, kc, vc)?;
             let ar = reshape(g, ar, &[1, nh * hd])?;
             a = Some(match a {
                 None => ar,

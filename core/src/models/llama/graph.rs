@@ -15,6 +15,7 @@ use crate::graph::{ElemType, OpKind, RopeMode, ValueInfo};
 use crate::graph::{Graph, ValueId};
 use crate::io::model::ModelIndex;
 use crate::models::llama::LlamaConfig;
+use crate::models::nn::Attention;
 use crate::models::{require_block, reshape, swap01, W};
 
 /// What the graph is built for.
@@ -271,30 +272,18 @@ pub fn build(model: &ModelIndex, shape: LlamaShape) -> Result<LlamaGraph> {
                 let (kc, vc) = caches[l];
                 let kc = g.op(OpKind::CacheWrite, &[kc, k, pos], None)?;
                 let vc = g.op(OpKind::CacheWrite, &[vc, v, pos], None)?;
-                g.op(
-                    OpKind::Attention {
-                        causal: false,
-                        scale,
-                        key_mask: true,
-                    },
-                    &[q, kc, vc, mask],
-                    None,
-                )?
+                Attention::with_scale(scale)
+                    .masked(mask)
+                    .apply(&mut g, q, kc, vc)?
             } else {
                 if with_cache {
                     let (kc, vc) = caches[l];
                     g.op(OpKind::CacheWrite, &[kc, k, pos], None)?;
                     g.op(OpKind::CacheWrite, &[vc, v, pos], None)?;
                 }
-                g.op(
-                    OpKind::Attention {
-                        causal: true,
-                        scale,
-                        key_mask: false,
-                    },
-                    &[q, k, v],
-                    None,
-                )?
+                Attention::with_scale(scale)
+                    .causal()
+                    .apply(&mut g, q, k, v)?
             };
             let a = swap01(&mut g, a)?;
             let a = reshape(&mut g, a, &[t, nh * hd])?;

@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use crate::args::{budget, count_or_auto, size, size_or_auto, BackendArg, Budget, FileModeArg, OrAuto};
+use crate::args::{
+    budget, count_or_auto, size, size_or_auto, BackendArg, Budget, FileModeArg, OrAuto,
+};
 
 /// The benchmarks.
 #[derive(Debug, Subcommand)]

@@ -9,9 +9,8 @@ use nibble_core::exec::ExecOptions;
 use nibble_core::format::dtype::{f32_to_bytes, Dtype};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
-use nibble_core::models::flux::pipeline::{
-    Embeds, Event, FluxPipeline, FluxRequest, Noise, Prepared,
-};
+use nibble_core::models::flux::pipeline::{Embeds, FluxPipeline, FluxRequest, Noise, Prepared};
+use nibble_core::models::pipeline::{Event, Pipeline};
 use nibble_core::plan::{fmt_bytes, MemoryPlan};
 use serde_json::json;
 

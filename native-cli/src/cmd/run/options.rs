@@ -206,4 +206,3 @@ pub enum TilingArg {
     /// When the whole image's decoder does not fit the device budget.
     Auto,
 }
-

@@ -1,8 +1,16 @@
-//! `scheduler/scheduler_config.json` of a diffusers Flux pipeline (FlowMatchEulerDiscreteScheduler)
-//! and the sigmas `FluxPipeline` asks it for: `np.linspace(1, 1/steps, steps)` as float32,
-//! shifted by the resolution-dependent `mu` (exponential or linear time shift) or statically,
-//! then a final 0; the model's timestep at step i is `sigmas[i] * num_train_timesteps` in f32.
-//! The arithmetic is numpy's float32 arithmetic, so the values are diffusers' to the bit.
+//! The flow-matching schedule, written once: the settings of diffusers'
+//! `FlowMatchEulerDiscreteScheduler` (`scheduler/scheduler_config.json` of a pipeline folder) and
+//! the two ways a run gets its sigmas from them:
+//!
+//! - [`SchedulerConfig::pipeline_sigmas`]: the sigmas `FluxPipeline` passes in,
+//!   `np.linspace(1, 1/steps, steps)` as float32, shifted by the resolution-dependent `mu`
+//!   (exponential or linear time shift) or statically, then a final 0; numpy's float32
+//!   arithmetic, so the values are diffusers' to the bit.
+//! - [`SchedulerConfig::default_sigmas`]: the scheduler's own `set_timesteps(steps)`,
+//!   `linspace(t(sigma_max), t(sigma_min), steps) / N` in f64 (the training schedule's ends after
+//!   the static shift), shifted, then f32 and a final 0 (the lone DiT's schedule).
+//!
+//! The model's timestep at step i is `sigmas[i] * num_train_timesteps` in f32.
 
 use serde::Deserialize;
 
@@ -59,6 +67,26 @@ struct File {
     use_beta_sigmas: Option<bool>,
 }
 
+impl Default for SchedulerConfig {
+    /// diffusers' defaults: 1000 training steps, no shift, Flux's `mu` line.
+    fn default() -> Self {
+        SchedulerConfig {
+            num_train_timesteps: 1000,
+            shift: 1.0,
+            use_dynamic_shifting: false,
+            base_shift: 0.5,
+            max_shift: 1.15,
+            base_image_seq_len: 256,
+            max_image_seq_len: 4096,
+            time_shift: TimeShift::Exponential,
+        }
+    }
+}
+
+fn static_shift(shift: f64, s: f64) -> f64 {
+    shift * s / (1.0 + (shift - 1.0) * s)
+}
+
 impl SchedulerConfig {
     /// Reads the config (`file` names it in errors). Another scheduler class, or a setting this
     /// sampler does not compute (inverted, stochastic, terminal-shifted, Karras / exponential /
@@ -98,14 +126,15 @@ impl SchedulerConfig {
             Some(other) => return Err(bad("time_shift_type", &format!("'{other}'"))),
         };
         // diffusers' defaults.
+        let d = SchedulerConfig::default();
         let c = SchedulerConfig {
-            num_train_timesteps: f.num_train_timesteps.unwrap_or(1000),
-            shift: f.shift.unwrap_or(1.0),
-            use_dynamic_shifting: f.use_dynamic_shifting.unwrap_or(false),
-            base_shift: f.base_shift.unwrap_or(0.5),
-            max_shift: f.max_shift.unwrap_or(1.15),
-            base_image_seq_len: f.base_image_seq_len.unwrap_or(256),
-            max_image_seq_len: f.max_image_seq_len.unwrap_or(4096),
+            num_train_timesteps: f.num_train_timesteps.unwrap_or(d.num_train_timesteps),
+            shift: f.shift.unwrap_or(d.shift),
+            use_dynamic_shifting: f.use_dynamic_shifting.unwrap_or(d.use_dynamic_shifting),
+            base_shift: f.base_shift.unwrap_or(d.base_shift),
+            max_shift: f.max_shift.unwrap_or(d.max_shift),
+            base_image_seq_len: f.base_image_seq_len.unwrap_or(d.base_image_seq_len),
+            max_image_seq_len: f.max_image_seq_len.unwrap_or(d.max_image_seq_len),
             time_shift,
         };
         if !(1..=1_000_000).contains(&c.num_train_timesteps) {
@@ -134,9 +163,46 @@ impl SchedulerConfig {
         image_seq_len as f64 * m + b
     }
 
+    /// The `steps + 1` sigmas of the scheduler's own `set_timesteps(steps)` (the last is 0):
+    /// shifted by `mu` (exponential time shift, f64) when the config shifts dynamically, else
+    /// statically.
+    pub fn default_sigmas(&self, steps: usize, mu: f64) -> Vec<f32> {
+        let n = self.num_train_timesteps as f64;
+        // The training schedule's ends, after the static shift (diffusers applies it at init).
+        let init_shift = if self.use_dynamic_shifting {
+            1.0
+        } else {
+            self.shift
+        };
+        let train = |t: f64| static_shift(init_shift, t / n);
+        let (sigma_max, sigma_min) = (train(n), train(1.0));
+        let (t0, t1) = (sigma_max * n, sigma_min * n);
+        let mut out: Vec<f32> = (0..steps)
+            .map(|i| {
+                let t = if steps == 1 {
+                    t0
+                } else {
+                    t0 + (t1 - t0) * i as f64 / (steps - 1) as f64
+                };
+                let s = t / n;
+                let s = if self.use_dynamic_shifting {
+                    match self.time_shift {
+                        TimeShift::Exponential => mu.exp() / (mu.exp() + (1.0 / s - 1.0)),
+                        TimeShift::Linear => mu / (mu + (1.0 / s - 1.0)),
+                    }
+                } else {
+                    static_shift(self.shift, s)
+                };
+                s as f32
+            })
+            .collect();
+        out.push(0.0);
+        out
+    }
+
     /// The `steps + 1` sigmas `FluxPipeline` samples with (the last is 0), for `steps` from 1,
     /// shifted by `mu` when the config shifts dynamically.
-    pub fn flux_sigmas(&self, steps: usize, mu: f64) -> Result<Vec<f32>> {
+    pub fn pipeline_sigmas(&self, steps: usize, mu: f64) -> Result<Vec<f32>> {
         if steps == 0 {
             return Err(Error::Invalid(
                 "at least one denoising step is needed".into(),
@@ -204,11 +270,39 @@ mod tests {
         .expect("config");
         let mu = c.mu(64);
         assert!((mu - 0.4675).abs() < 1e-12, "{mu}");
-        let s = c.flux_sigmas(4, mu).expect("sigmas");
+        let s = c.pipeline_sigmas(4, mu).expect("sigmas");
         assert_eq!(s.len(), 5);
         assert_eq!((s[0], s[4]), (1.0, 0.0));
         assert!((s[1] - 0.827_228_67).abs() < 1e-7, "{s:?}");
         assert!((s[3] - 0.347_258_4).abs() < 1e-7, "{s:?}");
+    }
+
+    #[test]
+    fn four_default_steps_without_shift_match_diffusers() {
+        let s = SchedulerConfig::default().default_sigmas(4, 0.0);
+        assert_eq!(s, vec![1.0, 0.667, 0.334, 0.001, 0.0]);
+    }
+
+    #[test]
+    fn shifts_move_default_sigmas_up_and_keep_the_ends() {
+        let plain = SchedulerConfig::default().default_sigmas(10, 0.0);
+        let shifted = SchedulerConfig {
+            shift: 3.0,
+            ..Default::default()
+        }
+        .default_sigmas(10, 0.0);
+        let d = SchedulerConfig {
+            use_dynamic_shifting: true,
+            ..Default::default()
+        };
+        let dynamic = d.default_sigmas(10, d.mu(4096));
+        assert_eq!(shifted[0], 1.0);
+        assert_eq!(*shifted.last().expect("0"), 0.0);
+        for i in 1..10 {
+            assert!(shifted[i] > plain[i] && dynamic[i] > plain[i], "step {i}");
+            assert!(shifted[i] < shifted[i - 1]);
+        }
+        assert!((d.mu(256) - 0.5).abs() < 1e-12 && (d.mu(4096) - 1.15).abs() < 1e-12);
     }
 
     #[test]

@@ -1,0 +1,239 @@
+//! Shared graph blocks every family builds with: projections ([`W`], 4-bit or dense, with their
+//! bias), heads split and merged, attention (built here only: fused with its causal and key
+//! masks and grouped-query heads, or by matmul and softmax where an additive bias such as T5's
+//! relative positions or a width past the fused kernels asks for it), adaLN modulation, and a
+//! name-prefix builder in the spirit of candle's `VarBuilder::pp`.
+
+use crate::error::Result;
+use crate::graph::{Graph, ValueId, WeightId};
+use crate::graph::{OpKind, Q4Info};
+use crate::io::model::ModelIndex;
+
+/// A projection's weight in a graph: 4-bit where the checkpoint quantized it, dense otherwise;
+/// with its bias where the checkpoint has one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum W {
+    Q4(WeightId, Option<ValueId>),
+    Dense(ValueId, Option<ValueId>),
+}
+
+impl W {
+    /// The weight `name` (`[out, inp]`) of group `grp`, and `<name without .weight>.bias`.
+    pub(crate) fn load(
+        g: &mut Graph,
+        model: &ModelIndex,
+        grp: usize,
+        name: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<W> {
+        let bias_name = format!("{}.bias", name.trim_end_matches(".weight"));
+        let bias = model
+            .get(&bias_name)
+            .map(|_| g.dense_weight(grp, &bias_name, &[out]));
+        if let Some(k) = model.q4_key(name)? {
+            let s = model.quant_state_json(k)?;
+            let info = Q4Info {
+                shape: vec![out, inp],
+                blocksize: s.blocksize as usize,
+            };
+            Ok(W::Q4(g.q4_weight(grp, name, info), bias))
+        } else {
+            Ok(W::Dense(g.dense_weight(grp, name, &[out, inp]), bias))
+        }
+    }
+
+    /// `x · Wᵀ (+ b)`.
+    pub(crate) fn apply(self, g: &mut Graph, x: ValueId) -> Result<ValueId> {
+        match self {
+            W::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w)),
+            W::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w)),
+            W::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None),
+            W::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None),
+        }
+    }
+}
+
+/// The same data in another shape.
+pub(crate) fn reshape(g: &mut Graph, x: ValueId, shape: &[usize]) -> Result<ValueId> {
+    g.op(
+        OpKind::Reshape {
+            shape: shape.to_vec(),
+        },
+        &[x],
+        None,
+    )
+}
+
+/// `[a, b, c]` to `[b, a, c]` (tokens x heads to heads x tokens and back).
+pub(crate) fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
+    g.op(
+        OpKind::Permute {
+            perm: vec![1, 0, 2],
+        },
+        &[x],
+        None,
+    )
+}
+
+/// Tensor names under a prefix: `Names::new("blocks.3").pp("attn").name("to_q.weight")` is
+/// `blocks.3.attn.to_q.weight`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names(String);
+
+impl Names {
+    /// Names under `prefix` (empty: none).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Names(prefix.into())
+    }
+
+    /// The names one level down, under `part`.
+    pub fn pp(&self, part: impl std::fmt::Display) -> Self {
+        Names(self.name(part))
+    }
+
+    /// The full name of `leaf`.
+    pub fn name(&self, leaf: impl std::fmt::Display) -> String {
+        if self.0.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{}.{leaf}", self.0)
+        }
+    }
+
+    /// The prefix itself.
+    pub fn prefix(&self) -> &str {
+        &self.0
+    }
+}
+
+/// `[t, heads * head_dim]` to head-major `[heads, t, head_dim]`.
+pub(crate) fn split_heads(
+    g: &mut Graph,
+    x: ValueId,
+    t: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<ValueId> {
+    let x = reshape(g, x, &[t, heads, head_dim])?;
+    swap01(g, x)
+}
+
+/// Head-major `[heads, t, head_dim]` back to `[t, heads * head_dim]`.
+pub(crate) fn merge_heads(g: &mut Graph, a: ValueId, t: usize, width: usize) -> Result<ValueId> {
+    let a = swap01(g, a)?;
+    reshape(g, a, &[t, width])
+}
+
+/// How attention is computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Attention {
+    /// Query i sees keys up to i + (Tk - Tq).
+    pub causal: bool,
+    /// Multiplies the scores (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// A key mask `[Tk]` (1 keep, 0 pad).
+    pub key_mask: Option<ValueId>,
+    /// An additive bias of the scores `[H, Tq, Tk]` (T5's relative positions): scores by
+    /// matmul and softmax.
+    pub bias: Option<ValueId>,
+    /// Scores by matmul and softmax even without a bias (a width past the fused kernels).
+    pub unfused: bool,
+}
+
+impl Attention {
+    /// Non-causal, unmasked, scaled by `1/sqrt(head_dim)`.
+    pub fn scaled(head_dim: usize) -> Self {
+        Attention {
+            causal: false,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            key_mask: None,
+            bias: None,
+            unfused: false,
+        }
+    }
+
+    /// Non-causal, unmasked, scaled by `scale`.
+    pub fn with_scale(scale: f32) -> Self {
+        Attention {
+            scale,
+            ..Attention::scaled(1)
+        }
+    }
+
+    /// Causal.
+    pub fn causal(self) -> Self {
+        Attention {
+            causal: true,
+            ..self
+        }
+    }
+
+    /// With a key mask.
+    pub fn masked(self, mask: ValueId) -> Self {
+        Attention {
+            key_mask: Some(mask),
+            ..self
+        }
+    }
+
+    /// Scaled dot-product attention of head-major `q[Hq, Tq, D]` over `k, v[Hkv, Tk, D]`
+    /// (grouped-query when `Hkv < Hq`): `[Hq, Tq, D]`. Fused (no score matrix stored) unless a
+    /// bias or `unfused` asks for scores: `q kᵀ`, scaled (unless by 1), plus the bias, softmax,
+    /// times `v` (one head group per batch; no causal or key mask there).
+    pub fn apply(self, g: &mut Graph, q: ValueId, k: ValueId, v: ValueId) -> Result<ValueId> {
+        if self.bias.is_none() && !self.unfused {
+            let mut inputs = vec![q, k, v];
+            inputs.extend(self.key_mask);
+            return g.op(
+                OpKind::Attention {
+                    causal: self.causal,
+                    scale: self.scale,
+                    key_mask: self.key_mask.is_some(),
+                },
+                &inputs,
+                None,
+            );
+        }
+        if self.causal || self.key_mask.is_some() {
+            return Err(crate::Error::Invalid(
+                "attention by matmul and softmax takes no causal or key mask".into(),
+            ));
+        }
+        let mut s = g.op(OpKind::MatMul { transpose_b: true }, &[q, k], None)?;
+        if self.scale != 1.0 {
+            s = g.op(OpKind::Scale { factor: self.scale }, &[s], None)?;
+        }
+        if let Some(b) = self.bias {
+            s = g.op(OpKind::Add, &[s, b], None)?;
+        }
+        let p = g.op(OpKind::Softmax, &[s], None)?;
+        g.op(OpKind::MatMul { transpose_b: false }, &[p, v], None)
+    }
+}
+
+/// adaLN modulation: `x * (1 + scale) + shift`, scale and shift over the last dim.
+pub(crate) fn modulate(
+    g: &mut Graph,
+    x: ValueId,
+    shift: ValueId,
+    scale: ValueId,
+) -> Result<ValueId> {
+    g.op(OpKind::AdaLnModulate, &[x, shift, scale], None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Names;
+
+    #[test]
+    fn names_nest_with_dots() {
+        let n = Names::new("blocks.3");
+        assert_eq!(
+            n.pp("attn").name("to_q.weight"),
+            "blocks.3.attn.to_q.weight"
+        );
+        assert_eq!(Names::new("").name("x"), "x");
+        assert_eq!(n.pp(7).prefix(), "blocks.3.7");
+    }
+}

@@ -1,0 +1,179 @@
+//! Pipelines of phases, the shape every diffusion family plugs into: a request is prepared (token
+//! ids, schedule, initial latents: everything before any model), every phase's graph (encode
+//! text -> denoise -> decode) is planned before any weight byte is read, and the phases run one
+//! after another on one backend, each releasing its device memory before the next allocates,
+//! reporting [`Event`]s. The CLI, the demo and the browser drive a [`Pipeline`] and keep only
+//! their transport.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::exec::ExecOptions;
+use crate::graph::Graph;
+use crate::io::model::ModelIndex;
+use crate::models::denoise::DenoiseStep;
+use crate::models::Drive;
+use crate::plan::{fmt_bytes, MemoryPlan};
+
+/// A phase's name, its graph and its model.
+pub type PhaseGraph<'a> = (&'static str, Graph, &'a ModelIndex);
+
+/// Progress of a run.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// A phase begins (its model is about to be loaded).
+    PhaseStart {
+        /// Its name (CLIP, T5, transformer, VAE, ...).
+        phase: &'static str,
+    },
+    /// One denoising step is done.
+    Step {
+        /// From 1.
+        step: usize,
+        /// Of this many.
+        steps: usize,
+        /// Its figures.
+        info: &'a DenoiseStep,
+    },
+    /// A phase was skipped: its outputs came from a cache.
+    Cached {
+        /// Its name.
+        phase: &'static str,
+    },
+    /// A phase is done and its device memory released.
+    PhaseDone {
+        /// Its name.
+        phase: &'static str,
+        /// Wall time.
+        ms: f64,
+        /// Weight bytes streamed.
+        bytes_streamed: u64,
+    },
+}
+
+/// A pipeline of phases over one backend.
+pub trait Pipeline {
+    /// What a user asks for (prompt, size, steps, seed, ...).
+    type Request;
+    /// Everything computed before any model runs.
+    type Prepared;
+    /// What the run gives.
+    type Output;
+
+    /// Prepares a request: what needs no model (token ids, the schedule, the initial latents).
+    fn prepare(&self, req: &Self::Request) -> Result<Self::Prepared>;
+
+    /// The phases' graphs as they will run, in order.
+    fn graphs(&self, p: &Self::Prepared) -> Result<Vec<PhaseGraph<'_>>>;
+
+    /// The graphs to size budgets from before [`Pipeline::settle`] decides what the budgets
+    /// decide (by default the graphs that will run).
+    fn budget_graphs(&self, p: &Self::Prepared) -> Result<Vec<PhaseGraph<'_>>> {
+        self.graphs(p)
+    }
+
+    /// Decides what depends on the budgets (a VAE's tiling); by default nothing.
+    fn settle<B: Backend>(
+        &self,
+        _p: &mut Self::Prepared,
+        _backend: &mut B,
+        _opts: ExecOptions,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Settles `p` and returns every phase's plan for `opts`, made before anything is allocated
+    /// or read; an impossible budget is an error naming the phase ([`plan_phases`]).
+    fn plans<B: Backend>(
+        &self,
+        p: &mut Self::Prepared,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Vec<(&'static str, MemoryPlan)>> {
+        self.settle(p, backend, opts)?;
+        plan_phases(&self.graphs(p)?, backend, opts)
+    }
+
+    /// Runs every phase on `backend`, each reading as `drive` says (the browser awaits),
+    /// reporting each phase and step to `on`; the backend comes back with the output, its
+    /// device memory released.
+    #[allow(async_fn_in_trait)]
+    async fn run_with<B: Backend, F: FnMut(Event<'_>)>(
+        &self,
+        p: &Self::Prepared,
+        backend: B,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+        on: F,
+    ) -> Result<(Self::Output, B)>;
+
+    /// [`Pipeline::run_with`], blocking.
+    #[cfg(feature = "native")]
+    fn run<B: Backend, F: FnMut(Event<'_>)>(
+        &self,
+        p: &Self::Prepared,
+        backend: B,
+        opts: ExecOptions,
+        on: F,
+    ) -> Result<Self::Output> {
+        crate::io::folder::block_on(self.run_with(p, backend, opts, &Drive::Blocking, on))
+            .map(|(out, _)| out)
+    }
+}
+
+/// A count as a word where it is small ("all four").
+fn count_word(n: usize) -> String {
+    match n {
+        2 => "both".into(),
+        3 => "all three".into(),
+        4 => "all four".into(),
+        5 => "all five".into(),
+        n => format!("all {n}"),
+    }
+}
+
+/// Every phase's plan for `opts`. One budget serves every phase, so a phase refused for it gets
+/// the smallest budget that runs them all (every group streamed), rounded up so that the size
+/// given runs.
+pub fn plan_phases<B: Backend>(
+    graphs: &[PhaseGraph<'_>],
+    backend: &mut B,
+    opts: ExecOptions,
+) -> Result<Vec<(&'static str, MemoryPlan)>> {
+    let mut out = Vec::new();
+    for (phase, g, m) in graphs {
+        match crate::plan::plan_graph(g, m, backend, opts.budgets, opts.stream_all) {
+            Ok(plan) => out.push((*phase, plan)),
+            Err(e) => {
+                let e = e.to_string();
+                // Only a phase refused for its budget gets a budget to use.
+                let own = crate::plan::min_device_bytes(g, m, backend);
+                if !own.is_ok_and(|b| b > opts.budgets.device_bytes) {
+                    return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                }
+                let mut need = Vec::new();
+                for (ph, g, m) in graphs {
+                    if let Ok(b) = crate::plan::min_device_bytes(g, m, backend) {
+                        need.push((b, *ph));
+                    }
+                }
+                let Some(&(most, which)) = need.iter().max() else {
+                    return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                };
+                if most <= opts.budgets.device_bytes {
+                    return Err(Error::Invalid(format!("{phase} phase: {e}")));
+                }
+                let use_mib = (most as f64 / 1048576.0 * 100.0).ceil() / 100.0;
+                return Err(Error::Invalid(format!(
+                    "device budget {} cannot hold the {phase} phase; every phase runs with the \
+                     same budget, and the smallest that runs {} is {} (the {which} phase's, \
+                     every group streamed): use --device-budget {} or more",
+                    fmt_bytes(opts.budgets.device_bytes),
+                    count_word(graphs.len()),
+                    fmt_bytes(most),
+                    format_args!("{use_mib:.2}MiB")
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
