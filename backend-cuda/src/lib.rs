@@ -13,7 +13,9 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use nibble_core::backend::kernel_calls::{operands, Slot};
-use nibble_core::backend::{ArenaSlice, Backend, Operand, Q4View};
+use nibble_core::backend::{
+    ArenaSlice, Backend, DeviceInfo, DeviceKind, OpShapes, Operand, Q4View, Workspace,
+};
 use nibble_core::graph::OpKind;
 use nibble_core::io::source::{SlotBuffer, SlotMemory};
 use nibble_core::stream::ring::{Fence, SlotAllocator};
@@ -60,6 +62,10 @@ pub const KERNELS: [(&str, &str); 29] = [
 /// Rows up to which the 4-bit linear runs as the fused GEMV; above, it dequantizes to bf16 and
 /// calls cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 8;
+
+/// cuBLAS' workspace, given to it from the planned allocation: 32 MiB, what NVIDIA's cuBLAS
+/// documentation recommends for Hopper (4 MiB suffice before it).
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 
 /// What can go wrong in this backend.
 #[derive(Debug, thiserror::Error)]
@@ -301,10 +307,10 @@ impl CudaBackend {
         let (px, _) = x.device_ptr(&self.compute);
         let (pw, _) = w.device_ptr(&self.compute);
         let (py, _) = y.device_ptr(&self.compute);
-        self.gemm_bf16(pw, px, py, m, n, k)?;
+        self.gemm_bf16(pw, px, py, (m, n, k), None)?;
         let start = self.compute.record_event(timing).map_err(drv)?;
         for _ in 0..iters {
-            self.gemm_bf16(pw, px, py, m, n, k)?;
+            self.gemm_bf16(pw, px, py, (m, n, k), None)?;
         }
         let end = self.compute.record_event(timing).map_err(drv)?;
         end.synchronize().map_err(drv)?;
@@ -390,22 +396,34 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn scratch(&mut self, bytes: u64) -> Result<u64, CudaError> {
-        if self.scratch.as_ref().is_none_or(|(_, n)| *n < bytes) {
-            let s = self
-                .compute
-                .alloc_zeros::<u8>(bytes as usize)
-                .map_err(drv)?;
-            let p = s.device_ptr(&self.compute).0;
-            self.scratch = Some((s, bytes));
-            return Ok(p);
+    /// The planned GEMM workspace (allocated with the arena, [`CudaBackend::gemm_workspace`]):
+    /// its first `bytes` for the GEMM's bf16 operands and cuBLAS' workspace at its end. It
+    /// never grows: a GEMM the plan did not count is an error.
+    fn scratch(&mut self, bytes: u64) -> Result<(u64, (u64, usize)), CudaError> {
+        let Some((s, len)) = self.scratch.as_ref() else {
+            return Err(CudaError::Driver(format!(
+                "a GEMM needs {bytes} bytes of workspace, and the plan allocated none"
+            )));
+        };
+        if bytes + CUBLAS_WORKSPACE_BYTES > *len {
+            return Err(CudaError::Driver(format!(
+                "a GEMM needs {} bytes of workspace, over the {len} the plan allocated",
+                bytes + CUBLAS_WORKSPACE_BYTES
+            )));
         }
-        let (s, _) = self
-            .scratch
-            .as_ref()
-            .ok_or_else(|| CudaError::Driver("scratch".into()))?;
         let (ptr, _sync) = s.device_ptr(&self.compute);
-        Ok(ptr)
+        let blas = ptr + len - CUBLAS_WORKSPACE_BYTES;
+        Ok((ptr, (blas, CUBLAS_WORKSPACE_BYTES as usize)))
+    }
+
+    /// Device bytes a 4-bit linear over `rows` rows of a `[n, k]` weight takes beyond the arena
+    /// and the pool: none on the GEMV path; the bf16 weight and activations and cuBLAS'
+    /// workspace on the GEMM path.
+    pub fn gemm_workspace(rows: usize, n: usize, k: usize) -> u64 {
+        if rows <= GEMV_MAX_ROWS {
+            return 0;
+        }
+        ((n * k + rows * k) * 2) as u64 + CUBLAS_WORKSPACE_BYTES
     }
 
     /// Many rows: dequantize W to bf16, convert x to bf16, cuBLAS GEMM with f32 accumulation
@@ -422,7 +440,7 @@ impl CudaBackend {
         let pool = self.dev()?.pool_ptr;
         let w_bytes = (n * k * 2) as u64;
         let x_bytes = (rows * k * 2) as u64;
-        let scratch = self.scratch(w_bytes + x_bytes)?;
+        let (scratch, blas_ws) = self.scratch(w_bytes + x_bytes)?;
         let (wb, xb) = (scratch, scratch + w_bytes);
         let grid = |items: usize| LaunchConfig {
             grid_dim: (items.div_ceil(256) as u32, 1, 1),
@@ -442,7 +460,7 @@ impl CudaBackend {
             grid(n * k),
         )?;
         self.launch("to_bf16", &[x, xb], &[(rows * k) as u32], grid(rows * k))?;
-        self.gemm_bf16(wb, xb, out, rows, n, k)?;
+        self.gemm_bf16(wb, xb, out, (rows, n, k), Some(blas_ws))?;
         if let Some(b) = bias {
             self.launch(
                 "add",
@@ -456,15 +474,16 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// `out[rows, n] (f32) = x[rows, k] (bf16) * w[n, k]^T (bf16)` through cuBLAS, f32 accumulation.
+    /// `out[rows, n] (f32) = x[rows, k] (bf16) * w[n, k]^T (bf16)` through cuBLAS, f32
+    /// accumulation; cuBLAS works in `workspace` (pointer, bytes) where given (the plan's), so
+    /// that it allocates nothing of its own per call.
     fn gemm_bf16(
         &mut self,
         w: u64,
         x: u64,
         out: u64,
-        rows: usize,
-        n: usize,
-        k: usize,
+        (rows, n, k): (usize, usize, usize),
+        workspace: Option<(u64, usize)>,
     ) -> Result<(), CudaError> {
         if self.blas.is_none() {
             self.blas = Some(
@@ -478,6 +497,14 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::Blas("no handle".into()))?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         use cudarc::cublas::sys;
+        if let Some((ptr, len)) = workspace {
+            // SAFETY: the workspace lies inside the planned allocation, which outlives the
+            // handle's use of it (released only after the stream is synchronized).
+            let status = unsafe { sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, len) };
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Blas(format!("cublasSetWorkspace: {status:?}")));
+            }
+        }
         // Row-major Y[rows, n] = X[rows, k] W[n, k]^T is column-major Y^T = W X^T.
         // SAFETY: the pointers address device memory of the sizes given.
         let status = unsafe {
@@ -568,19 +595,70 @@ impl Backend for CudaBackend {
         format!("cuda: {}", self.describe())
     }
 
-    fn device_memory(&mut self) -> Option<(u64, u64)> {
-        let (free, total) = self.ctx.mem_get_info().ok()?;
-        Some((free as u64, total as u64))
-    }
-
-    fn supports(&self, op: &OpKind) -> bool {
-        match op {
-            OpKind::Attention { .. } => true,
-            _ => KERNELS.iter().any(|(n, _)| *n == op.name()),
+    /// A discrete GPU whose driver tells its free memory; 256-byte alignment keeps 16-byte
+    /// vector loads aligned.
+    fn device_info(&self) -> DeviceInfo {
+        DeviceInfo {
+            kind: DeviceKind::DiscreteGpu,
+            memory: self
+                .ctx
+                .mem_get_info()
+                .ok()
+                .map(|(free, total)| (free as u64, total as u64)),
+            allocation_limit: None,
+            max_binding: None,
+            alignment: nibble_core::backend::Alignment {
+                arena_words: 64,
+                pool_bytes: 256,
+            },
         }
     }
 
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
+    /// A kernel for the op, sizes within the kernels' 32-bit parameters, and attention heads of
+    /// at most 128 (the kernel's per-thread accumulator).
+    fn supports(&self, o: &OpShapes<'_>) -> std::result::Result<(), String> {
+        let kernel = match o.op {
+            OpKind::Attention { .. } => true,
+            op => KERNELS.iter().any(|(n, _)| *n == op.name()),
+        };
+        if !kernel {
+            return Err("no CUDA kernel".into());
+        }
+        if let (OpKind::Attention { .. }, Some(q)) = (o.op, o.inputs.first()) {
+            if q.shape.get(2).is_some_and(|&d| d > 128) {
+                return Err(format!("head size {} is over the kernel's 128", q.shape[2]));
+            }
+        }
+        let shapes: Vec<Vec<usize>> = o.inputs.iter().map(|i| i.shape.clone()).collect();
+        nibble_core::backend::kernel_calls::fits_u32(&shapes, &o.out.shape)
+    }
+
+    /// The largest 4-bit linear on the GEMM path: its bf16 operands and cuBLAS' workspace.
+    fn workspace(&self, ops: &[OpShapes<'_>]) -> Workspace {
+        let device_bytes = ops
+            .iter()
+            .filter(|o| matches!(o.op, OpKind::LinearQ4 { .. }))
+            .map(|o| {
+                let x = &o.inputs[0].shape;
+                let rows = x.first().copied().unwrap_or(0);
+                let k = x.last().copied().unwrap_or(0);
+                let n = o.out.shape.last().copied().unwrap_or(0);
+                Self::gemm_workspace(rows, n, k)
+            })
+            .max()
+            .unwrap_or(0);
+        Workspace {
+            host_bytes: 0,
+            device_bytes,
+        }
+    }
+
+    fn allocate(
+        &mut self,
+        arena_words: usize,
+        pool_bytes: u64,
+        workspace_bytes: u64,
+    ) -> nibble_core::Result<()> {
         let arena = self
             .compute
             .alloc_zeros::<u8>(arena_words.max(1) * 4)
@@ -590,6 +668,14 @@ impl Backend for CudaBackend {
             .alloc_zeros::<u8>(pool_bytes.max(4) as usize)
             .map_err(drv)?;
         let dummy = self.compute.alloc_zeros::<u8>(256).map_err(drv)?;
+        self.scratch = None;
+        if workspace_bytes > 0 {
+            let w = self
+                .compute
+                .alloc_zeros::<u8>(workspace_bytes as usize)
+                .map_err(drv)?;
+            self.scratch = Some((w, workspace_bytes));
+        }
         let arena_ptr = arena.device_ptr(&self.compute).0;
         let pool_ptr = pool.device_ptr(&self.compute).0;
         let dummy_ptr = dummy.device_ptr(&self.compute).0;
@@ -631,14 +717,6 @@ impl Backend for CudaBackend {
     fn slot_allocator(&self) -> Option<Box<dyn SlotAllocator>> {
         // Ring slots in page-locked memory: copies from them run asynchronously at full speed.
         Some(Box::new(self.pinned_allocator()))
-    }
-
-    fn alignment(&self) -> nibble_core::backend::Alignment {
-        // 256 bytes: keeps 16-byte vector loads aligned.
-        nibble_core::backend::Alignment {
-            arena_words: 64,
-            pool_bytes: 256,
-        }
     }
 
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> nibble_core::Result<()> {
@@ -730,7 +808,8 @@ impl Backend for CudaBackend {
             &out.info.shape,
             q4.map(|v| v.blocksize as u32).unwrap_or(0),
             bn,
-        );
+        )
+        .map_err(|e| nibble_core::Error::Invalid(format!("cuda {}: {e}", op.name())))?;
         let mut ptrs: Vec<u64> = operands(op, inputs.len())
             .into_iter()
             .map(|s| match (s, q4) {

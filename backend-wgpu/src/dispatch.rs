@@ -47,22 +47,23 @@ impl WgpuBackend {
         out: &[usize],
         q4_blocksize: u32,
         bn: usize,
-    ) -> (&'static str, Vec<u32>, Dispatch) {
+    ) -> nibble_core::Result<(&'static str, Vec<u32>, Dispatch)> {
         let (name, params, threads) =
-            nibble_core::backend::kernel_calls::call(op, shapes, out, q4_blocksize, bn);
+            nibble_core::backend::kernel_calls::call(op, shapes, out, q4_blocksize, bn)
+                .map_err(|e| nibble_core::Error::Invalid(format!("wgpu {}: {e}", op.name())))?;
         if let OpKind::LinearQ4 { .. } = op {
             let (rows, n) = (out[0] as u32, out[1] as u32);
             // A GEMV (one workgroup per output) for decode-sized batches, 16 x 16 tiles above.
             if rows > GEMV_MAX_ROWS {
-                return (
+                return Ok((
                     "linear_q4_tiled",
                     params,
                     Dispatch::Groups(n.div_ceil(16), rows.div_ceil(16)),
-                );
+                ));
             }
-            return (name, params, Dispatch::Groups(rows * n, 1));
+            return Ok((name, params, Dispatch::Groups(rows * n, 1)));
         }
-        (name, params, Dispatch::Threads(threads))
+        Ok((name, params, Dispatch::Threads(threads)))
     }
 
     /// Storage bindings of `op` in its kernel's order: operands, the 4-bit weight's three
@@ -210,8 +211,12 @@ impl WgpuBackend {
                 .collect();
             let out = &graph.info(node.output).shape;
             let bn = shapes.get(1).map(|s| s.iter().product()).unwrap_or(1);
-            let (name, params, _) =
-                nibble_core::backend::kernel_calls::call(&node.op, &shapes, out, 64, bn);
+            // Sizes past the kernels' are refused by the plan; nothing to warm up for them.
+            let Ok((name, params, _)) =
+                nibble_core::backend::kernel_calls::call(&node.op, &shapes, out, 64, bn)
+            else {
+                continue;
+            };
             let mut names = vec![name];
             if let OpKind::LinearQ4 { .. } = node.op {
                 names.push("linear_q4_tiled");
@@ -386,7 +391,9 @@ impl WgpuBackend {
     ) -> nibble_core::Result<()> {
         let w = &inputs[1];
         let (rows, k) = (w.info.shape[0] as u64, w.info.shape[1] as u64);
-        let align = nibble_core::backend::Backend::alignment(self).pool_bytes;
+        let align = nibble_core::backend::Backend::device_info(self)
+            .alignment
+            .pool_bytes;
         let step = (1..=1u64 << 20)
             .find(|s| (s * k * 4) % align == 0)
             .ok_or_else(|| nibble_core::Error::Invalid("wgpu: no aligned split".into()))?;
@@ -452,7 +459,9 @@ impl WgpuBackend {
         dummy: &wgpu::Buffer,
     ) -> nibble_core::Result<()> {
         let (n, k, bs) = (v.shape[0] as u64, v.shape[1] as u64, v.blocksize as u64);
-        let align = nibble_core::backend::Backend::alignment(self).pool_bytes;
+        let align = nibble_core::backend::Backend::device_info(self)
+            .alignment
+            .pool_bytes;
         let step = piece_step(k, bs, align).ok_or_else(|| {
             nibble_core::Error::Invalid(format!("wgpu: no aligned split of a [{n}, {k}] weight"))
         })?;
@@ -540,14 +549,14 @@ impl WgpuBackend {
             &out.info.shape,
             q4.map(|v| v.blocksize as u32).unwrap_or(0),
             bn,
-        );
+        )?;
         // A dense weight over the binding limit (an lm_head, an embedding table) is bound as row
         // pieces; any other operand that large is refused.
         let splittable = matches!(op, OpKind::Linear { .. } | OpKind::Embedding);
         for (i, o) in inputs.iter().chain(std::iter::once(out)).enumerate() {
             let bytes = o.slice.len as u64 * 4;
             let at = (i < inputs.len()).then_some(i);
-            let limit = nibble_core::backend::Backend::operand_limit(self, op, at);
+            let limit = self.operand_limit(op, at);
             if limit.is_some_and(|l| bytes > l) {
                 return Err(nibble_core::Error::Invalid(format!(
                     "wgpu {}: an operand of shape {:?} ({bytes} bytes) exceeds the adapter's storage binding limit of {} bytes",

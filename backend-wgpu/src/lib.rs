@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 pub use wgpu;
 
 use nibble_core::backend::cpu_ref::Q4Ref;
-use nibble_core::backend::{Backend, Operand, Q4View};
+use nibble_core::backend::{Backend, DeviceInfo, DeviceKind, OpShapes, Operand, Q4View, Workspace};
 use nibble_core::graph::{HostTensor, OpKind};
 
 pub use dispatch::STAGING_BOUND;
@@ -254,7 +254,15 @@ impl WgpuBackend {
         self.submits
     }
 
-    /// Whether this backend runs `op` (every op today).
+    /// The most bytes one operand of `op` may take (`input`: its index among the op's inputs,
+    /// `None`: the output): one storage binding, except a dense weight (an lm_head, an
+    /// embedding table), which is bound as row pieces.
+    pub(crate) fn operand_limit(&self, op: &OpKind, input: Option<usize>) -> Option<u64> {
+        let pieces = matches!(op, OpKind::Linear { .. } | OpKind::Embedding) && input == Some(1);
+        (!pieces).then_some(self.max_binding)
+    }
+
+    /// Whether this backend has a kernel for `op` (every op today).
     pub fn supports(&self, op: &OpKind) -> bool {
         SHADERS.iter().any(|(n, _)| *n == op.name())
     }
@@ -404,29 +412,67 @@ impl Backend for WgpuBackend {
         format!("wgpu: {}", self.describe())
     }
 
-    fn supports(&self, op: &OpKind) -> bool {
-        WgpuBackend::supports(self, op)
-    }
-
-    fn operand_limit(&self, op: &OpKind, input: Option<usize>) -> Option<u64> {
-        // A dense weight over the binding limit (an lm_head, an embedding table) is bound as
-        // row pieces; any other operand must fit one binding.
-        let pieces = matches!(op, OpKind::Linear { .. } | OpKind::Embedding) && input == Some(1);
-        (!pieces).then_some(self.max_binding)
+    /// A kernel for the op, sizes within 32 bits, and every operand within one storage binding
+    /// (a dense weight over it, an lm_head or an embedding table, is bound as row pieces).
+    fn supports(&self, o: &OpShapes<'_>) -> std::result::Result<(), String> {
+        if !WgpuBackend::supports(self, o.op) {
+            return Err("no WGSL kernel".into());
+        }
+        let shapes: Vec<Vec<usize>> = o.inputs.iter().map(|i| i.shape.clone()).collect();
+        nibble_core::backend::kernel_calls::fits_u32(&shapes, &o.out.shape)?;
+        let operands = o.inputs.iter().map(Some).enumerate();
+        for (i, info) in operands.chain(std::iter::once((o.inputs.len(), None))) {
+            let at = info.is_some().then_some(i);
+            let info = info.unwrap_or(o.out);
+            let bytes = info.words() as u64 * 4;
+            if let Some(limit) = self.operand_limit(o.op, at).filter(|&l| bytes > l) {
+                return Err(format!(
+                    "{} of shape {:?} takes {bytes} bytes, over {}'s limit of {limit} bytes for \
+                     one operand (a smaller input, a smaller tile, or another backend)",
+                    at.map_or("the output".to_string(), |i| format!("input {i}")),
+                    info.shape,
+                    self.name()
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// wgpu's host staging of uploads, bounded by [`STAGING_BOUND`] (in the browser it is the
     /// browser's memory, not the page's).
-    fn workspace_bytes(&self, _graph: &nibble_core::graph::Graph) -> u64 {
-        if cfg!(target_arch = "wasm32") {
-            0
-        } else {
-            STAGING_BOUND
+    fn workspace(&self, _ops: &[OpShapes<'_>]) -> Workspace {
+        Workspace {
+            host_bytes: if cfg!(target_arch = "wasm32") {
+                0
+            } else {
+                STAGING_BOUND
+            },
+            device_bytes: 0,
         }
     }
 
-    fn device_memory_limit(&self) -> Option<(u64, &'static str)> {
-        Some((self.limits.max_buffer_size, "max_buffer_size"))
+    /// A CPU renderer (lavapipe, SwiftShader) keeps its buffers in this process's RAM, and an
+    /// integrated GPU's memory is the machine's RAM; in the browser they are the browser's,
+    /// not the page's. wgpu tells limits, not free memory.
+    fn device_info(&self) -> DeviceInfo {
+        let a = self.limits.min_storage_buffer_offset_alignment.max(4);
+        let kind = match self.info.device_type {
+            _ if cfg!(target_arch = "wasm32") => DeviceKind::Other,
+            wgpu::DeviceType::Cpu => DeviceKind::CpuRenderer,
+            wgpu::DeviceType::IntegratedGpu => DeviceKind::IntegratedGpu,
+            wgpu::DeviceType::DiscreteGpu => DeviceKind::DiscreteGpu,
+            _ => DeviceKind::Other,
+        };
+        DeviceInfo {
+            kind,
+            memory: None,
+            allocation_limit: Some((self.limits.max_buffer_size, "max_buffer_size")),
+            max_binding: Some(self.max_binding),
+            alignment: nibble_core::backend::Alignment {
+                arena_words: (a / 4) as usize,
+                pool_bytes: a as u64,
+            },
+        }
     }
 
     /// Compiles the pipelines of `graph`'s ops (both 4-bit linear kernels: the GEMV for decode
@@ -443,18 +489,12 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
-    /// A CPU renderer (lavapipe, SwiftShader) keeps its buffers in this process's RAM, and an
-    /// integrated GPU's memory is the machine's RAM; in the browser they are the browser's,
-    /// not the page's.
-    fn device_memory_is_host(&self) -> bool {
-        cfg!(not(target_arch = "wasm32"))
-            && matches!(
-                self.info.device_type,
-                wgpu::DeviceType::Cpu | wgpu::DeviceType::IntegratedGpu
-            )
-    }
-
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
+    fn allocate(
+        &mut self,
+        arena_words: usize,
+        pool_bytes: u64,
+        _workspace: u64,
+    ) -> nibble_core::Result<()> {
         self.flush().map_err(core_err)?;
         let arena_bytes = (arena_words.max(1) as u64).saturating_mul(4);
         let st = wgpu::BufferUsages::STORAGE
@@ -495,14 +535,6 @@ impl Backend for WgpuBackend {
         if let Some(r) = self.resident.take() {
             r.arena.destroy();
             r.pool.destroy();
-        }
-    }
-
-    fn alignment(&self) -> nibble_core::backend::Alignment {
-        let a = self.limits.min_storage_buffer_offset_alignment.max(4);
-        nibble_core::backend::Alignment {
-            arena_words: (a / 4) as usize,
-            pool_bytes: a as u64,
         }
     }
 

@@ -313,11 +313,25 @@ impl Backend for Failing {
     fn name(&self) -> String {
         "failing".into()
     }
-    fn supports(&self, op: &OpKind) -> bool {
+    fn supports(&self, op: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
         self.inner.supports(op)
     }
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> nibble_core::Result<()> {
-        self.inner.allocate(arena_words, pool_bytes)
+    fn device_info(&self) -> nibble_core::backend::DeviceInfo {
+        self.inner.device_info()
+    }
+    fn workspace(
+        &self,
+        ops: &[nibble_core::backend::OpShapes<'_>],
+    ) -> nibble_core::backend::Workspace {
+        self.inner.workspace(ops)
+    }
+    fn allocate(
+        &mut self,
+        arena_words: usize,
+        pool_bytes: u64,
+        workspace: u64,
+    ) -> nibble_core::Result<()> {
+        self.inner.allocate(arena_words, pool_bytes, workspace)
     }
     fn release(&mut self) {
         self.inner.release()
@@ -352,9 +366,6 @@ impl Backend for Failing {
     ) -> nibble_core::Result<()> {
         self.call()?;
         self.inner.run(op, inputs, q4, out)
-    }
-    fn alignment(&self) -> nibble_core::backend::Alignment {
-        self.inner.alignment()
     }
     fn host_memory(&mut self) -> Option<&mut dyn nibble_core::backend::HostMemory> {
         self.inner.host_memory()

@@ -117,3 +117,155 @@ fn a_ring_without_room_is_refused() {
         assert!(e.to_string().contains("staging ring"), "{e}");
     }
 }
+
+/// A backend whose kernels need device workspace (CUDA's GEMM operands and cuBLAS' workspace):
+/// cpu_ref's, declaring `device_bytes` of workspace and refusing attention with a head size over
+/// 8, recording what it was asked to allocate.
+struct Workspaced {
+    inner: CpuRefBackend,
+    device_bytes: u64,
+    allocated: std::rc::Rc<std::cell::Cell<Option<u64>>>,
+}
+
+impl Backend for Workspaced {
+    fn name(&self) -> String {
+        "workspaced".into()
+    }
+    fn supports(&self, o: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
+        match (o.op, o.inputs.first()) {
+            (nibble_core::graph::OpKind::Attention { .. }, Some(q)) if q.shape[2] > 8 => {
+                Err(format!("head size {} is over the kernel's 8", q.shape[2]))
+            }
+            _ => self.inner.supports(o),
+        }
+    }
+    fn workspace(
+        &self,
+        _ops: &[nibble_core::backend::OpShapes<'_>],
+    ) -> nibble_core::backend::Workspace {
+        nibble_core::backend::Workspace {
+            host_bytes: 0,
+            device_bytes: self.device_bytes,
+        }
+    }
+    fn allocate(&mut self, words: usize, pool: u64, workspace: u64) -> nibble_core::Result<()> {
+        self.allocated.set(Some(workspace));
+        self.inner.allocate(words, pool, workspace)
+    }
+    fn release(&mut self) {
+        self.inner.release()
+    }
+    fn write_arena(
+        &mut self,
+        dst: nibble_core::backend::ArenaSlice,
+        words: &[u32],
+    ) -> nibble_core::Result<()> {
+        self.inner.write_arena(dst, words)
+    }
+    fn read_arena(
+        &mut self,
+        src: nibble_core::backend::ArenaSlice,
+    ) -> nibble_core::Result<Vec<u32>> {
+        self.inner.read_arena(src)
+    }
+    fn upload(
+        &mut self,
+        offset: u64,
+        bytes: &[u8],
+    ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
+        self.inner.upload(offset, bytes)
+    }
+    fn run(
+        &mut self,
+        op: &nibble_core::graph::OpKind,
+        inputs: &[nibble_core::backend::Operand],
+        q4: Option<&nibble_core::backend::Q4View>,
+        out: &nibble_core::backend::Operand,
+    ) -> nibble_core::Result<()> {
+        self.inner.run(op, inputs, q4, out)
+    }
+}
+
+/// The kernels' device workspace is part of the plan: counted in the device figure, in the
+/// smallest budget that runs, and allocated once with the arena and the pool.
+#[test]
+fn device_workspace_is_planned_and_allocated_once() {
+    let m = model();
+    let graph = llama::build(&m, LlamaShape::generate(5, 7))
+        .expect("graph")
+        .graph;
+    let allocated = std::rc::Rc::new(std::cell::Cell::new(None));
+    let ws = 3 << 20;
+    let b = Workspaced {
+        inner: CpuRefBackend::new(),
+        device_bytes: ws,
+        allocated: allocated.clone(),
+    };
+    let plain =
+        nibble_core::plan::min_device_bytes(&graph, &m, &mut CpuRefBackend::new()).expect("plain");
+    let mut probe = Workspaced {
+        inner: CpuRefBackend::new(),
+        device_bytes: ws,
+        allocated: allocated.clone(),
+    };
+    let least = nibble_core::plan::min_device_bytes(&graph, &m, &mut probe).expect("least");
+    assert_eq!(
+        least,
+        plain + ws,
+        "the smallest budget counts the workspace"
+    );
+    let ex = Executor::new(graph.clone(), &m, b, opts(least, 2, 64 << 10)).expect("runs");
+    let (arena_words, pool_bytes) = ex.device_allocation();
+    assert_eq!(
+        ex.plan().peak_device_bytes,
+        arena_words as u64 * 4 + pool_bytes + ws
+    );
+    assert_eq!(ex.plan().device_workspace_bytes, ws);
+    assert_eq!(
+        allocated.get(),
+        Some(ws),
+        "allocated with the arena and the pool"
+    );
+    assert!(ex.plan().explain().contains("kernel workspace 3.00 MiB"));
+    // One byte less than the least refuses the run before anything is allocated.
+    allocated.set(None);
+    let b = Workspaced {
+        inner: CpuRefBackend::new(),
+        device_bytes: ws,
+        allocated: allocated.clone(),
+    };
+    assert!(Executor::new(graph, &m, b, opts(least - 1, 2, 64 << 10)).is_err());
+    assert_eq!(allocated.get(), None);
+}
+
+/// An op the backend does not run with its operands' shapes (a head size over its kernel's) is
+/// refused when the graph is planned, naming the op and the limit.
+#[test]
+fn an_op_the_backend_refuses_by_shape_is_a_plan_time_error() {
+    let m = model();
+    let graph = llama::build(&m, LlamaShape::generate(5, 7))
+        .expect("graph")
+        .graph;
+    let head = m.config.as_ref().expect("config")["hidden_size"]
+        .as_u64()
+        .expect("hidden")
+        / m.config.as_ref().expect("config")["num_attention_heads"]
+            .as_u64()
+            .expect("heads");
+    assert!(
+        head > 8,
+        "tiny-llama's heads are wider than the test kernel's 8"
+    );
+    let mut b = Workspaced {
+        inner: CpuRefBackend::new(),
+        device_bytes: 0,
+        allocated: Default::default(),
+    };
+    let e = nibble_core::plan::min_device_bytes(&graph, &m, &mut b)
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains("attention") && e.contains(&format!("head size {head} is over the kernel's 8")),
+        "{e}"
+    );
+}

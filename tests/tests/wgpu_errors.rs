@@ -16,7 +16,7 @@ fn an_arena_over_max_buffer_size_is_an_error_naming_it() {
     let max = b.limits().max_buffer_size;
     let words = usize::try_from(max / 4 + 1024).expect("fits usize");
     let e = b
-        .allocate(words, 1 << 20)
+        .allocate(words, 1 << 20, 0)
         .expect_err("over the limit")
         .to_string();
     assert!(
@@ -26,7 +26,7 @@ fn an_arena_over_max_buffer_size_is_an_error_naming_it() {
         "{e}"
     );
     let e = b
-        .allocate(1024, max + 4096)
+        .allocate(1024, max + 4096, 0)
         .expect_err("pool over the limit")
         .to_string();
     assert!(
@@ -63,7 +63,7 @@ fn ops_are_submitted_in_batches() {
     use nibble_core::backend::{host_words, layout_op};
     let x = HostTensor::f32(&[4, 8], random_values(32, 2)).expect("x");
     let lay = layout_op(&b, std::slice::from_ref(&x.info), &x.info, None, None);
-    b.allocate(lay.arena_words, lay.pool_bytes)
+    b.allocate(lay.arena_words, lay.pool_bytes, 0)
         .expect("allocate");
     b.write_arena(lay.inputs[0].slice, &host_words(&x))
         .expect("write");

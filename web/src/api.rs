@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
-use nibble_core::exec::{ExecOptions, Executor};
+use nibble_core::exec::ExecOptions;
 use nibble_core::graph::Graph;
 use nibble_core::io::model::{open_model, ModelIndex};
 use nibble_core::models::dit::DitConfig;

@@ -57,9 +57,39 @@ pub fn operands(op: &OpKind, n_inputs: usize) -> Vec<Slot> {
     }
 }
 
+/// `Err` when a dimension or an element count of the operands is past `u32::MAX`, the kernels'
+/// parameter width. Every parameter [`call`] gives is a dimension, a count or a stride no larger
+/// than an operand's element count, so once this holds its casts are lossless.
+pub fn fits_u32(shapes: &[Vec<usize>], out: &[usize]) -> Result<(), String> {
+    for s in shapes.iter().map(Vec::as_slice).chain(std::iter::once(out)) {
+        let n = s.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if n.is_none_or(|n| n > u32::MAX as usize) || s.iter().any(|&d| d > u32::MAX as usize) {
+            return Err(format!(
+                "an operand of shape {s:?} has more than {} elements, past the kernels' 32-bit \
+                 sizes",
+                u32::MAX
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Kernel name, scalar parameters and work items of `op` for these operand shapes (`bn`: element
-/// count of the second input, for broadcasting ops).
+/// count of the second input, for broadcasting ops); `Err` where a size is past the kernels'
+/// 32-bit parameters ([`fits_u32`]).
 pub fn call(
+    op: &OpKind,
+    shapes: &[Vec<usize>],
+    out: &[usize],
+    q4_blocksize: u32,
+    bn: usize,
+) -> Result<(&'static str, Vec<u32>, usize), String> {
+    fits_u32(shapes, out)?;
+    Ok(call_checked(op, shapes, out, q4_blocksize, bn))
+}
+
+/// [`call`] once the sizes fit 32 bits.
+fn call_checked(
     op: &OpKind,
     shapes: &[Vec<usize>],
     out: &[usize],
@@ -261,5 +291,25 @@ pub fn call(
             ],
             n,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_past_32_bits_are_refused_not_truncated() {
+        let op = OpKind::Add;
+        let ok = vec![vec![1usize << 16, 1 << 15]];
+        assert!(call(&op, &ok, &ok[0], 0, 1).is_ok());
+        // 2^32 elements: a u32 count would wrap to 0.
+        let big = vec![vec![1usize << 16, 1 << 16]];
+        let e = call(&op, &big, &big[0], 0, 1).expect_err("past u32");
+        assert!(e.contains("32-bit"), "{e}");
+        // One dimension past u32 in an operand of few elements overall cannot happen, but a
+        // dimension alone past u32 is refused too.
+        assert!(fits_u32(&[vec![u32::MAX as usize + 1]], &[1]).is_err());
+        assert!(fits_u32(&[vec![u32::MAX as usize]], &[1]).is_ok());
     }
 }

@@ -15,8 +15,11 @@ use crate::stream::ring::{Fence, SlotAllocator};
 
 pub mod cpu;
 pub mod cpu_ref;
+mod device;
 pub mod kernel_calls;
 mod single_op;
+
+pub use device::{graph_ops, op_shapes, DeviceInfo, DeviceKind, OpShapes, Workspace};
 
 pub use single_op::{host_words, layout_op, run_op, OpLayout};
 
@@ -98,10 +101,25 @@ impl Default for Alignment {
 pub trait Backend {
     /// Name for tables and messages.
     fn name(&self) -> String;
-    /// Whether `op` runs here.
-    fn supports(&self, op: &OpKind) -> bool;
-    /// Allocates the activation arena (`arena_words` 4-byte words) and the weight pool, once.
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> Result<()>;
+    /// Whether the op runs here on operands of these shapes; `Err` says why not (no kernel, a
+    /// head size over the kernel's, an element count past 32 bits, an operand over a binding
+    /// limit). The planner refuses a graph with such an op, naming it and the limit, before any
+    /// weight byte is read.
+    fn supports(&self, op: &OpShapes<'_>) -> std::result::Result<(), String>;
+    /// What planning reads of the device ([`DeviceInfo`]); by default a CPU's.
+    fn device_info(&self) -> DeviceInfo {
+        DeviceInfo::default()
+    }
+    /// The host and device workspace the backend's kernels need to run `ops` (a graph's, or
+    /// one op's) beyond the arena and the pool: the plan counts both, and the device part is
+    /// allocated with them, once ([`Backend::allocate`]).
+    fn workspace(&self, _ops: &[OpShapes<'_>]) -> Workspace {
+        Workspace::default()
+    }
+    /// Allocates the activation arena (`arena_words` 4-byte words), the weight pool and the
+    /// kernels' device workspace ([`Workspace::device_bytes`]), once.
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64, workspace_bytes: u64)
+        -> Result<()>;
     /// Frees the arena and the pool (the end of a pipeline phase); `allocate` may follow.
     fn release(&mut self);
     /// Writes host words into the arena.
@@ -120,10 +138,6 @@ pub trait Backend {
         out: &Operand,
     ) -> Result<()>;
 
-    /// Alignment of arena slices and pool regions (default: words, 4 bytes).
-    fn alignment(&self) -> Alignment {
-        Alignment::default()
-    }
     /// [`Backend::read_arena`] for an event loop (the browser), where waiting for the device
     /// would block the loop that delivers its answer. The default reads synchronously.
     fn read_arena_async(
@@ -147,45 +161,11 @@ pub trait Backend {
     fn host_memory(&mut self) -> Option<&mut dyn HostMemory> {
         None
     }
-    /// Host bytes the backend's kernels keep or allocate while running `graph`, beyond the
-    /// arena and the pool (reordered activations, dequantized weight tiles, convolution
-    /// columns): the plan counts them as host memory, so that a run's RSS stays within it.
-    fn workspace_bytes(&self, _graph: &crate::graph::Graph) -> u64 {
-        0
-    }
-    /// The most bytes one operand of `op` may take (`input`: its index among the op's inputs,
-    /// `None`: the output), `None` where the backend has no such limit (a WebGPU adapter's
-    /// storage binding size). A graph with a larger operand is refused when it is planned,
-    /// before a weight byte is read, instead of failing mid-run.
-    fn operand_limit(&self, _op: &OpKind, _input: Option<usize>) -> Option<u64> {
-        None
-    }
-    /// The device's free and total memory in bytes, where the driver says (CUDA); `None`
-    /// where it does not (wgpu adapters tell limits, not free memory) or where device memory is
-    /// host memory. `--device-budget auto` takes the free memory less a margin from it.
-    fn device_memory(&mut self) -> Option<(u64, u64)> {
-        None
-    }
     /// Makes ready what running `graph` needs besides its memory (a GPU backend compiles its
     /// kernels' pipelines), so that a run measures the process's memory, driver state included,
     /// after it: the plan's prediction of the peak RSS starts from that measure.
     fn prepare(&mut self, _graph: &crate::graph::Graph) -> crate::Result<()> {
         Ok(())
-    }
-    /// The device's memory is RAM, though the backend keeps its own buffers (a CPU renderer
-    /// such as lavapipe, whose buffers are this process's; an integrated GPU, whose memory is
-    /// the machine's): the plan counts the device bytes as host memory too (in the RSS it
-    /// predicts, an upper bound where the driver's pages are not the process's, and against the
-    /// host budget). The CPU backends, whose arena and pool
-    /// are host memory ([`Backend::host_memory`]), count them so without this.
-    fn device_memory_is_host(&self) -> bool {
-        false
-    }
-    /// Where the driver does not tell free memory, a limit of the device that bounds what one
-    /// allocation may take (a wgpu adapter's `max_buffer_size`), with its name: `--device-budget
-    /// auto` takes a stated fraction of it ([`AUTO_LIMIT_FRACTION`]) and says so.
-    fn device_memory_limit(&self) -> Option<(u64, &'static str)> {
-        None
     }
 }
 

@@ -40,7 +40,7 @@ pub fn layout_op<B: Backend + ?Sized>(
     q4: Option<(&[usize], usize)>,
     in_place: Option<usize>,
 ) -> OpLayout {
-    let align = b.alignment().arena_words.max(1);
+    let align = b.device_info().alignment.arena_words.max(1);
     let mut cursor = 0usize;
     let mut place = |info: &ValueInfo| {
         let slice = ArenaSlice {
@@ -58,7 +58,7 @@ pub fn layout_op<B: Backend + ?Sized>(
         Some(shared) => shared.clone(),
         None => place(out),
     };
-    let pa = b.alignment().pool_bytes.max(4);
+    let pa = b.device_info().alignment.pool_bytes.max(4);
     let q4 = q4.map(|(shape, blocksize)| {
         let n = shape.iter().product::<usize>() as u64;
         let packed = PoolRegion {
@@ -110,7 +110,15 @@ pub fn run_op<B: Backend + ?Sized>(
         q4info.as_ref().map(|i| (i.shape.as_slice(), i.blocksize)),
         op.in_place_input(),
     );
-    b.allocate(lay.arena_words, lay.pool_bytes)?;
+    let shapes = crate::backend::OpShapes {
+        op,
+        inputs: &infos,
+        out: &out_info,
+    };
+    b.supports(&shapes)
+        .map_err(|why| crate::Error::Invalid(format!("{} on {}: {why}", op.name(), b.name())))?;
+    let ws = b.workspace(&[shapes]);
+    b.allocate(lay.arena_words, lay.pool_bytes, ws.device_bytes)?;
     for (o, t) in lay.inputs.iter().zip(inputs) {
         b.write_arena(o.slice, &host_words(t))?;
     }

@@ -235,7 +235,11 @@ impl<B: Backend> Executor<B> {
         let states = planner.states().to_vec();
         let graph = planner.graph().clone();
         drop(planner);
-        backend.allocate(lay.arena_words.max(1), lay.pool_bytes)?;
+        backend.allocate(
+            lay.arena_words.max(1),
+            lay.pool_bytes,
+            lay.device_workspace_bytes,
+        )?;
         let n_groups = graph.groups.len();
         let mut streamed_group = vec![false; n_groups];
         for &g in &lay.streamed {
@@ -686,13 +690,6 @@ impl<B: Backend> Executor<B> {
             }
             let out = operand(&node.output)?;
             let view = node.weight.map(|w| &self.lay.views[w.0]);
-            if !self.backend.supports(&node.op) {
-                return Err(Error::Invalid(format!(
-                    "{} does not support {}",
-                    self.backend.name(),
-                    node.op.name()
-                )));
-            }
             let t0 = self.profile.is_some().then(web_time::Instant::now);
             self.backend.run(&node.op, &ins, view, &out)?;
             if let Some(t0) = t0 {

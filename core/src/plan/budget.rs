@@ -7,7 +7,7 @@
 //! Each phase gets one [`Planner`] (each quant state read once), made before the process is
 //! measured so that the measure, and with it the predicted peak, includes the planner's memory.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceInfo};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::io::machine::HostMemory;
@@ -466,9 +466,10 @@ fn budgets_for<B: Backend + ?Sized>(
         }
     }
     let shares_host = backend.host_memory().is_some();
+    let info = backend.device_info();
     // The device's memory is RAM here too (a CPU renderer, an integrated GPU), though its
     // buffers are its own.
-    let device_in_ram = shares_host || backend.device_memory_is_host();
+    let device_in_ram = shares_host || info.memory_is_host();
     // The largest host bytes of the phases' plans with this device budget, at least the ring.
     let host_peak = |device_bytes: u64| {
         ph.plans(ph.budgets(r, device_bytes))
@@ -547,7 +548,7 @@ fn budgets_for<B: Backend + ?Sized>(
                     )
                 }
             }
-            None => match backend.device_memory() {
+            None => match info.memory {
                 // The driver's free memory less a margin of a tenth of the total (at least
                 // 256 MiB): what the other users of the device and its driver keep.
                 Some((free, total)) => {
@@ -580,7 +581,7 @@ fn budgets_for<B: Backend + ?Sized>(
                         )
                     }
                 }
-                None => limited_auto(backend, need, &host_note),
+                None => limited_auto(&info, need, &host_note),
             },
         },
     };
@@ -669,9 +670,9 @@ fn budgets_for<B: Backend + ?Sized>(
 
 /// `auto` on a device that tells limits, not free memory (a wgpu adapter): every weight
 /// resident within a stated fraction of its allocation limit, else that fraction.
-fn limited_auto<B: Backend + ?Sized>(backend: &B, need: u64, host_note: &str) -> (u64, String) {
+fn limited_auto(info: &DeviceInfo, need: u64, host_note: &str) -> (u64, String) {
     let (num, den) = crate::backend::AUTO_LIMIT_FRACTION;
-    match backend.device_memory_limit() {
+    match info.allocation_limit {
         Some((limit, what)) => {
             let cap = limit / den * num;
             let said = format!(

@@ -40,6 +40,8 @@ pub(crate) struct LayoutInput<'a> {
     pub lifetimes: &'a [Vec<(usize, usize)>],
     pub arena_align_words: usize,
     pub pool_align_bytes: u64,
+    /// The kernels' device workspace, allocated with the arena and the pool.
+    pub device_workspace_bytes: u64,
 }
 
 /// The arena, the pool and the stream order for one residency.
@@ -62,12 +64,15 @@ pub struct Layout {
     /// Per group: the tensors read when it loads (a tensor that a resident group already
     /// holds, such as a tied embedding table, is read once, by that group).
     pub reads: Vec<Vec<TensorEntry>>,
+    /// The kernels' device workspace (a GEMM's operands, the BLAS library's workspace).
+    pub device_workspace_bytes: u64,
 }
 
 impl Layout {
-    /// Device bytes the layout allocates: the weight pool and the arena.
+    /// Device bytes the layout allocates: the weight pool, the arena and the kernels'
+    /// workspace.
     pub fn device_bytes(&self) -> u64 {
-        self.pool_bytes + self.arena_words.max(1) as u64 * 4
+        self.pool_bytes + self.arena_words.max(1) as u64 * 4 + self.device_workspace_bytes
     }
 
     /// Lays out the arena and the pool for `resident` and orders the streamed groups.
@@ -89,6 +94,7 @@ impl Layout {
             streamed,
             stream_starts,
             reads,
+            device_workspace_bytes: inp.device_workspace_bytes,
         })
     }
 

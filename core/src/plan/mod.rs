@@ -15,7 +15,7 @@ mod planner;
 
 pub use planner::{min_device_bytes, plan_graph, resident_device_bytes, spread_order, Planner};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, OpShapes};
 use crate::error::{Error, Result};
 use crate::format::bnb::{Bnb4bitKeys, QuantStateJson, QuantizationConfig};
 use crate::format::dtype::{dtype_name, Dtype};
@@ -78,57 +78,47 @@ pub struct Rules {
     /// The backend reads bf16 dense weights as stored and reads streamed weights in place from
     /// ring slots (the host-memory capability, [`crate::backend::HostMemory`]).
     pub host_memory: bool,
-    /// Host bytes of the backend's kernel workspace for the graph
-    /// ([`Backend::workspace_bytes`]).
+    /// Host bytes of the backend's kernel workspace for the graph ([`Backend::workspace`]).
     pub workspace_bytes: u64,
-    /// The first operand over the backend's limit for it ([`Backend::operand_limit`]), said
-    /// as the planner's error.
-    pub oversized: Option<String>,
-    /// The device's memory is RAM ([`Backend::device_memory_is_host`]).
+    /// Device bytes of the backend's kernel workspace for the graph, allocated with the arena
+    /// and the pool.
+    pub device_workspace_bytes: u64,
+    /// The first op the backend does not run with its operands' shapes
+    /// ([`Backend::supports`]), said as the planner's error.
+    pub unsupported: Option<String>,
+    /// The device's memory is RAM ([`crate::backend::DeviceInfo::memory_is_host`]).
     pub device_in_ram: bool,
 }
 
-/// The first operand of `graph` larger than `backend` takes, described.
-fn oversized<B: Backend + ?Sized>(backend: &B, graph: &Graph) -> Option<String> {
-    for node in graph.nodes() {
-        let operands = node
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| (Some(i), v))
-            .chain(std::iter::once((None, node.output)));
-        for (i, v) in operands {
-            let Some(limit) = backend.operand_limit(&node.op, i) else {
-                continue;
-            };
-            let info = graph.info(v);
-            let bytes = info.words() as u64 * 4;
-            if bytes > limit {
-                return Some(format!(
-                    "{}: {} of shape {:?} takes {bytes} bytes, over {}'s limit of {limit} bytes \
-                     for one operand (a smaller input, a smaller tile, or another backend)",
-                    node.op.name(),
-                    i.map_or("the output".to_string(), |i| format!("input {i}")),
-                    info.shape,
-                    backend.name()
-                ));
-            }
-        }
-    }
-    None
+/// The first op of `ops` that `backend` does not run, with why.
+fn unsupported<B: Backend + ?Sized>(backend: &B, ops: &[OpShapes<'_>]) -> Option<String> {
+    ops.iter().find_map(|o| {
+        backend.supports(o).err().map(|why| {
+            format!(
+                "{} with inputs {:?} does not run on {}: {why}",
+                o.op.name(),
+                o.inputs.iter().map(|i| &i.shape).collect::<Vec<_>>(),
+                backend.name()
+            )
+        })
+    })
 }
 
 impl Rules {
     /// The rules of `backend` for `graph`.
     pub fn of<B: Backend + ?Sized>(backend: &mut B, graph: &Graph) -> Self {
-        let a = backend.alignment();
+        let info = backend.device_info();
+        let owned = crate::backend::graph_ops(graph);
+        let ops = crate::backend::op_shapes(&owned);
+        let ws = backend.workspace(&ops);
         Rules {
-            arena_align_words: a.arena_words.max(1),
-            pool_align_bytes: a.pool_bytes.max(4),
+            arena_align_words: info.alignment.arena_words.max(1),
+            pool_align_bytes: info.alignment.pool_bytes.max(4),
             host_memory: backend.host_memory().is_some(),
-            workspace_bytes: backend.workspace_bytes(graph),
-            oversized: oversized(backend, graph),
-            device_in_ram: backend.device_memory_is_host(),
+            workspace_bytes: ws.host_bytes,
+            device_workspace_bytes: ws.device_bytes,
+            unsupported: unsupported(backend, &ops),
+            device_in_ram: info.memory_is_host(),
         }
     }
 }
@@ -170,8 +160,10 @@ pub struct MemoryPlan {
     pub in_place_bytes_per_step: u64,
     /// Peak device bytes: pool + arena, allocated once.
     pub peak_device_bytes: u64,
-    /// Host bytes of the backend's kernel workspace ([`Backend::workspace_bytes`]).
+    /// Host bytes of the backend's kernel workspace ([`Backend::workspace`]).
     pub workspace_bytes: u64,
+    /// Device bytes of the backend's kernel workspace (in `peak_device_bytes`).
+    pub device_workspace_bytes: u64,
     /// Peak host bytes the plan adds: ring + loader buffers + kernel workspace + host tier.
     pub peak_host_bytes: u64,
     /// Host and device are the same memory (the CPU backends): the host tier is merged into the
@@ -337,6 +329,7 @@ impl MemoryPlan {
             "streamed_bytes_per_step": self.streamed_bytes_per_step,
             "peak_device_bytes": self.peak_device_bytes,
             "peak_host_bytes": self.peak_host_bytes,
+            "device_workspace_bytes": self.device_workspace_bytes,
             "device_bytes": self.peak_device_bytes,
             "shared_memory": self.shared_memory,
             "device_in_host_memory": self.device_in_host_memory,
@@ -374,6 +367,12 @@ impl MemoryPlan {
             fmt_bytes(self.resident_dense_bytes),
             fmt_bytes(self.state_bytes)
         ));
+        if self.device_workspace_bytes > 0 {
+            t.push_str(&format!(
+                "          + kernel workspace {} (allocated with the arena)\n",
+                fmt_bytes(self.device_workspace_bytes)
+            ));
+        }
         t.push_str(&format!(
             "  host    ring {} x {} = {}, loader buffers {}, kernel workspace {}, host tier {}: peak \
              {}\n",

@@ -28,7 +28,7 @@ impl Planner {
     /// dtypes, quant states), before any weight byte is read.
     pub fn new(graph: Graph, model: &ModelIndex, rules: Rules) -> Result<Self> {
         graph.check()?;
-        if let Some(e) = &rules.oversized {
+        if let Some(e) = &rules.unsupported {
             return Err(Error::Invalid(e.clone()));
         }
         if let Some(c) = &model.config {
@@ -166,6 +166,7 @@ impl Planner {
                 lifetimes: &self.lifetimes,
                 arena_align_words: self.rules.arena_align_words,
                 pool_align_bytes: self.rules.pool_align_bytes,
+                device_workspace_bytes: self.rules.device_workspace_bytes,
             },
             resident,
         )
@@ -332,6 +333,7 @@ impl Planner {
             in_place_bytes_per_step,
             peak_device_bytes: lay.device_bytes(),
             workspace_bytes: self.rules.workspace_bytes,
+            device_workspace_bytes: self.rules.device_workspace_bytes,
             peak_host_bytes: ring_bytes
                 .saturating_add(self.loader_bytes)
                 .saturating_add(self.rules.workspace_bytes)

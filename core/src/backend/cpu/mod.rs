@@ -12,7 +12,8 @@ mod ops;
 pub mod pool;
 
 use crate::backend::{
-    Alignment, ArenaSlice, Backend, HostMemory, Operand, PoolRegion, Q4View, Signalled,
+    Alignment, ArenaSlice, Backend, DeviceInfo, HostMemory, OpShapes, Operand, PoolRegion, Q4View,
+    Signalled, Workspace,
 };
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
@@ -201,10 +202,10 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!("cpu ({})", self.describe())
     }
-    fn supports(&self, _op: &OpKind) -> bool {
-        true
+    fn supports(&self, _op: &OpShapes<'_>) -> std::result::Result<(), String> {
+        Ok(())
     }
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> Result<()> {
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64, _workspace: u64) -> Result<()> {
         self.arena = vec![0f32; arena_words];
         touch(&mut self.arena);
         self.pool_len = pool_bytes as usize;
@@ -224,20 +225,15 @@ impl Backend for CpuBackend {
         // plan counts its own.
         self.scratch = Vec::new();
     }
-    fn workspace_bytes(&self, g: &crate::graph::Graph) -> u64 {
+    fn workspace(&self, ops: &[OpShapes<'_>]) -> Workspace {
         // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear
         // (m x k), a matmul's transposed operand (n x k), a convolution band's columns. Each
         // worker (and the caller) keeps a dequantized tile of TILE_ROWS x k; a convolution
         // also allocates its band's products while it runs.
         let (mut shared, mut tile, mut transient) = (0u64, 0u64, 0u64);
-        for node in g.nodes() {
-            let shape = |i: usize| {
-                node.inputs
-                    .get(i)
-                    .map(|&v| g.info(v).shape.clone())
-                    .unwrap_or_default()
-            };
-            match &node.op {
+        for o in ops {
+            let shape = |i: usize| o.inputs.get(i).map(|v| v.shape.clone()).unwrap_or_default();
+            match o.op {
                 OpKind::LinearQ4 { .. } => {
                     let x = shape(0);
                     let (m, k) = (
@@ -265,13 +261,19 @@ impl Backend for CpuBackend {
                 _ => {}
             }
         }
-        shared + tile * (self.threads.threads() as u64 + 1) + transient
+        Workspace {
+            host_bytes: shared + tile * (self.threads.threads() as u64 + 1) + transient,
+            device_bytes: 0,
+        }
     }
-    fn alignment(&self) -> Alignment {
+    fn device_info(&self) -> DeviceInfo {
         // 64 bytes: every operand and pool region starts on a cache line.
-        Alignment {
-            arena_words: 16,
-            pool_bytes: 64,
+        DeviceInfo {
+            alignment: Alignment {
+                arena_words: 16,
+                pool_bytes: 64,
+            },
+            ..DeviceInfo::default()
         }
     }
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> Result<()> {

@@ -45,10 +45,10 @@ impl Backend for CpuRefBackend {
     fn name(&self) -> String {
         "cpu_ref".into()
     }
-    fn supports(&self, _op: &OpKind) -> bool {
-        true
+    fn supports(&self, _op: &crate::backend::OpShapes<'_>) -> std::result::Result<(), String> {
+        Ok(())
     }
-    fn allocate(&mut self, arena_words: usize, pool_bytes: u64) -> Result<()> {
+    fn allocate(&mut self, arena_words: usize, pool_bytes: u64, _workspace: u64) -> Result<()> {
         self.arena = vec![0; arena_words];
         self.pool = vec![0; pool_bytes as usize];
         Ok(())

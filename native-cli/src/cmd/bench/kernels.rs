@@ -90,8 +90,14 @@ fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
         q4_shape.as_deref().map(|s| (s, 64)),
         b.op.in_place_input(),
     );
+    let out_info = ValueInfo::f32(&b.out);
+    let ws = backend.workspace(&[nibble_core::backend::OpShapes {
+        op: &b.op,
+        inputs: &infos,
+        out: &out_info,
+    }]);
     let (ins, out, q4) = (lay.inputs, lay.out, lay.q4);
-    backend.allocate(lay.arena_words, lay.pool_bytes)?;
+    backend.allocate(lay.arena_words, lay.pool_bytes, ws.device_bytes)?;
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut rnd = || {
         seed ^= seed << 13;
@@ -148,7 +154,7 @@ fn ring_upload_gb_s<B: Backend>(
     iters: usize,
 ) -> Result<f64> {
     use nibble_core::stream::ring::{HostAllocator, StagingRing};
-    backend.allocate(1, 2 * slot_bytes as u64)?;
+    backend.allocate(1, 2 * slot_bytes as u64, 0)?;
     let ring = match backend.slot_allocator() {
         Some(a) => StagingRing::new(slots, slot_bytes, a.as_ref())?,
         None => StagingRing::new(slots, slot_bytes, &HostAllocator)?,
@@ -341,6 +347,6 @@ mod tests {
         let gb_s = ring_upload_gb_s(&mut b, 3, 1 << 20, 12).expect("ring upload");
         assert!(gb_s.is_finite() && gb_s > 0.0, "{gb_s}");
         // The backend was released and can be allocated again.
-        b.allocate(1, 16).expect("allocate after release");
+        b.allocate(1, 16, 0).expect("allocate after release");
     }
 }

@@ -55,7 +55,7 @@ impl crate::backends::WithBackend for MakeSink {
         mut backend: B,
         label: &str,
     ) -> Result<Self::Output> {
-        backend.allocate(1, 2 * self.slot)?;
+        backend.allocate(1, 2 * self.slot, 0)?;
         let alloc = backend.slot_allocator();
         let sink: Box<dyn Sink> = Box::new(DeviceSink {
             backend,
