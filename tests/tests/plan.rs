@@ -120,11 +120,23 @@ fn a_ring_without_room_is_refused() {
 
 /// A backend whose kernels need device workspace (CUDA's GEMM operands and cuBLAS' workspace):
 /// cpu_ref's, declaring `device_bytes` of workspace and refusing attention with a head size over
-/// 8, recording what it was asked to allocate.
+/// `max_head`, recording what it was asked to allocate.
 struct Workspaced {
     inner: CpuRefBackend,
     device_bytes: u64,
+    max_head: usize,
     allocated: std::rc::Rc<std::cell::Cell<Option<u64>>>,
+}
+
+impl Workspaced {
+    fn new(device_bytes: u64, max_head: usize) -> Self {
+        Workspaced {
+            inner: CpuRefBackend::new(),
+            device_bytes,
+            max_head,
+            allocated: Default::default(),
+        }
+    }
 }
 
 impl Backend for Workspaced {
@@ -133,8 +145,13 @@ impl Backend for Workspaced {
     }
     fn supports(&self, o: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
         match (o.op, o.inputs.first()) {
-            (nibble_core::graph::OpKind::Attention { .. }, Some(q)) if q.shape[2] > 8 => {
-                Err(format!("head size {} is over the kernel's 8", q.shape[2]))
+            (nibble_core::graph::OpKind::Attention { .. }, Some(q))
+                if q.shape[2] > self.max_head =>
+            {
+                Err(format!(
+                    "head size {} is over the kernel's {}",
+                    q.shape[2], self.max_head
+                ))
             }
             _ => self.inner.supports(o),
         }
@@ -194,26 +211,19 @@ fn device_workspace_is_planned_and_allocated_once() {
     let graph = llama::build(&m, LlamaShape::generate(5, 7))
         .expect("graph")
         .graph;
-    let allocated = std::rc::Rc::new(std::cell::Cell::new(None));
     let ws = 3 << 20;
-    let b = Workspaced {
-        inner: CpuRefBackend::new(),
-        device_bytes: ws,
-        allocated: allocated.clone(),
-    };
     let plain =
         nibble_core::plan::min_device_bytes(&graph, &m, &mut CpuRefBackend::new()).expect("plain");
-    let mut probe = Workspaced {
-        inner: CpuRefBackend::new(),
-        device_bytes: ws,
-        allocated: allocated.clone(),
-    };
-    let least = nibble_core::plan::min_device_bytes(&graph, &m, &mut probe).expect("least");
+    let least =
+        nibble_core::plan::min_device_bytes(&graph, &m, &mut Workspaced::new(ws, usize::MAX))
+            .expect("least");
     assert_eq!(
         least,
         plain + ws,
         "the smallest budget counts the workspace"
     );
+    let b = Workspaced::new(ws, usize::MAX);
+    let allocated = b.allocated.clone();
     let ex = Executor::new(graph.clone(), &m, b, opts(least, 2, 64 << 10)).expect("runs");
     let (arena_words, pool_bytes) = ex.device_allocation();
     assert_eq!(
@@ -226,14 +236,14 @@ fn device_workspace_is_planned_and_allocated_once() {
         Some(ws),
         "allocated with the arena and the pool"
     );
-    assert!(ex.plan().explain().contains("kernel workspace 3.00 MiB"));
+    assert!(
+        ex.plan().explain().contains("kernel workspace 3.00 MiB"),
+        "{}",
+        ex.plan().explain()
+    );
     // One byte less than the least refuses the run before anything is allocated.
-    allocated.set(None);
-    let b = Workspaced {
-        inner: CpuRefBackend::new(),
-        device_bytes: ws,
-        allocated: allocated.clone(),
-    };
+    let b = Workspaced::new(ws, usize::MAX);
+    let allocated = b.allocated.clone();
     assert!(Executor::new(graph, &m, b, opts(least - 1, 2, 64 << 10)).is_err());
     assert_eq!(allocated.get(), None);
 }
@@ -246,22 +256,14 @@ fn an_op_the_backend_refuses_by_shape_is_a_plan_time_error() {
     let graph = llama::build(&m, LlamaShape::generate(5, 7))
         .expect("graph")
         .graph;
-    let head = m.config.as_ref().expect("config")["hidden_size"]
-        .as_u64()
-        .expect("hidden")
-        / m.config.as_ref().expect("config")["num_attention_heads"]
-            .as_u64()
-            .expect("heads");
+    let cfg = m.config.as_ref().expect("config");
+    let head = cfg["hidden_size"].as_u64().expect("hidden")
+        / cfg["num_attention_heads"].as_u64().expect("heads");
     assert!(
         head > 8,
         "tiny-llama's heads are wider than the test kernel's 8"
     );
-    let mut b = Workspaced {
-        inner: CpuRefBackend::new(),
-        device_bytes: 0,
-        allocated: Default::default(),
-    };
-    let e = nibble_core::plan::min_device_bytes(&graph, &m, &mut b)
+    let e = nibble_core::plan::min_device_bytes(&graph, &m, &mut Workspaced::new(0, 8))
         .expect_err("refused")
         .to_string();
     assert!(

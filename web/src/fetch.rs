@@ -532,6 +532,7 @@ impl ByteSource for FetchSource {
                     slot,
                     result,
                     elapsed: t.elapsed(),
+                    held: None,
                 });
                 if let Some(w) = p.waker.take() {
                     w.wake();

@@ -14,7 +14,7 @@ use crate::format::dtype::{widen_into, Dtype};
 use crate::graph::{ElemType, ValueId};
 use crate::io::source::ByteSource;
 use crate::plan::Planner;
-use crate::stream::prefetch::{Chunk, ChunkPart, ChunkSpec, Prefetcher, StepStats};
+use crate::stream::prefetch::{Chunk, ChunkData, ChunkPart, ChunkSpec, Prefetcher, StepStats};
 use crate::stream::ring::{Fence, SlotGuard};
 
 /// What a tensor read feeds.
@@ -256,11 +256,10 @@ impl<B: Backend> Executor<B> {
     ) -> Result<bool> {
         let per = pf.chunks_per_step();
         let streamed = self.streamed_group.get(g) == Some(&true);
-        let host = self.host_group.get(g) == Some(&true);
-        let key = (chunk.spec.file, chunk.spec.offset, chunk.spec.len);
         if streamed {
+            // One count per tier: where the chunk's bytes came from.
             let len = chunk.spec.len as u64;
-            if host && !self.host_seen.insert(key) {
+            if chunk.held() {
                 self.step_tier_bytes.1 += len;
             } else {
                 self.step_tier_bytes.0 += len;
@@ -274,28 +273,25 @@ impl<B: Backend> Executor<B> {
         }
         let idx = (chunk.seq % per as u64) as usize;
         let last_of_group = idx + 1 == per || pf.chunk_spec(idx + 1).map(|c| c.group) != Some(g);
-        // A host-tier chunk held in the store is uploaded from there: no copy into the slot, and
-        // on CUDA a DMA from pinned memory. The slot goes back to the ring at once.
-        let store = self.tier.as_ref().filter(|_| host).map(|t| t.store.clone());
-        let store = store
-            .as_ref()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(bytes) = store.as_ref().and_then(|s| s.get(&key)) {
-            // Host-tier groups go to device backends only (a host-memory backend's device
-            // budget is the host's memory): uploads, never lent.
-            let mut fences = Vec::new();
-            let placed = self.handle(&chunk.spec, bytes, None, &mut fences);
-            drop(chunk);
-            // The store's bytes never change: the fences matter only before the store is
-            // freed, and uploads complete in order, so the last one stands for all (on the
-            // error path too: the copies queued before it still read the store).
-            if let (Some(f), Some(t)) = (fences.pop(), self.tier.as_mut()) {
-                t.fence = Some(f);
+        let slot = match chunk.data {
+            // A host-tier chunk is uploaded from the tier's memory: no copy into the slot (which
+            // went back to the ring at once), and on CUDA a DMA from pinned memory. Host-tier
+            // groups go to device backends only (a host-memory backend's device budget is the
+            // host's memory): uploads, never lent.
+            ChunkData::Held(held) => {
+                let mut fences = Vec::new();
+                let placed = self.handle(&chunk.spec, held.bytes(), None, &mut fences);
+                // The tier's bytes never change: the fences matter only before its memory is
+                // freed, and uploads complete in order, so the last one stands for all (on the
+                // error path too: the copies queued before it still read the tier).
+                if let (Some(f), Some(t)) = (fences.pop(), self.tier.as_mut()) {
+                    t.fence = Some(f);
+                }
+                placed?;
+                return Ok(last_of_group);
             }
-            placed?;
-            return Ok(last_of_group);
-        }
-        drop(store);
+            ChunkData::Slot(slot) => slot,
+        };
         // Zero copy: the packed weights of a streamed group may be read from the slot in place;
         // the slot then stays out of the ring until the group's last op. At least one slot is
         // never held, so that the readers can always fill the chunk the executor waits for.
@@ -304,11 +300,10 @@ impl<B: Backend> Executor<B> {
         let mut fences = Vec::new();
         let placed = self.handle(
             &chunk.spec,
-            chunk.bytes(),
+            slot.bytes(),
             lend.then_some(&mut lent),
             &mut fences,
         );
-        let Chunk { slot, .. } = chunk;
         // Uploads from one slot complete in order: the last one frees the slot.
         let fence = fences.pop();
         if let Err(e) = placed {

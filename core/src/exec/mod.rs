@@ -84,7 +84,8 @@ struct Naive {
 /// from it are DMA) and the last upload from it, which is waited for before the store may go:
 /// uploads complete in order, so no copy reads the store after it.
 struct TierMemory {
-    store: crate::stream::host_tier::SharedStore,
+    /// Keeps the memory alive (the chunks handed out hold it too).
+    _store: crate::stream::host_tier::SharedStore,
     fence: Option<Box<dyn crate::stream::ring::Fence>>,
     /// What memory it is, for the run's report (`None`: the tier holds nothing).
     memory: Option<String>,
@@ -137,12 +138,8 @@ pub struct Executor<B: Backend> {
     in_place_bytes: u64,
     /// Per group: in the host tier.
     host_group: Vec<bool>,
-    /// Host-tier chunks consumed at least once (later ones come from host memory).
-    host_seen: std::collections::HashSet<crate::stream::host_tier::ChunkKey>,
     /// This step's bytes from the source and from the host tier.
     step_tier_bytes: (u64, u64),
-    /// What the host tier's source counted (source, host) over the run.
-    tier_counters: Option<std::sync::Arc<crate::stream::host_tier::TierCounters>>,
     /// The host tier's memory, which its chunks are uploaded from after their first read.
     tier: Option<TierMemory>,
     /// Per group: its weights were seen finite when it was first loaded (dense values, quant
@@ -289,9 +286,7 @@ impl<B: Backend> Executor<B> {
             finite_seen: vec![false; n_groups],
             in_place_bytes: 0,
             host_group: vec![false; n_groups],
-            host_seen: Default::default(),
             step_tier_bytes: (0, 0),
-            tier_counters: None,
             tier: None,
         };
         ex.reset_state()?;
@@ -386,31 +381,26 @@ impl<B: Backend> Executor<B> {
                     },
                 ),
             };
-            let store = std::sync::Arc::new(std::sync::Mutex::new(store));
-            let counters = std::sync::Arc::new(crate::stream::host_tier::TierCounters::default());
-            let source = crate::stream::host_tier::HostTierSource::new(
-                make_source(),
-                store.clone(),
-                counters.clone(),
-            );
+            let store = std::sync::Arc::new(store);
+            let source =
+                crate::stream::host_tier::HostTierSource::new(make_source(), store.clone());
             self.tier = Some(TierMemory {
-                store,
+                _store: store,
                 fence: None,
                 memory: any.then_some(memory),
             });
-            self.tier_counters = Some(counters);
             let source: Box<dyn ByteSource> = Box::new(source);
             self.prefetch = Some(Prefetcher::new(source, ring, chunks, None)?);
         }
         Ok(())
     }
 
-    /// Bytes the stream's source delivered from the model's source and from the host tier so
-    /// far (measured where they were read; reads run ahead of the steps by up to the ring).
+    /// Bytes the stream's reads delivered from the model's source and from the host tier so
+    /// far (counted as the reads complete; they run ahead of the steps by up to the ring).
     pub fn tier_totals(&self) -> (u64, u64) {
-        self.tier_counters
+        self.prefetch
             .as_ref()
-            .map(|c| c.get())
+            .map(|p| p.delivered())
             .unwrap_or_default()
     }
 

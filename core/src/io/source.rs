@@ -161,12 +161,52 @@ pub struct ReadRequest {
 pub struct ReadCompletion {
     /// The request's tag.
     pub tag: u64,
-    /// The slot, filled on success.
+    /// The slot, filled on success (unless the bytes are `held`).
     pub slot: SlotBuffer,
     /// Success, or what went wrong.
     pub result: Result<()>,
     /// Time the read took.
     pub elapsed: Duration,
+    /// The bytes, where the source answered from memory of its own (a host tier's chunk):
+    /// the slot is then left unfilled.
+    pub held: Option<HeldBytes>,
+}
+
+/// Memory a source keeps bytes in (the host tier's store): a range of it stays unchanged
+/// while a [`HeldBytes`] over it lives.
+pub trait HeldMemory: Send + Sync {
+    /// The bytes at `offset`, `len` long (a range the memory handed out as held).
+    fn held(&self, offset: usize, len: usize) -> &[u8];
+}
+
+/// Bytes a source answered a read with from memory of its own: read-only, unchanging, and kept
+/// alive by the handle.
+#[derive(Clone)]
+pub struct HeldBytes {
+    mem: std::sync::Arc<dyn HeldMemory>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for HeldBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldBytes")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl HeldBytes {
+    /// `len` bytes at `offset` of `mem` (a range `mem` holds unchanged from now on).
+    pub fn new(mem: std::sync::Arc<dyn HeldMemory>, offset: usize, len: usize) -> Self {
+        HeldBytes { mem, offset, len }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.mem.held(self.offset, self.len)
+    }
 }
 
 /// The streaming interface: submit reads into ring slots, collect completions.
@@ -323,6 +363,7 @@ impl ThreadedSource {
                                 slot,
                                 result,
                                 elapsed,
+                                held: None,
                             })
                             .is_err()
                         {

@@ -9,7 +9,7 @@ use web_time::Instant;
 
 use crate::error::{Error, Result};
 use crate::format::safetensors::TensorEntry;
-use crate::io::source::{ByteSource, ReadRequest};
+use crate::io::source::{ByteSource, HeldBytes, ReadCompletion, ReadRequest};
 use crate::stream::ring::{EmptySlot, SlotGuard, StagingRing};
 
 /// The piece of one tensor that a chunk carries.
@@ -121,22 +121,56 @@ pub struct StepStats {
     pub read_busy: Duration,
 }
 
-/// A chunk handed to the consumer; its slot returns to the ring when the guard is released.
+/// Where a chunk's bytes are.
+#[derive(Debug)]
+pub enum ChunkData {
+    /// In a ring slot, read from the source; the slot returns to the ring when the guard is
+    /// released.
+    Slot(SlotGuard),
+    /// In the host tier's memory (read from the source at an earlier step and kept); its slot
+    /// went back to the ring at once.
+    Held(HeldBytes),
+}
+
+/// A chunk handed to the consumer.
 #[derive(Debug)]
 pub struct Chunk {
     /// What it is.
     pub spec: ChunkSpec,
     /// Global sequence number (step * chunks per step + index).
     pub seq: u64,
-    /// The filled slot.
-    pub slot: SlotGuard,
+    /// Its bytes: a ring slot or host-tier memory.
+    pub data: ChunkData,
 }
 
 impl Chunk {
     /// The chunk's bytes.
     pub fn bytes(&self) -> &[u8] {
-        self.slot.bytes()
+        match &self.data {
+            ChunkData::Slot(s) => s.bytes(),
+            ChunkData::Held(h) => h.bytes(),
+        }
     }
+
+    /// Whether the bytes came from the host tier rather than the source.
+    pub fn held(&self) -> bool {
+        matches!(self.data, ChunkData::Held(_))
+    }
+
+    /// Releases the chunk once `fence` signals (its slot back to the ring then; held bytes
+    /// need no fence here: the host tier waits for its last upload before it is freed).
+    pub fn release_after(self, fence: Box<dyn crate::stream::ring::Fence>) {
+        match self.data {
+            ChunkData::Slot(s) => s.release_after(fence),
+            ChunkData::Held(_) => fence.wait(),
+        }
+    }
+}
+
+/// A read that completed before the consumer reached it.
+enum Arrived {
+    Slot(EmptySlot),
+    Held(HeldBytes),
 }
 
 /// Drives a [`ByteSource`] through a [`StagingRing`] over a repeating schedule.
@@ -148,7 +182,10 @@ pub struct Prefetcher<S: ByteSource> {
     next_submit: u64,
     next_consume: u64,
     in_flight: HashMap<u64, usize>,
-    ready: BTreeMap<u64, EmptySlot>,
+    ready: BTreeMap<u64, Arrived>,
+    /// Bytes the completed reads delivered from the source and from held memory (the host
+    /// tier), counted as they arrive (reads run ahead of the consumer by up to the ring).
+    delivered: (u64, u64),
     /// Reads that failed before the consumer reached them.
     failed: HashMap<u64, Error>,
     cur: StepStats,
@@ -192,6 +229,7 @@ impl<S: ByteSource> Prefetcher<S> {
             next_consume: 0,
             in_flight: HashMap::new(),
             ready: BTreeMap::new(),
+            delivered: (0, 0),
             failed: HashMap::new(),
             cur: StepStats::default(),
             step_start: None,
@@ -216,10 +254,44 @@ impl<S: ByteSource> Prefetcher<S> {
                 });
             }
         }
-        for (_, slot) in std::mem::take(&mut self.ready) {
-            self.ring.give_back(slot);
+        for (_, a) in std::mem::take(&mut self.ready) {
+            if let Arrived::Slot(slot) = a {
+                self.ring.give_back(slot);
+            }
         }
         self.ring
+    }
+
+    /// Bytes the completed reads delivered so far: (from the source, from the host tier).
+    pub fn delivered(&self) -> (u64, u64) {
+        self.delivered
+    }
+
+    /// Files a completion: its slot back to the ring at once when its bytes are held (the
+    /// host tier answered), counted either way; a failure kept for the consumer.
+    fn arrived(&mut self, done: ReadCompletion, index: usize) -> Option<Error> {
+        let slot = EmptySlot {
+            index,
+            buf: done.slot,
+        };
+        if let Err(e) = done.result {
+            self.ring.give_back(slot);
+            return Some(e);
+        }
+        let len = self.chunks[(done.tag % self.chunks.len() as u64) as usize].len as u64;
+        let a = match done.held {
+            Some(h) => {
+                self.ring.give_back(slot);
+                self.delivered.1 += len;
+                Arrived::Held(h)
+            }
+            None => {
+                self.delivered.0 += len;
+                Arrived::Slot(slot)
+            }
+        };
+        self.ready.insert(done.tag, a);
+        None
     }
 
     /// The source.
@@ -279,7 +351,7 @@ impl<S: ByteSource> Prefetcher<S> {
             self.busy_at_step_start = self.source.busy_time();
         }
         let mut waited = Duration::ZERO;
-        let slot = loop {
+        let arrived = loop {
             self.fill()?;
             if let Some(s) = self.ready.remove(&self.next_consume) {
                 break s;
@@ -298,15 +370,9 @@ impl<S: ByteSource> Prefetcher<S> {
                 .in_flight
                 .remove(&done.tag)
                 .ok_or_else(|| Error::Invalid("unknown read completed".into()))?;
-            let slot = EmptySlot {
-                index,
-                buf: done.slot,
-            };
-            if let Err(e) = done.result {
-                self.ring.give_back(slot);
+            if let Some(e) = self.arrived(done, index) {
                 return Err(e);
             }
-            self.ready.insert(done.tag, slot);
         };
         let seq = self.next_consume;
         let per = self.chunks.len() as u64;
@@ -329,12 +395,11 @@ impl<S: ByteSource> Prefetcher<S> {
             self.cur = StepStats::default();
             self.step_start = None;
         }
-        let guard = self.ring.filled(slot, spec.len);
-        Ok(Some(Chunk {
-            spec,
-            seq,
-            slot: guard,
-        }))
+        let data = match arrived {
+            Arrived::Slot(slot) => ChunkData::Slot(self.ring.filled(slot, spec.len)),
+            Arrived::Held(h) => ChunkData::Held(h),
+        };
+        Ok(Some(Chunk { spec, seq, data }))
     }
 
     /// Whether the next chunk has arrived (so that `next_chunk` will not wait for it).
@@ -343,17 +408,11 @@ impl<S: ByteSource> Prefetcher<S> {
             let Some(index) = self.in_flight.remove(&done.tag) else {
                 continue;
             };
-            let slot = EmptySlot {
-                index,
-                buf: done.slot,
-            };
-            if let Err(e) = done.result {
+            let tag = done.tag;
+            if let Some(e) = self.arrived(done, index) {
                 // next_chunk reports it when the consumer gets there.
-                self.failed.insert(done.tag, e);
-                self.ring.give_back(slot);
-                continue;
+                self.failed.insert(tag, e);
             }
-            self.ready.insert(done.tag, slot);
         }
         self.ready.contains_key(&self.next_consume) || self.failed.contains_key(&self.next_consume)
     }

@@ -35,7 +35,7 @@ impl<B: nibble_core::backend::Backend> Sink for DeviceSink<B> {
         let at = (self.next % 2) * self.slot;
         self.next += 1;
         let fence = self.backend.upload(at, chunk.bytes())?;
-        chunk.slot.release_after(fence);
+        chunk.release_after(fence);
         Ok(())
     }
 }
