@@ -39,6 +39,9 @@ pub struct T5Config {
     pub max_distance: usize,
     /// `layer_norm_epsilon`.
     pub eps: f32,
+    /// umT5 (`model_type` umt5): every layer has its own relative position bias, where T5's
+    /// first layer's serves them all.
+    pub per_layer_bias: bool,
 }
 
 #[derive(Deserialize)]
@@ -54,6 +57,7 @@ struct File {
     layer_norm_epsilon: Option<f64>,
     feed_forward_proj: Option<String>,
     is_decoder: Option<bool>,
+    model_type: Option<String>,
 }
 
 impl T5Config {
@@ -98,6 +102,7 @@ impl T5Config {
                 "layer_norm_epsilon",
                 f.layer_norm_epsilon.unwrap_or(1e-6),
             )?,
+            per_layer_bias: f.model_type.as_deref() == Some("umt5"),
         };
         // Each direction's buckets: half exact (at least one), half logarithmic up to
         // max_distance.
@@ -144,8 +149,16 @@ pub fn bucket_ids(t: usize, buckets: usize, max_distance: usize) -> Vec<u32> {
 }
 
 /// The encoder's graph for `seq_len` tokens: inputs `ids [T]` and `buckets [T*T]` (u32, see
-/// [`bucket_ids`]), output the final hidden state `[T, d_model]`.
+/// [`bucket_ids`]), output the final hidden state `[T, d_model]`; no attention mask (as Flux
+/// calls T5).
 pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
+    build_with(model, seq_len, false)
+}
+
+/// [`build`], with `masked` a third input `mask [T]` (f32: 0 for a token, `f32::MIN` for
+/// padding) added to every layer's position bias, as transformers adds the attention mask
+/// (`(1 − mask) · finfo.min`): padded keys get no weight (Wan calls umT5 so).
+pub fn build_with(model: &ModelIndex, seq_len: usize, masked: bool) -> Result<(Graph, T5Config)> {
     let cfg = T5Config::of(model)?;
     if seq_len == 0 || seq_len > 1 << 16 {
         return Err(Error::Invalid(format!("T5 graph: {seq_len} tokens")));
@@ -170,6 +183,7 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
         shape: vec![t * t],
         elem: ElemType::U32,
     });
+    let mask = masked.then(|| g.input(ValueInfo::f32(&[t])));
     let mut x = g.op(OpKind::Embedding, &[ids, table], None)?;
     let rms = OpKind::RmsNorm { eps: cfg.eps };
     let mut bias = None;
@@ -189,8 +203,9 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
         let wo = w("layer.1.DenseReluDense.wo.weight", d, cfg.d_ff)?;
         let n0 = g.dense_weight(grp, &format!("{lp}.layer.0.layer_norm.weight"), &[d]);
         let n1 = g.dense_weight(grp, &format!("{lp}.layer.1.layer_norm.weight"), &[d]);
-        if bias.is_none() {
-            // The first block owns the relative position bias; later blocks reuse its value.
+        if bias.is_none() || cfg.per_layer_bias {
+            // T5: the first block owns the relative position bias and later blocks reuse its
+            // value; umT5: every block has its own.
             let name = format!("{lp}.layer.0.SelfAttention.relative_attention_bias.weight");
             let rel = g.dense_weight(grp, &name, &[cfg.buckets, nh]);
             let b = g.op(OpKind::Embedding, &[bucket_in, rel], None)?; // [t*t, nh]
@@ -202,6 +217,10 @@ pub fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
                 &[b],
                 None,
             )?; // [nh, t, t]
+            let b = match mask {
+                Some(m) => g.op(OpKind::Add, &[b, m], None)?,
+                None => b,
+            };
             bias = Some(b);
         }
         let bias = bias.ok_or_else(|| Error::Invalid("no position bias".into()))?;
@@ -262,18 +281,7 @@ impl<B: crate::backend::Backend> Component<T5, B> {
     /// loop.
     pub async fn forward_async(&mut self, ids: &[u32]) -> Result<(Vec<f32>, ExecStats)> {
         let t = self.shape;
-        if ids.len() != t {
-            return Err(Error::Invalid(format!(
-                "{} token ids for a T5 graph built for {t}",
-                ids.len()
-            )));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.config.vocab) {
-            return Err(Error::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.config.vocab
-            )));
-        }
+        check_ids(ids, t, self.config.vocab)?;
         let inputs = [
             HostTensor::u32(&[t], ids.to_vec())?,
             HostTensor::u32(
@@ -284,6 +292,84 @@ impl<B: crate::backend::Backend> Component<T5, B> {
         let (states, stats) = self.pass(&inputs, "T5's hidden states").await?;
         Ok((states, stats))
     }
+}
+
+/// umT5's encoder (Wan's text encoder) as a pipeline component: built for a token count, with
+/// the attention mask.
+#[derive(Debug)]
+pub enum UmT5 {}
+
+impl ComponentKind for UmT5 {
+    type Shape = usize;
+    type Config = T5Config;
+    const NAME: &'static str = "UmT5Encoder";
+    fn build(model: &ModelIndex, seq_len: usize) -> Result<(Graph, T5Config)> {
+        build_with(model, seq_len, true)
+    }
+}
+
+/// A umT5 encoder ready to run on a backend.
+pub type UmT5Encoder<B> = Component<UmT5, B>;
+
+impl<B: crate::backend::Backend> Component<UmT5, B> {
+    /// The final hidden state `[seq_len, d_model]` of `ids` (exactly `seq_len`: the prompt's
+    /// `len` tokens, then padding, which no token attends to).
+    #[cfg(feature = "native")]
+    pub fn forward(&mut self, ids: &[u32], len: usize) -> Result<(Vec<f32>, ExecStats)> {
+        crate::io::folder::block_on(self.forward_async(ids, len))
+    }
+
+    /// [`UmT5Encoder::forward`], awaiting the results where the runner was opened on an event
+    /// loop.
+    pub async fn forward_async(
+        &mut self,
+        ids: &[u32],
+        len: usize,
+    ) -> Result<(Vec<f32>, ExecStats)> {
+        let t = self.shape;
+        check_ids(ids, t, self.config.vocab)?;
+        if len == 0 || len > t {
+            return Err(Error::Invalid(format!(
+                "a prompt of {len} tokens in a umT5 graph built for {t}"
+            )));
+        }
+        let mask: Vec<f32> = (0..t)
+            .map(|i| if i < len { 0.0 } else { f32::MIN })
+            .collect();
+        let inputs = [
+            HostTensor::u32(&[t], ids.to_vec())?,
+            HostTensor::u32(
+                &[t * t],
+                bucket_ids(t, self.config.buckets, self.config.max_distance),
+            )?,
+            HostTensor::f32(&[t], mask)?,
+        ];
+        self.pass(&inputs, "umT5's hidden states").await
+    }
+}
+
+/// `ids` are `t` ids inside a vocabulary of `vocab`.
+fn check_ids(ids: &[u32], t: usize, vocab: usize) -> Result<()> {
+    if ids.len() != t {
+        return Err(Error::Invalid(format!(
+            "{} token ids for a T5 graph built for {t}",
+            ids.len()
+        )));
+    }
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(Error::Invalid(format!(
+            "token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
+
+/// What a Wan pipeline gives its transformer: the encoder's states `[t, d]` cut to the prompt's
+/// `len` tokens and zero-filled back to `t` rows.
+pub fn prompt_embeds(mut states: Vec<f32>, len: usize, d: usize) -> Vec<f32> {
+    let keep = (len * d).min(states.len());
+    states[keep..].iter_mut().for_each(|v| *v = 0.0);
+    states
 }
 
 #[cfg(test)]

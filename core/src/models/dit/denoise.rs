@@ -251,8 +251,7 @@ impl<B: Backend> std::fmt::Debug for Denoiser<B> {
     }
 }
 
-/// The most denoising steps a run takes.
-pub const MAX_STEPS: usize = 100_000;
+pub use crate::models::scheduler::MAX_STEPS;
 
 /// The schedule of `steps` steps (1 to [`MAX_STEPS`]): static `shift` (finite, positive), or
 /// Flux's resolution-dependent one (the scheduler's own `set_timesteps`, diffusers' defaults).

@@ -1,14 +1,21 @@
 //! The flow-matching scheduler family that every diffusion family samples with: one schedule
 //! ([`flow_match`]: diffusers' `FlowMatchEulerDiscreteScheduler` settings and the sigmas a run
-//! gets from them) and the samplers behind one trait, [`FlowSampler`]. A sampler owns its state
+//! gets from them) and the samplers behind one trait, [`FlowSampler`]: [`Euler`] and the
+//! multistep [`UniPc`] ([`unipc`], diffusers' `UniPCMultistepScheduler` with flow sigmas), and
+//! classifier-free guidance ([`guide`]). A sampler owns its state
 //! (a multistep solver such as UniPC keeps earlier model outputs); the denoise loop keeps the
 //! sampler and saves that state in its checkpoints, so a resumed run continues bit for bit.
 
 pub mod flow_match;
+pub mod unipc;
 
 pub use flow_match::{SchedulerConfig, TimeShift};
+pub use unipc::{UniPc, UniPcConfig};
 
 use crate::error::{Error, Result};
+
+/// The most denoising steps a run takes.
+pub const MAX_STEPS: usize = 100_000;
 
 /// A sampler of the flow-matching family: it walks a latent from `sigmas[0]` to the last sigma
 /// (0), given the model's output at each step.
@@ -47,6 +54,15 @@ pub trait FlowSampler: std::fmt::Debug {
             ))),
         }
     }
+}
+
+/// Classifier-free guidance as diffusers computes it: `uncond + scale · (cond − uncond)`, each
+/// operation in float32.
+pub fn guide(cond: &[f32], uncond: &[f32], scale: f32) -> Vec<f32> {
+    cond.iter()
+        .zip(uncond)
+        .map(|(&c, &u)| u + scale * (c - u))
+        .collect()
 }
 
 /// Flow-matching Euler (`FlowMatchEulerDiscreteScheduler.step`): `x += (sigma_{i+1} - sigma_i)

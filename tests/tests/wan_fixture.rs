@@ -1,0 +1,162 @@
+//! The pieces of diffusers' `WanPipeline` run (tiny-wan-pipeline) that nibble computes so far,
+//! against its recorded tensors, for both prompts: the seeded initial latents, UniPC (the
+//! schedule from the folder's `scheduler_config.json`, guidance, and every step's data
+//! prediction, corrected sample and latents, fed the recorded transformer outputs) and umT5's
+//! hidden states and prompt embeddings on every backend present.
+
+use nibble_core::models::scheduler::{guide, FlowSampler, UniPc, UniPcConfig};
+use nibble_tests::*;
+
+fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
+#[test]
+fn unipc_reproduces_every_step_of_diffusers_wan_run() {
+    let root = fixture("tiny-wan-pipeline");
+    let cfg_json = read_json(&root.join("pipeline/scheduler/scheduler_config.json"));
+    let cfg = UniPcConfig::from_json("scheduler_config.json", &cfg_json).expect("config");
+    let e = Expected::open(&root.join("expected.safetensors"));
+    let get = |n: &str| e.f32(n).unwrap_or_else(|| panic!("{n} missing"));
+    for p in ["p0", "p1"] {
+        let want_t = i64s(&e.bytes(&format!("{p}.timesteps")).expect("timesteps"));
+        let steps = want_t.len();
+        let mut u = UniPc::new(cfg.clone(), steps).expect("unipc");
+        assert_eq!(u.timesteps(), want_t.as_slice(), "{p}: timesteps");
+        let want_s = get(&format!("{p}.sigmas"));
+        assert_bits_eq(u.sigmas(), &want_s, &format!("{p}: sigmas"));
+        let mut x = get(&format!("{p}.initial_latents"));
+        let mut worst = 0f64;
+        for k in 0..steps {
+            let t = i64s(&e.bytes(&format!("{p}.model_timestep_step{k}")).expect("t"));
+            assert_eq!(u.timestep(k), t[0] as f32, "{p} step {k}: model timestep");
+            let cond = get(&format!("{p}.noise_pred_cond_step{k}"));
+            let uncond = get(&format!("{p}.noise_pred_uncond_step{k}"));
+            let v = guide(&cond, &uncond, 5.0);
+            assert_bits_eq(&v, &get(&format!("{p}.noise_pred_step{k}")), "guidance");
+            u.step(k, &mut x, &v).expect("step");
+            for (got, name) in [
+                (u.last_x0().expect("x0"), "x0_pred"),
+                (u.last_corrected().expect("corrected"), "sample_corrected"),
+                (x.as_slice(), "latents"),
+            ] {
+                let want = get(&format!("{p}.{name}_step{k}"));
+                let err = max_err_rel_to_max(got, &want);
+                worst = worst.max(err);
+                assert!(err <= 1e-4, "{p} step {k} {name}: {err:e} x max");
+            }
+        }
+        // The last step (sigma 0) lands on its data prediction, exactly, as diffusers' does.
+        let last_x0 = u.last_x0().expect("x0").to_vec();
+        assert_bits_eq(&x, &last_x0, "final");
+        let final_err = max_err_rel_to_max(&x, &get(&format!("{p}.final_latents")));
+        println!("{p}: worst step error {worst:e} x max, final latents {final_err:e} x max");
+    }
+}
+
+/// `torch.randn(latent shape, generator=torch.Generator("cpu").manual_seed(seed))`, bit for bit.
+#[test]
+fn seeded_latents_are_torchs() {
+    use nibble_core::models::flux::noise::{torch_randn, NoiseMath};
+    let root = fixture("tiny-wan-pipeline");
+    let manifest = read_json(&root.join("manifest.json"));
+    let seeds = manifest["run"]["generator_seeds"]
+        .as_array()
+        .expect("seeds")
+        .iter()
+        .map(|s| s.as_u64().expect("seed"))
+        .collect::<Vec<_>>();
+    let e = Expected::open(&root.join("expected.safetensors"));
+    for (p, seed) in seeds.iter().enumerate() {
+        let want = e.f32(&format!("p{p}.initial_latents")).expect("latents");
+        let got = torch_randn(want.len(), *seed, NoiseMath::AvxMathfun);
+        assert_bits_eq(&got, &want, &format!("p{p} seed {seed}"));
+    }
+}
+
+/// umT5 (`UMT5EncoderModel`, NF4 double quant, a position bias in every layer, the attention
+/// mask passed) on the pipeline's ids: the last hidden state and the prompt embeddings (cut to
+/// the prompt's tokens, zero-filled back), for the prompt and the negative prompt, resident and
+/// streamed through a small ring.
+fn umt5_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::exec::ExecOptions;
+    use nibble_core::models::t5::{self, UmT5Encoder};
+    use nibble_core::plan::Budgets;
+    let root = fixture("tiny-wan-pipeline");
+    let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/text_encoder"))
+        .expect("text encoder");
+    let e = Expected::open(&root.join("expected.safetensors"));
+    for streamed in [false, true] {
+        for p in ["p0", "p1"] {
+            for side in ["", "neg_"] {
+                let what = format!("{label} streamed={streamed} {p} {side}");
+                let ids: Vec<u32> = i64s(&e.bytes(&format!("{p}.{side}input_ids")).expect("ids"))
+                    .into_iter()
+                    .map(|i| i as u32)
+                    .collect();
+                let mask = i64s(&e.bytes(&format!("{p}.{side}attention_mask")).expect("mask"));
+                let len = mask.iter().filter(|&&v| v == 1).count();
+                let mut b = make();
+                let (g, cfg) = t5::build_with(&m, ids.len(), true).expect("graph");
+                assert!(cfg.per_layer_bias, "umt5 has a bias in every layer");
+                let device_bytes = if streamed {
+                    nibble_core::plan::min_device_bytes(&g, &m, &mut b).expect("min")
+                } else {
+                    1 << 30
+                };
+                let o = ExecOptions {
+                    budgets: Budgets {
+                        device_bytes,
+                        ring_slots: 2,
+                        slot_bytes: 64 << 10,
+                        host_tier_bytes: 0,
+                    },
+                    readers: 2,
+                    stream_all: streamed,
+                    naive: false,
+                };
+                let mut enc = UmT5Encoder::new(&m, b, ids.len(), o).expect("umt5");
+                let (states, stats) = enc.forward(&ids, len).expect("forward");
+                if streamed {
+                    assert!(stats.stream.bytes > 0, "{what}: streamed");
+                }
+                let want = e
+                    .f32(&format!("{p}.{side}text_encoder_last_hidden_state"))
+                    .expect("states");
+                let err = max_err_rel_to_max(&states, &want);
+                assert!(err <= 1e-5, "{what}: hidden states {err:e} x max");
+                let embeds = t5::prompt_embeds(states, len, cfg.d_model);
+                let name = if side.is_empty() {
+                    "prompt_embeds"
+                } else {
+                    "negative_prompt_embeds"
+                };
+                let want = e.f32(&format!("{p}.{name}")).expect("embeds");
+                let err = max_err_rel_to_max(&embeds, &want);
+                assert!(err <= 1e-5, "{what}: {name} {err:e} x max");
+                println!("{what}: hidden states and {name} {err:.2e} x max");
+            }
+        }
+    }
+}
+
+#[test]
+fn umt5_matches_transformers_on_cpu_ref() {
+    umt5_on(nibble_core::backend::cpu_ref::CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn umt5_matches_transformers_on_cpu() {
+    umt5_on(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn umt5_matches_transformers_on_wgpu() {
+    if wgpu_or_absent("umt5").is_none() {
+        return;
+    }
+    umt5_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
