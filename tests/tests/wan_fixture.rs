@@ -160,3 +160,128 @@ fn umt5_matches_transformers_on_wgpu() {
     }
     umt5_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// The Wan transformer's rotary tables equal diffusers' (`trace_dit_rope_cos/sin`, whose pairs
+/// repeat each value twice).
+#[test]
+fn wan_rotary_tables_are_diffusers() {
+    use nibble_core::models::wan::{patch_grid, rope_tables, WanConfig};
+    let root = fixture("tiny-wan-pipeline");
+    let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/transformer"))
+        .expect("transformer");
+    let cfg = WanConfig::of(&m).expect("config");
+    let e = Expected::open(&root.join("expected.safetensors"));
+    let grid = patch_grid(&cfg, (3, 6, 8)).expect("grid");
+    let (cos, sin) = rope_tables(&cfg, grid).expect("tables");
+    for (got, name) in [(cos, "cos"), (sin, "sin")] {
+        let want: Vec<f32> = e
+            .f32(&format!("p0.trace_dit_rope_{name}"))
+            .expect("trace")
+            .into_iter()
+            .step_by(2)
+            .collect();
+        assert_bits_eq(&got, &want, name);
+    }
+}
+
+/// Wan's whole guided denoise loop against diffusers' run: the transformer (NF4, both guidance
+/// sequences in one pass over the weights) in the shared denoise loop with UniPC, from the
+/// recorded prompt embeddings and initial latents: every step's two predictions and latents,
+/// and a guided step reads each weight byte once.
+fn wan_loop_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::exec::{ExecOptions, Executor};
+    use nibble_core::models::denoise::{DenoiseLoop, DenoiseModel};
+    use nibble_core::models::wan::{self, WanTransformer};
+    use nibble_core::plan::Budgets;
+    let root = fixture("tiny-wan-pipeline");
+    let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/transformer"))
+        .expect("transformer");
+    let sched = UniPcConfig::from_json(
+        "scheduler_config.json",
+        &read_json(&root.join("pipeline/scheduler/scheduler_config.json")),
+    )
+    .expect("scheduler");
+    let e = Expected::open(&root.join("expected.safetensors"));
+    let get = |n: &str| e.f32(n).unwrap_or_else(|| panic!("{n} missing"));
+    let dims = (3, 6, 8);
+    for streamed in [false, true] {
+        for p in ["p0", "p1"] {
+            let what = format!("{label} streamed={streamed} {p}");
+            let mut text = get(&format!("{p}.prompt_embeds"));
+            text.extend(get(&format!("{p}.negative_prompt_embeds")));
+            let cfg = wan::WanConfig::of(&m).expect("config");
+            let t = text.len() / 2 / cfg.text_dim;
+            let (gf, gh, gw) = wan::patch_grid(&cfg, dims).expect("grid");
+            let wg = wan::build(&m, gf * gh * gw, t, 2).expect("graph");
+            let mut b = make();
+            let device_bytes = if streamed {
+                nibble_core::plan::min_device_bytes(&wg.graph, &m, &mut b).expect("min")
+            } else {
+                1 << 30
+            };
+            let o = ExecOptions {
+                budgets: Budgets {
+                    device_bytes,
+                    ring_slots: 2,
+                    slot_bytes: 64 << 10,
+                    host_tier_bytes: 0,
+                },
+                readers: 2,
+                stream_all: streamed,
+                naive: false,
+            };
+            let ex = Executor::new(wg.graph, &m, b, o).expect("executor");
+            let per_step = ex.plan().streamed_bytes_per_step;
+            let model = WanTransformer::new(ex, wg.config, dims, text, Some(5.0)).expect("model");
+            let u = UniPc::new(sched.clone(), 4).expect("unipc");
+            let mut run = DenoiseLoop::new(model, u, get(&format!("{p}.initial_latents")));
+            let mut worst = 0f64;
+            for k in 0..4 {
+                // The two predictions of this step, from the same pass.
+                let x = run.latent().to_vec();
+                let ts = run.sampler().timestep(k);
+                let inputs = run.model().step_inputs(&x, ts).expect("inputs");
+                let (out, _) = run.model_mut().executor_mut().step(&inputs).expect("pass");
+                let (cond, uncond) = run.model().predictions(out).expect("predictions");
+                for (got, name) in [(cond, "cond"), (uncond.expect("uncond"), "uncond")] {
+                    let want = get(&format!("{p}.noise_pred_{name}_step{k}"));
+                    let err = max_err_rel_to_max(&got, &want);
+                    worst = worst.max(err);
+                    assert!(err <= 1e-4, "{what} step {k} {name}: {err:e} x max");
+                }
+                let s = run.step().expect("step").expect("a step");
+                if streamed {
+                    assert_eq!(
+                        s.stats.stream.bytes, per_step,
+                        "{what}: a guided step reads the streamed weights once"
+                    );
+                }
+                let err = max_err_rel_to_max(run.latent(), &get(&format!("{p}.latents_step{k}")));
+                worst = worst.max(err);
+                assert!(err <= 1e-4, "{what} step {k} latents: {err:e} x max");
+            }
+            assert!(run.step().expect("done").is_none());
+            let err = max_err_rel_to_max(run.latent(), &get(&format!("{p}.final_latents")));
+            assert!(err <= 1e-4, "{what}: final latents {err:e} x max");
+            println!("{what}: worst {worst:.2e} x max, final latents {err:.2e} x max");
+        }
+    }
+}
+
+#[test]
+fn wan_guided_loop_matches_diffusers_on_cpu_ref() {
+    wan_loop_on(nibble_core::backend::cpu_ref::CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn wan_guided_loop_matches_diffusers_on_cpu() {
+    wan_loop_on(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn wan_guided_loop_matches_diffusers_on_wgpu() {
+    if wgpu_or_absent("wan").is_none() {
+        return;
+    }
+    wan_loop_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}

@@ -22,6 +22,7 @@ pub mod t5;
 #[cfg(feature = "text")]
 pub mod text;
 pub mod vae;
+pub mod wan;
 
 use crate::error::Result;
 use crate::io::model::ModelIndex;
