@@ -72,6 +72,8 @@ pub struct Graph {
     pub(crate) programs: Vec<Program>,
     /// The first value declared with a shape no run can hold.
     pub(crate) invalid: Option<String>,
+    /// Per (group, tensor): its dense weight value (a group loads a tensor into one value).
+    pub(crate) dense: std::collections::HashMap<(usize, String), ValueId>,
 }
 
 impl Default for Graph {
@@ -91,6 +93,7 @@ impl Default for Graph {
                 outputs: Vec::new(),
             }],
             invalid: None,
+            dense: Default::default(),
         }
     }
 }
@@ -177,15 +180,29 @@ impl Graph {
         v
     }
 
-    /// A dense model tensor (F32/F16/BF16 on disk) as an f32 value of `shape`.
+    /// A dense model tensor (F32/F16/BF16 on disk) as an f32 value of `shape`. Declared again
+    /// in the same group, it is the same value (a group loads each tensor once, into one
+    /// value); again with another shape, the graph is invalid (reshape the value instead).
     pub fn dense_weight(&mut self, group: usize, tensor: &str, shape: &[usize]) -> ValueId {
-        self.value(
+        let key = (group, tensor.to_string());
+        if let Some(&v) = self.dense.get(&key) {
+            if self.values[v.0].shape != shape && self.invalid.is_none() {
+                self.invalid = Some(format!(
+                    "{tensor}: declared as {:?} and as {shape:?} in one group",
+                    self.values[v.0].shape
+                ));
+            }
+            return v;
+        }
+        let v = self.value(
             ValueInfo::f32(shape),
             Source::Dense {
                 tensor: tensor.to_string(),
                 group,
             },
-        )
+        );
+        self.dense.insert(key, v);
+        v
     }
 
     /// A value that persists across steps and programs (a KV cache), zero at the start and
@@ -367,5 +384,32 @@ impl Graph {
             }
         }
         uses
+    }
+}
+
+#[cfg(test)]
+mod dense_tests {
+    use super::*;
+
+    #[test]
+    fn a_dense_tensor_declared_twice_in_a_group_is_one_value() {
+        let mut g = Graph::new();
+        let grp = g.group("g");
+        let a = g.dense_weight(grp, "w", &[2, 3]);
+        g.program("other");
+        let b = g.dense_weight(grp, "w", &[2, 3]);
+        assert_eq!(a, b, "the same value in both programs");
+        let other = g.group("h");
+        assert_ne!(
+            g.dense_weight(other, "w", &[2, 3]),
+            a,
+            "another group's own value"
+        );
+        assert!(g.invalid.is_none());
+        g.dense_weight(grp, "w", &[6]);
+        assert!(g
+            .invalid
+            .as_deref()
+            .is_some_and(|e| e.contains("declared as")));
     }
 }
