@@ -285,3 +285,81 @@ fn wan_guided_loop_matches_diffusers_on_wgpu() {
     }
     wan_loop_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// The Wan VAE's decoder, latent frame by latent frame with its caches in the arena, on the
+/// pipeline's final latents: `vae_input` from the latents' mean and std, then the video
+/// (`video_f32`, clamped) within 1e-4 x max, resident and streamed.
+fn wan_vae_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::exec::ExecOptions;
+    use nibble_core::models::wan::vae::{self, WanVaeDecoder};
+    use nibble_core::plan::Budgets;
+    let root = fixture("tiny-wan-pipeline");
+    let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/vae")).expect("vae");
+    let e = Expected::open(&root.join("expected.safetensors"));
+    let get = |n: &str| e.f32(n).unwrap_or_else(|| panic!("{n} missing"));
+    for streamed in [false, true] {
+        for p in ["p0", "p1"] {
+            let what = format!("{label} streamed={streamed} {p}");
+            let (g, cfg) = vae::build(&m, 6, 8).expect("graph");
+            let z = cfg.decoder_input(&get(&format!("{p}.final_latents")));
+            assert_bits_eq(&z, &get(&format!("{p}.vae_input")), "vae_input");
+            let mut b = make();
+            let device_bytes = if streamed {
+                nibble_core::plan::min_device_bytes(&g, &m, &mut b).expect("min")
+            } else {
+                1 << 30
+            };
+            let o = ExecOptions {
+                budgets: Budgets {
+                    device_bytes,
+                    ring_slots: 2,
+                    slot_bytes: 64 << 10,
+                    host_tier_bytes: 0,
+                },
+                readers: 2,
+                stream_all: streamed,
+                naive: false,
+            };
+            let mut dec = WanVaeDecoder::new(&m, b, (6, 8), o).expect("decoder");
+            let video = dec.decode(&z).expect("decode");
+            let want = get(&format!("{p}.video_f32"));
+            let err = max_err_rel_to_max(&video, &want);
+            assert!(err <= 1e-4, "{what}: video {err:e} x max");
+            let frames = vae::frames_u8(&video, (3, 9, 48, 64)).expect("frames");
+            let want_u8 = e.bytes(&format!("{p}.video_u8")).expect("u8");
+            let off = frames
+                .iter()
+                .zip(&want_u8)
+                .map(|(a, b)| a.abs_diff(*b))
+                .collect::<Vec<_>>();
+            let equal = off.iter().filter(|&&d| d == 0).count() as f64 / off.len() as f64;
+            assert!(
+                off.iter().all(|&d| d <= 1) && equal >= 0.99,
+                "{what}: 8-bit frames differ by up to {:?}, {equal} equal",
+                off.iter().max()
+            );
+            println!(
+                "{what}: video {err:.2e} x max, 8-bit frames {:.4} equal",
+                equal
+            );
+        }
+    }
+}
+
+#[test]
+fn wan_vae_matches_diffusers_on_cpu_ref() {
+    wan_vae_on(nibble_core::backend::cpu_ref::CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn wan_vae_matches_diffusers_on_cpu() {
+    wan_vae_on(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn wan_vae_matches_diffusers_on_wgpu() {
+    if wgpu_or_absent("wan vae").is_none() {
+        return;
+    }
+    wan_vae_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}

@@ -8,7 +8,9 @@
 mod config;
 mod graph;
 mod transformer;
+pub mod vae;
 
 pub use config::WanConfig;
 pub use graph::{build, WanGraph};
 pub use transformer::{patch_grid, patchify, rope_tables, unpatchify, WanTransformer};
+pub use vae::{WanVaeConfig, WanVaeDecoder};
