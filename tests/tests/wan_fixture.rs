@@ -363,3 +363,43 @@ fn wan_vae_matches_diffusers_on_wgpu() {
     }
     wan_vae_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
+
+/// The ids the text encoder gets: the pipeline's prompt cleaning, the umT5 tokenizer, `</s>`
+/// kept when truncated, `<pad>` after; and the mask's length. No negative prompt is `""`.
+#[test]
+fn prompt_ids_are_the_pipelines() {
+    use nibble_core::models::flux::tokens::T5Tokenizer;
+    use nibble_core::models::wan::text::prompt_ids;
+    let root = fixture("tiny-wan-pipeline");
+    let tok = T5Tokenizer::from_json(
+        &std::fs::read(root.join("pipeline/tokenizer/tokenizer.json")).expect("tokenizer"),
+    )
+    .expect("tokenizer");
+    let manifest = read_json(&root.join("manifest.json"));
+    let e = Expected::open(&root.join("expected.safetensors"));
+    for (i, pr) in manifest["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .enumerate()
+    {
+        let p = format!("p{i}");
+        for (side, text) in [
+            ("", pr["text"].as_str().unwrap_or_default()),
+            ("neg_", pr["negative_prompt"].as_str().unwrap_or_default()),
+        ] {
+            let want: Vec<u32> = i64s(&e.bytes(&format!("{p}.{side}input_ids")).expect("ids"))
+                .into_iter()
+                .map(|v| v as u32)
+                .collect();
+            let mask = i64s(&e.bytes(&format!("{p}.{side}attention_mask")).expect("mask"));
+            let (ids, len) = prompt_ids(&tok, text, want.len()).expect("ids");
+            assert_eq!(ids, want, "{p} {side}ids");
+            assert_eq!(
+                len,
+                mask.iter().filter(|&&m| m == 1).count(),
+                "{p} {side}length"
+            );
+        }
+    }
+}

@@ -7,6 +7,8 @@
 
 mod config;
 mod graph;
+#[cfg(feature = "text")]
+pub mod text;
 mod transformer;
 pub mod vae;
 
