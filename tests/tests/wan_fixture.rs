@@ -403,3 +403,129 @@ fn prompt_ids_are_the_pipelines() {
         }
     }
 }
+
+/// The whole pipeline folder, prompt to frames, as diffusers' `WanPipeline.__call__` with the
+/// fixture's call: ids, noise, every step's latents, the video within 1e-4 x max and the 8-bit
+/// frames within 1, for both prompts (the second without a negative prompt).
+#[test]
+fn the_pipeline_folder_makes_diffusers_video() {
+    use nibble_core::exec::ExecOptions;
+    use nibble_core::models::pipeline::Pipeline;
+    use nibble_core::models::wan::pipeline::{WanPipeline, WanRequest};
+    use nibble_core::plan::Budgets;
+    let root = fixture("tiny-wan-pipeline");
+    let pipe = WanPipeline::open(&root.join("pipeline").to_string_lossy(), Default::default())
+        .expect("open");
+    let manifest = read_json(&root.join("manifest.json"));
+    let run = &manifest["run"];
+    let e = Expected::open(&root.join("expected.safetensors"));
+    let get = |n: &str| e.f32(n).unwrap_or_else(|| panic!("{n} missing"));
+    for (i, pr) in manifest["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .enumerate()
+    {
+        let p = format!("p{i}");
+        let req = WanRequest {
+            prompt: pr["text"].as_str().expect("text").to_string(),
+            negative_prompt: pr["negative_prompt"].as_str().map(str::to_string),
+            height: run["height"].as_u64().expect("h") as usize,
+            width: run["width"].as_u64().expect("w") as usize,
+            frames: run["num_frames"].as_u64().expect("frames") as usize,
+            steps: run["num_inference_steps"].as_u64().expect("steps") as usize,
+            guidance: run["guidance_scale"].as_f64().expect("g") as f32,
+            seed: pr["generator_seed"].as_u64().expect("seed"),
+            max_sequence_length: run["max_sequence_length"].as_u64().expect("msl") as usize,
+        };
+        let mut prepared = pipe.prepare(&req).expect("prepare");
+        assert_bits_eq(
+            &prepared.latents,
+            &get(&format!("{p}.initial_latents")),
+            "noise",
+        );
+        let opts = ExecOptions {
+            budgets: Budgets {
+                device_bytes: 1 << 30,
+                ring_slots: 2,
+                slot_bytes: 1 << 20,
+                host_tier_bytes: 0,
+            },
+            readers: 2,
+            stream_all: false,
+            naive: false,
+        };
+        let mut b = nibble_core::backend::cpu::CpuBackend::new();
+        let plans = pipe.plans(&mut prepared, &mut b, opts).expect("plans");
+        assert_eq!(plans.len(), 3, "text encoder, transformer, VAE");
+        let mut phases = Vec::new();
+        let out = pipe
+            .run(&prepared, b, opts, |ev| {
+                if let nibble_core::models::pipeline::Event::PhaseDone { phase, .. } = ev {
+                    phases.push(phase)
+                }
+            })
+            .expect("run");
+        assert_eq!(phases, ["text encoder", "transformer", "VAE"]);
+        for name in ["prompt_embeds", "final_latents", "vae_input", "video_f32"] {
+            let (_, got) = &out.tensors[name];
+            let err = max_err_rel_to_max(got, &get(&format!("{p}.{name}")));
+            assert!(err <= 1e-4, "{p} {name}: {err:e} x max");
+        }
+        let want_u8 = e.bytes(&format!("{p}.video_u8")).expect("u8");
+        assert_eq!(out.rgb.len(), want_u8.len());
+        let worst = out
+            .rgb
+            .iter()
+            .zip(&want_u8)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max();
+        assert!(worst <= Some(1), "{p}: 8-bit frames differ by {worst:?}");
+        assert_eq!((out.frames, out.height, out.width), (9, 48, 64));
+    }
+}
+
+/// Sizes and frame counts the model cannot take are refused, saying what would work.
+#[test]
+fn bad_sizes_and_frame_counts_say_what_works() {
+    use nibble_core::models::pipeline::Pipeline;
+    use nibble_core::models::wan::pipeline::{WanPipeline, WanRequest};
+    let root = fixture("tiny-wan-pipeline");
+    let pipe = WanPipeline::open(&root.join("pipeline").to_string_lossy(), Default::default())
+        .expect("open");
+    let base = WanRequest {
+        prompt: "a fox".into(),
+        height: 48,
+        width: 64,
+        frames: 9,
+        steps: 2,
+        max_sequence_length: 16,
+        ..Default::default()
+    };
+    for (req, want) in [
+        (
+            WanRequest {
+                frames: 8,
+                ..base.clone()
+            },
+            "4k + 1 frames (for example 5 or 9)",
+        ),
+        (
+            WanRequest {
+                height: 40,
+                ..base.clone()
+            },
+            "multiple of 16",
+        ),
+        (
+            WanRequest {
+                steps: 0,
+                ..base.clone()
+            },
+            "denoising steps",
+        ),
+    ] {
+        let e = pipe.prepare(&req).expect_err(want).to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}

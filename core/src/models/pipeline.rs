@@ -9,6 +9,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::exec::ExecOptions;
 use crate::graph::Graph;
+use crate::io::folder::ModelFolder;
 use crate::io::model::ModelIndex;
 use crate::models::denoise::DenoiseStep;
 use crate::models::Drive;
@@ -176,4 +177,108 @@ pub fn plan_phases<B: Backend>(
         }
     }
     Ok(out)
+}
+
+/// Small files (configs, tokenizers) are read whole up to this size.
+pub(crate) const SMALL: u64 = 64 << 20;
+
+/// The bytes of `name` in `folder` (a small file), or the error naming it.
+pub(crate) async fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
+    folder
+        .read_small(name, SMALL)
+        .await?
+        .ok_or_else(|| folder.missing(name))
+}
+
+/// `name` in `folder` as JSON.
+pub(crate) async fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
+    let bytes = read(folder, name).await?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Model {
+        file: folder.locate(name),
+        msg: e.to_string(),
+    })
+}
+
+/// Checks `model_index.json`: a `class` pipeline with exactly the `components` (name and the
+/// classes nibble computes for it); any other component must be absent (null).
+pub fn check_components(
+    file: &str,
+    json: &serde_json::Value,
+    class: &str,
+    components: &[(&str, &[&str])],
+) -> Result<()> {
+    let bad = |msg: String| Error::Model {
+        file: file.to_string(),
+        msg,
+    };
+    let obj = json
+        .as_object()
+        .ok_or_else(|| bad("not a JSON object".into()))?;
+    match obj.get("_class_name").and_then(|v| v.as_str()) {
+        Some(c) if c == class => {}
+        other => return Err(bad(format!("_class_name {other:?}: not a {class} folder"))),
+    }
+    for (name, classes) in components {
+        let found = obj
+            .get(*name)
+            .and_then(|v| v.as_array())
+            .and_then(|a| a.get(1))
+            .and_then(|v| v.as_str());
+        match found {
+            Some(c) if classes.contains(&c) => {}
+            Some(c) => return Err(bad(format!("{name} is a {c}: not supported ({classes:?})"))),
+            None => return Err(bad(format!("no {name} component"))),
+        }
+    }
+    for (name, v) in obj {
+        let known = name.starts_with('_') || components.iter().any(|(n, _)| n == name);
+        let null = v.is_null() || v.as_array().is_some_and(|a| a.iter().all(|x| x.is_null()));
+        let setting = !v.is_array();
+        if !known && !null && !setting {
+            return Err(bad(format!("component {name} ({v}) is not supported")));
+        }
+    }
+    Ok(())
+}
+
+/// The pipeline class a folder's `model_index.json` names, where it has one (a folder or URL).
+#[cfg(feature = "native")]
+pub fn pipeline_class(root: &str) -> Option<String> {
+    let (_, folder) = folders(root, Default::default());
+    let top = folder("").ok()?;
+    let bytes = crate::io::folder::block_on(top.read_small("model_index.json", SMALL)).ok()??;
+    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    json.get("_class_name")?.as_str().map(str::to_string)
+}
+
+/// A pipeline folder's root (without a trailing `/`) and the folders of its components (`""`:
+/// the root), local or by URL.
+#[cfg(feature = "native")]
+#[allow(clippy::type_complexity)]
+pub fn folders(
+    root: &str,
+    mode: crate::io::file::FileReadMode,
+) -> (
+    String,
+    impl Fn(&str) -> Result<std::sync::Arc<dyn ModelFolder>>,
+) {
+    let url = root.starts_with("http://") || root.starts_with("https://");
+    let root = root.trim_end_matches('/').to_string();
+    let base = root.clone();
+    let folder = move |sub: &str| -> Result<std::sync::Arc<dyn ModelFolder>> {
+        let at = if sub.is_empty() {
+            base.clone()
+        } else {
+            format!("{base}/{sub}")
+        };
+        Ok(if url {
+            std::sync::Arc::new(crate::io::http::HttpFolder::new(&at, Default::default()))
+        } else {
+            std::sync::Arc::new(crate::io::file::LocalFolder::new(
+                std::path::Path::new(&at),
+                mode,
+            )?)
+        })
+    };
+    (root, folder)
 }

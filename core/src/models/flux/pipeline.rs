@@ -34,9 +34,6 @@ const COMPONENTS: [(&str, &[&str]); 7] = [
     ("vae", &["AutoencoderKL"]),
 ];
 
-/// Small files are read whole up to this size.
-const SMALL: u64 = 64 << 20;
-
 /// An opened pipeline folder: configs, tokenizers and the four models' indexes (headers only;
 /// no weight byte is read until a phase runs).
 pub struct FluxPipeline {
@@ -69,104 +66,20 @@ impl std::fmt::Debug for FluxPipeline {
 /// Checks `model_index.json`: a FluxPipeline with exactly the components nibble computes (the
 /// optional image encoder and feature extractor absent).
 pub fn check_model_index(file: &str, json: &serde_json::Value) -> Result<()> {
-    let bad = |msg: String| Error::Model {
-        file: file.to_string(),
-        msg,
-    };
-    let obj = json
-        .as_object()
-        .ok_or_else(|| bad("not a JSON object".into()))?;
-    match obj.get("_class_name").and_then(|v| v.as_str()) {
-        Some("FluxPipeline") => {}
-        other => {
-            return Err(bad(format!(
-                "_class_name {other:?}: only FluxPipeline folders are run"
-            )))
-        }
-    }
-    for (name, classes) in COMPONENTS {
-        let class = obj
-            .get(name)
-            .and_then(|v| v.as_array())
-            .and_then(|a| a.get(1))
-            .and_then(|v| v.as_str());
-        match class {
-            Some(c) if classes.contains(&c) => {}
-            Some(c) => return Err(bad(format!("{name} is a {c}: not supported ({classes:?})"))),
-            None => return Err(bad(format!("no {name} component"))),
-        }
-    }
-    for (name, v) in obj {
-        let known = name.starts_with('_') || COMPONENTS.iter().any(|(n, _)| n == name);
-        let null = v.as_array().is_some_and(|a| a.iter().all(|x| x.is_null()));
-        if !known && !null {
-            return Err(bad(format!("component {name} ({v}) is not supported")));
-        }
-    }
-    Ok(())
+    check_components(file, json, "FluxPipeline", &COMPONENTS)
 }
 
-#[cfg(feature = "native")]
-use crate::io::folder::block_on;
 use crate::io::folder::ModelFolder;
-
-async fn read(folder: &dyn ModelFolder, name: &str) -> Result<Vec<u8>> {
-    folder
-        .read_small(name, SMALL)
-        .await?
-        .ok_or_else(|| folder.missing(name))
-}
-
-async fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<serde_json::Value> {
-    let bytes = read(folder, name).await?;
-    serde_json::from_slice(&bytes).map_err(|e| Error::Model {
-        file: folder.locate(name),
-        msg: e.to_string(),
-    })
-}
+use crate::models::pipeline::{check_components, read, read_json, SMALL};
 
 impl FluxPipeline {
-    /// Whether `root` (a folder or URL) holds a `model_index.json`.
-    #[cfg(feature = "native")]
-    pub fn is_pipeline(root: &str) -> bool {
-        if root.starts_with("http://") || root.starts_with("https://") {
-            let f =
-                crate::io::http::HttpFolder::new(root.trim_end_matches('/'), Default::default());
-            matches!(
-                block_on(f.read_small("model_index.json", SMALL)),
-                Ok(Some(_))
-            )
-        } else {
-            std::path::Path::new(root)
-                .join("model_index.json")
-                .is_file()
-        }
-    }
-
     /// Opens a pipeline folder, locally or by URL: the configs and tokenizers are read and
     /// checked, the models' headers indexed. Anything nibble does not compute is refused here,
     /// before a weight byte is read.
     #[cfg(feature = "native")]
     pub fn open(root: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
-        let url = root.starts_with("http://") || root.starts_with("https://");
-        let root = root.trim_end_matches('/').to_string();
-        let base = root.clone();
-        let folder = move |sub: &str| -> Result<std::sync::Arc<dyn ModelFolder>> {
-            let at = if sub.is_empty() {
-                base.clone()
-            } else {
-                format!("{base}/{sub}")
-            };
-            Ok(if url {
-                std::sync::Arc::new(crate::io::http::HttpFolder::new(&at, Default::default()))
-            } else {
-                std::sync::Arc::new(crate::io::file::LocalFolder::new(
-                    std::path::Path::new(&at),
-                    mode,
-                )?)
-            })
-        };
-        block_on(Self::open_in(&root, &folder))
+        let (root, folder) = crate::models::pipeline::folders(root, mode);
+        crate::io::folder::block_on(Self::open_in(&root, &folder))
     }
 
     /// [`FluxPipeline::open`] over the folders `folder` gives for the root (`""`) and each

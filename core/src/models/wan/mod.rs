@@ -8,6 +8,8 @@
 mod config;
 mod graph;
 #[cfg(feature = "text")]
+pub mod pipeline;
+#[cfg(feature = "text")]
 pub mod text;
 mod transformer;
 pub mod vae;

@@ -540,6 +540,8 @@ pub struct WanVaeDecoder<B: crate::backend::Backend> {
     cfg: WanVaeConfig,
     dims: (usize, usize),
     next_frame: usize,
+    event_loop: bool,
+    streamed: u64,
 }
 
 impl<B: crate::backend::Backend> std::fmt::Debug for WanVaeDecoder<B> {
@@ -553,20 +555,59 @@ impl<B: crate::backend::Backend> std::fmt::Debug for WanVaeDecoder<B> {
 
 impl<B: crate::backend::Backend> WanVaeDecoder<B> {
     /// Plans and allocates the decoder for `h x w` latent frames and loads its resident weights.
+    #[cfg(feature = "native")]
     pub fn new(
+        model: &ModelIndex,
+        backend: B,
+        dims: (usize, usize),
+        opts: crate::exec::ExecOptions,
+    ) -> Result<Self> {
+        crate::io::folder::block_on(Self::open(
+            model,
+            backend,
+            dims,
+            opts,
+            &crate::models::Drive::Blocking,
+        ))
+    }
+
+    /// [`WanVaeDecoder::new`], reading as `drive` says (the browser awaits).
+    pub async fn open(
         model: &ModelIndex,
         backend: B,
         (h, w): (usize, usize),
         opts: crate::exec::ExecOptions,
+        drive: &crate::models::Drive<'_>,
     ) -> Result<Self> {
         let (graph, cfg) = build(model, h, w)?;
-        let ex = crate::exec::Executor::new(graph, model, backend, opts)?;
+        let ex = match drive {
+            crate::models::Drive::Blocking => {
+                crate::exec::Executor::new(graph, model, backend, opts)?
+            }
+            crate::models::Drive::EventLoop(maker) => {
+                let mut make = maker(model);
+                crate::exec::Executor::with_source_async(graph, model, backend, opts, &mut make)
+                    .await?
+            }
+        };
         Ok(WanVaeDecoder {
             ex,
             cfg,
             dims: (h, w),
             next_frame: 0,
+            event_loop: matches!(drive, crate::models::Drive::EventLoop(_)),
+            streamed: 0,
         })
+    }
+
+    /// Weight bytes streamed so far.
+    pub fn bytes_streamed(&self) -> u64 {
+        self.streamed
+    }
+
+    /// The backend back, its device memory released.
+    pub fn into_backend(self) -> B {
+        self.ex.into_parts().0
     }
 
     /// The executor (plan, backend).
@@ -581,7 +622,16 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
 
     /// Decodes the next latent frame `[z, h, w]` (de-normalized): its video frames
     /// `[t, out, 8h, 8w]` (1 for the first latent frame, 4 after), not clamped.
+    #[cfg(feature = "native")]
     pub fn decode_frame(&mut self, z: &[f32]) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
+        crate::io::folder::block_on(self.decode_frame_async(z))
+    }
+
+    /// [`WanVaeDecoder::decode_frame`], awaiting the result on an event loop.
+    pub async fn decode_frame_async(
+        &mut self,
+        z: &[f32],
+    ) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
         let (h, w) = self.dims;
         let p = if self.next_frame == 0 {
             "first"
@@ -597,7 +647,12 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
             crate::graph::HostTensor::f32(&[self.cfg.z_dim, h, w], z.to_vec())?,
             crate::graph::HostTensor::u32(&[1], vec![0])?,
         ];
-        let (out, stats) = self.ex.step_program(prog, &inputs)?;
+        let (out, stats) = if self.event_loop {
+            self.ex.step_program_async(prog, &inputs).await?
+        } else {
+            self.ex.step_program(prog, &inputs)?
+        };
+        self.streamed += stats.stream.bytes;
         let v = out
             .into_iter()
             .next()
@@ -613,7 +668,13 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
     /// Decodes a whole latent video `[z, f, h, w]` (de-normalized) frame by frame into the
     /// video `[out, frames, 8h, 8w]`, clamped to [-1, 1] as diffusers' `decode` returns it; the
     /// caches start from zero.
+    #[cfg(feature = "native")]
     pub fn decode(&mut self, z: &[f32]) -> Result<Vec<f32>> {
+        crate::io::folder::block_on(self.decode_async(z))
+    }
+
+    /// [`WanVaeDecoder::decode`], awaiting the frames on an event loop.
+    pub async fn decode_async(&mut self, z: &[f32]) -> Result<Vec<f32>> {
         let (h, w) = self.dims;
         let plane = h * w;
         let zc = self.cfg.z_dim;
@@ -626,6 +687,8 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
         let frames = z.len() / (zc * plane);
         self.ex.reset_state()?;
         self.next_frame = 0;
+        // No read runs ahead into a frame that will not come.
+        self.ex.limit_stream_passes(frames as u64);
         let s = self.cfg.spatial_scale();
         let (oh, ow, oc) = (h * s, w * s, self.cfg.out_channels);
         let total = self.cfg.frames(frames);
@@ -638,7 +701,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
                     z[start..start + plane].iter().copied()
                 })
                 .collect();
-            let (out, _) = self.decode_frame(&frame)?;
+            let (out, _) = self.decode_frame_async(&frame).await?;
             let t = out.len() / (oc * oh * ow);
             for k in 0..t {
                 for c in 0..oc {

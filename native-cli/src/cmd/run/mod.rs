@@ -21,8 +21,13 @@ pub use options::RunArgs;
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
 pub fn run(o: &RunArgs) -> Result<()> {
     check_outputs(o)?;
-    if nibble_core::models::flux::pipeline::FluxPipeline::is_pipeline(&o.model) {
-        return flux::run(o);
+    match nibble_core::models::pipeline::pipeline_class(&o.model).as_deref() {
+        Some("WanPipeline") => bail!(
+            "{}: a WanPipeline folder (text to video); `nibble run` does not make videos yet",
+            o.model
+        ),
+        Some(_) => return flux::run(o),
+        None => {}
     }
     let d = &o.dit;
     if d.latents.is_some() || d.embed_cache.is_some() || d.intermediates.is_some() {

@@ -1,0 +1,439 @@
+//! A diffusers `WanPipeline` folder (Wan 2.1 text to video) run as `WanPipeline.__call__` runs
+//! it (diffusers 0.42): the prompt (and the negative prompt, `""` when none is given) cleaned,
+//! tokenized and encoded by umT5, the embeddings cut to each prompt's tokens and zero-filled;
+//! torch-compatible initial noise `[z, F', H/8, W/8]`; the guided UniPC denoise loop of the
+//! transformer (both sequences through one pass over the weights); the latents de-normalized
+//! and decoded by the causal VAE latent frame by latent frame, clamped. Three phases, each
+//! planned before any weight byte is read, each releasing its device memory before the next.
+
+use std::collections::BTreeMap;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::exec::{ExecOptions, Executor};
+use crate::io::folder::ModelFolder;
+use crate::io::model::ModelIndex;
+use crate::models::denoise::DenoiseLoop;
+use crate::models::flux::noise::{torch_randn, NoiseMath};
+use crate::models::flux::tokens::T5Tokenizer;
+use crate::models::pipeline::{check_components, read_json, Event, PhaseGraph, Pipeline, SMALL};
+use crate::models::scheduler::{UniPc, UniPcConfig};
+use crate::models::t5::{self, UmT5Encoder};
+use crate::models::Drive;
+
+use super::text::prompt_ids;
+use super::vae::{self, WanVaeConfig, WanVaeDecoder};
+use super::{patch_grid, WanConfig, WanTransformer};
+
+/// The components a Wan 2.1 folder lists in `model_index.json`, with the classes nibble
+/// computes.
+const COMPONENTS: [(&str, &[&str]); 5] = [
+    ("scheduler", &["UniPCMultistepScheduler"]),
+    ("text_encoder", &["UMT5EncoderModel"]),
+    ("tokenizer", &["T5TokenizerFast", "T5Tokenizer"]),
+    ("transformer", &["WanTransformer3DModel"]),
+    ("vae", &["AutoencoderKLWan"]),
+];
+
+/// An opened Wan folder: configs, the tokenizer, the three models' indexes (headers only).
+pub struct WanPipeline {
+    /// The folder as given.
+    pub root: String,
+    /// The scheduler's settings.
+    pub scheduler: UniPcConfig,
+    /// The umT5 tokenizer.
+    pub tokenizer: T5Tokenizer,
+    /// `text_encoder/`.
+    pub text_encoder: ModelIndex,
+    /// `transformer/`.
+    pub transformer: ModelIndex,
+    /// `vae/`.
+    pub vae: ModelIndex,
+    /// The transformer's config.
+    pub config: WanConfig,
+    /// The VAE's config.
+    pub vae_config: WanVaeConfig,
+}
+
+impl std::fmt::Debug for WanPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WanPipeline")
+            .field("root", &self.root)
+            .finish()
+    }
+}
+
+/// What a run asks for; the defaults are `WanPipeline.__call__`'s (diffusers 0.42).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WanRequest {
+    /// The prompt.
+    pub prompt: String,
+    /// The negative prompt (`None`: `""`).
+    pub negative_prompt: Option<String>,
+    /// Pixels high (divisible by 16).
+    pub height: usize,
+    /// Pixels wide (divisible by 16).
+    pub width: usize,
+    /// Frames (4k + 1).
+    pub frames: usize,
+    /// Denoising steps.
+    pub steps: usize,
+    /// Guidance scale (above 1: guided).
+    pub guidance: f32,
+    /// Seed of the initial noise (`torch.Generator("cpu").manual_seed`).
+    pub seed: u64,
+    /// Tokens of each prompt.
+    pub max_sequence_length: usize,
+}
+
+impl Default for WanRequest {
+    fn default() -> Self {
+        WanRequest {
+            prompt: String::new(),
+            negative_prompt: None,
+            height: 480,
+            width: 832,
+            frames: 81,
+            steps: 50,
+            guidance: 5.0,
+            seed: 0,
+            max_sequence_length: 512,
+        }
+    }
+}
+
+/// A request made concrete: ids, the latent's size, the initial noise.
+#[derive(Debug, Clone)]
+pub struct WanPrepared {
+    /// The prompt's ids and how many are the prompt's.
+    pub ids: (Vec<u32>, usize),
+    /// The negative prompt's, where guided.
+    pub negative: Option<(Vec<u32>, usize)>,
+    /// The latent's (frames, height, width).
+    pub dims: (usize, usize, usize),
+    /// The initial latents `[z, F', H', W']`.
+    pub latents: Vec<f32>,
+    /// Steps.
+    pub steps: usize,
+    /// Guidance scale.
+    pub guidance: f32,
+}
+
+/// The video and the tensors diffusers names along the way.
+#[derive(Debug, Clone)]
+pub struct WanOutput {
+    /// Frames.
+    pub frames: usize,
+    /// Pixels high.
+    pub height: usize,
+    /// Pixels wide.
+    pub width: usize,
+    /// 8-bit RGB frames `[frames, height, width, 3]`.
+    pub rgb: Vec<u8>,
+    /// `input_ids`, `prompt_embeds`, `negative_prompt_embeds`, `initial_latents`, `sigmas`,
+    /// `latents_step{k}`, `final_latents`, `vae_input`, `video_f32`: shape and float32 values.
+    pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+impl WanPipeline {
+    /// Opens a folder, locally or by URL: configs and the tokenizer read and checked, the
+    /// models' headers indexed; what nibble does not compute is refused before a weight byte
+    /// is read.
+    #[cfg(feature = "native")]
+    pub fn open(root: &str, mode: crate::io::file::FileReadMode) -> Result<Self> {
+        let (root, folder) = crate::models::pipeline::folders(root, mode);
+        crate::io::folder::block_on(Self::open_in(&root, &folder))
+    }
+
+    /// [`WanPipeline::open`] over the folders `folder` gives for the root and each component.
+    pub async fn open_in(
+        root: &str,
+        folder: &dyn Fn(&str) -> Result<std::sync::Arc<dyn ModelFolder>>,
+    ) -> Result<Self> {
+        let top = folder("")?;
+        let top = top.as_ref();
+        let index = read_json(top, "model_index.json").await?;
+        let file = top.locate("model_index.json");
+        check_components(&file, &index, "WanPipeline", &COMPONENTS)?;
+        let bad = |msg: &str| Error::Model {
+            file: file.clone(),
+            msg: msg.into(),
+        };
+        if index.get("expand_timesteps").and_then(|v| v.as_bool()) == Some(true) {
+            return Err(bad(
+                "expand_timesteps: Wan 2.2's per-token timesteps are not supported",
+            ));
+        }
+        if index.get("boundary_ratio").is_some_and(|v| !v.is_null()) {
+            return Err(bad(
+                "boundary_ratio: Wan 2.2's two transformers are not supported",
+            ));
+        }
+        let sched = "scheduler/scheduler_config.json";
+        let scheduler = UniPcConfig::from_json(&top.locate(sched), &read_json(top, sched).await?)?;
+        let tokenizer = match top.read_small("tokenizer/tokenizer.json", SMALL).await? {
+            Some(b) => T5Tokenizer::from_json(&b)?,
+            None => {
+                return Err(Error::Model {
+                    file: top.locate("tokenizer/tokenizer.json"),
+                    msg: "missing: umT5's tokenizer is read from tokenizer.json".into(),
+                })
+            }
+        };
+        let open = |c: &'static str| async move {
+            let mut m = crate::io::model::open_model(folder(c)?, None).await?;
+            m.root = format!("{}/{c}", root.trim_end_matches('/'));
+            Ok::<_, Error>(m)
+        };
+        let transformer = open("transformer").await?;
+        let vae = open("vae").await?;
+        Ok(WanPipeline {
+            scheduler,
+            tokenizer,
+            text_encoder: open("text_encoder").await?,
+            config: WanConfig::of(&transformer)?,
+            vae_config: WanVaeConfig::of(&vae)?,
+            transformer,
+            vae,
+            root: root.trim_end_matches('/').to_string(),
+        })
+    }
+
+    /// The latent's (frames, height, width) for a request's size: the errors say what works.
+    pub fn latent_dims(&self, req: &WanRequest) -> Result<(usize, usize, usize)> {
+        let s = self.vae_config.spatial_scale();
+        let (pt, ph, pw) = self.config.patch;
+        let (sh, sw) = (s * ph, s * pw);
+        if req.height == 0 || req.width == 0 || req.height % sh != 0 || req.width % sw != 0 {
+            return Err(Error::Invalid(format!(
+                "{} x {} pixels: height must be a multiple of {sh} and width of {sw} (the VAE's \
+                 {s} times the patch); for example {} x {}",
+                req.height,
+                req.width,
+                (req.height / sh).max(1) * sh,
+                (req.width / sw).max(1) * sw
+            )));
+        }
+        let per = self.vae_config.frames(2) - 1;
+        if req.frames == 0 || (req.frames - 1) % per != 0 {
+            let k = req.frames.saturating_sub(1) / per;
+            return Err(Error::Invalid(format!(
+                "{} frames: a Wan video has {per}k + 1 frames (for example {} or {})",
+                req.frames,
+                per * k + 1,
+                per * (k + 1) + 1
+            )));
+        }
+        let f = (req.frames - 1) / per + 1;
+        if f % pt != 0 {
+            return Err(Error::Invalid(format!(
+                "{} latent frames are not a whole number of {pt}-frame patches",
+                f
+            )));
+        }
+        Ok((f, req.height / s, req.width / s))
+    }
+}
+
+impl Pipeline for WanPipeline {
+    type Request = WanRequest;
+    type Prepared = WanPrepared;
+    type Output = WanOutput;
+
+    fn prepare(&self, req: &WanRequest) -> Result<WanPrepared> {
+        let dims = self.latent_dims(req)?;
+        if req.steps == 0 || req.steps > crate::models::scheduler::MAX_STEPS {
+            return Err(Error::Invalid(format!(
+                "{} denoising steps: between 1 and {}",
+                req.steps,
+                crate::models::scheduler::MAX_STEPS
+            )));
+        }
+        if !req.guidance.is_finite() {
+            return Err(Error::Invalid(format!(
+                "guidance {} is not finite",
+                req.guidance
+            )));
+        }
+        let msl = req.max_sequence_length;
+        if msl == 0 || msl > 1 << 16 {
+            return Err(Error::Invalid(format!(
+                "max_sequence_length {msl}: between 1 and 65536"
+            )));
+        }
+        let ids = prompt_ids(&self.tokenizer, &req.prompt, msl)?;
+        let negative = (req.guidance > 1.0)
+            .then(|| {
+                prompt_ids(
+                    &self.tokenizer,
+                    req.negative_prompt.as_deref().unwrap_or(""),
+                    msl,
+                )
+            })
+            .transpose()?;
+        let n = self.config.in_channels * dims.0 * dims.1 * dims.2;
+        crate::io::machine::check_alloc(n as u64 * 4, "the initial latents")?;
+        Ok(WanPrepared {
+            ids,
+            negative,
+            dims,
+            latents: torch_randn(n, req.seed, NoiseMath::AvxMathfun),
+            steps: req.steps,
+            guidance: req.guidance,
+        })
+    }
+
+    fn graphs(&self, p: &WanPrepared) -> Result<Vec<PhaseGraph<'_>>> {
+        let (gf, gh, gw) = patch_grid(&self.config, p.dims)?;
+        let b = if p.negative.is_some() { 2 } else { 1 };
+        Ok(vec![
+            (
+                "text encoder",
+                t5::build_with(&self.text_encoder, p.ids.0.len(), true)?.0,
+                &self.text_encoder,
+            ),
+            (
+                "transformer",
+                super::build(&self.transformer, gf * gh * gw, p.ids.0.len(), b)?.graph,
+                &self.transformer,
+            ),
+            (
+                "VAE",
+                vae::build(&self.vae, p.dims.1, p.dims.2)?.0,
+                &self.vae,
+            ),
+        ])
+    }
+
+    async fn run_with<B: Backend, F: FnMut(Event<'_>)>(
+        &self,
+        p: &WanPrepared,
+        backend: B,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+        mut on: F,
+    ) -> Result<(WanOutput, B)> {
+        let mut tensors = BTreeMap::new();
+        let t = p.ids.0.len();
+        let ids_f32 = |v: &[u32]| v.iter().map(|&i| i as f32).collect::<Vec<_>>();
+        tensors.insert("input_ids".into(), (vec![1, t], ids_f32(&p.ids.0)));
+        let done = |on: &mut F, phase: &'static str, t0: web_time::Instant, bytes: u64| {
+            on(Event::PhaseDone {
+                phase,
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+                bytes_streamed: bytes,
+            })
+        };
+
+        on(Event::PhaseStart {
+            phase: "text encoder",
+        });
+        let t0 = web_time::Instant::now();
+        let mut enc = UmT5Encoder::open(&self.text_encoder, backend, t, opts, drive).await?;
+        let sides = 1 + usize::from(p.negative.is_some());
+        enc.limit_passes(sides as u64);
+        let d = enc.config().d_model;
+        let (states, st) = enc.forward_async(&p.ids.0, p.ids.1).await?;
+        let mut bytes = st.stream.bytes;
+        let mut text = t5::prompt_embeds(states, p.ids.1, d);
+        tensors.insert("prompt_embeds".into(), (vec![1, t, d], text.clone()));
+        if let Some((ids, len)) = &p.negative {
+            tensors.insert("neg_input_ids".into(), (vec![1, t], ids_f32(ids)));
+            let (states, st) = enc.forward_async(ids, *len).await?;
+            bytes += st.stream.bytes;
+            let neg = t5::prompt_embeds(states, *len, d);
+            tensors.insert(
+                "negative_prompt_embeds".into(),
+                (vec![1, t, d], neg.clone()),
+            );
+            text.extend(neg);
+        }
+        let backend = enc.into_backend();
+        done(&mut on, "text encoder", t0, bytes);
+
+        on(Event::PhaseStart {
+            phase: "transformer",
+        });
+        let t0 = web_time::Instant::now();
+        let (f, h, w) = p.dims;
+        let zc = self.config.in_channels;
+        tensors.insert(
+            "initial_latents".into(),
+            (vec![1, zc, f, h, w], p.latents.clone()),
+        );
+        let (gf, gh, gw) = patch_grid(&self.config, p.dims)?;
+        let wg = super::build(&self.transformer, gf * gh * gw, t, sides)?;
+        let mut ex = match drive {
+            Drive::Blocking => Executor::new(wg.graph, &self.transformer, backend, opts)?,
+            Drive::EventLoop(maker) => {
+                let mut make = maker(&self.transformer);
+                Executor::with_source_async(wg.graph, &self.transformer, backend, opts, &mut make)
+                    .await?
+            }
+        };
+        ex.limit_stream_passes(p.steps as u64);
+        let guidance = p.negative.as_ref().map(|_| p.guidance);
+        let model = WanTransformer::new(ex, wg.config, p.dims, text, guidance)?;
+        let sampler = UniPc::new(self.scheduler.clone(), p.steps)?;
+        tensors.insert(
+            "sigmas".into(),
+            (
+                vec![p.steps + 1],
+                crate::models::scheduler::FlowSampler::sigmas(&sampler).to_vec(),
+            ),
+        );
+        let mut run = DenoiseLoop::new(model, sampler, p.latents.clone());
+        let mut streamed = 0;
+        loop {
+            let s = match drive {
+                Drive::Blocking => run.step()?,
+                Drive::EventLoop(_) => run.step_async().await?,
+            };
+            let Some(s) = s else { break };
+            streamed += s.stats.stream.bytes;
+            tensors.insert(
+                format!("latents_step{}", s.step - 1),
+                (vec![1, zc, f, h, w], run.latent().to_vec()),
+            );
+            on(Event::Step {
+                step: s.step,
+                steps: p.steps,
+                info: &s,
+            });
+        }
+        let (model, latents) = run.into_parts();
+        let backend = crate::models::denoise::DenoiseModel::into_executor(model)
+            .into_parts()
+            .0;
+        done(&mut on, "transformer", t0, streamed);
+        tensors.insert(
+            "final_latents".into(),
+            (vec![1, zc, f, h, w], latents.clone()),
+        );
+
+        on(Event::PhaseStart { phase: "VAE" });
+        let t0 = web_time::Instant::now();
+        let z = self.vae_config.decoder_input(&latents);
+        tensors.insert("vae_input".into(), (vec![1, zc, f, h, w], z.clone()));
+        let mut dec = WanVaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
+        let video = dec.decode_async(&z).await?;
+        let bytes = dec.bytes_streamed();
+        let backend = dec.into_backend();
+        done(&mut on, "VAE", t0, bytes);
+        let s = self.vae_config.spatial_scale();
+        let (frames, oh, ow) = (self.vae_config.frames(f), h * s, w * s);
+        let oc = self.vae_config.out_channels;
+        let rgb = vae::frames_u8(&video, (oc, frames, oh, ow))?;
+        tensors.insert("video_f32".into(), (vec![1, oc, frames, oh, ow], video));
+        Ok((
+            WanOutput {
+                frames,
+                height: oh,
+                width: ow,
+                rgb,
+                tensors,
+            },
+            backend,
+        ))
+    }
+}
