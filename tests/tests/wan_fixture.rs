@@ -14,6 +14,32 @@ fn i64s(bytes: &[u8]) -> Vec<i64> {
         .collect()
 }
 
+/// Every weight resident, or (`streamed`) every group streamed through two 64 KiB slots at the
+/// smallest device budget.
+fn run_opts<B: nibble_core::backend::Backend>(
+    g: &nibble_core::graph::Graph,
+    m: &nibble_core::io::model::ModelIndex,
+    b: &mut B,
+    streamed: bool,
+) -> nibble_core::exec::ExecOptions {
+    let device_bytes = if streamed {
+        nibble_core::plan::min_device_bytes(g, m, b).expect("min")
+    } else {
+        1 << 30
+    };
+    nibble_core::exec::ExecOptions {
+        budgets: nibble_core::plan::Budgets {
+            device_bytes,
+            ring_slots: 2,
+            slot_bytes: 64 << 10,
+            host_tier_bytes: 0,
+        },
+        readers: 2,
+        stream_all: streamed,
+        naive: false,
+    }
+}
+
 #[test]
 fn unipc_reproduces_every_step_of_diffusers_wan_run() {
     let root = fixture("tiny-wan-pipeline");
@@ -82,9 +108,7 @@ fn seeded_latents_are_torchs() {
 /// the prompt's tokens, zero-filled back), for the prompt and the negative prompt, resident and
 /// streamed through a small ring.
 fn umt5_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
-    use nibble_core::exec::ExecOptions;
     use nibble_core::models::t5::{self, UmT5Encoder};
-    use nibble_core::plan::Budgets;
     let root = fixture("tiny-wan-pipeline");
     let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/text_encoder"))
         .expect("text encoder");
@@ -102,22 +126,7 @@ fn umt5_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label:
                 let mut b = make();
                 let (g, cfg) = t5::build_with(&m, ids.len(), true).expect("graph");
                 assert!(cfg.per_layer_bias, "umt5 has a bias in every layer");
-                let device_bytes = if streamed {
-                    nibble_core::plan::min_device_bytes(&g, &m, &mut b).expect("min")
-                } else {
-                    1 << 30
-                };
-                let o = ExecOptions {
-                    budgets: Budgets {
-                        device_bytes,
-                        ring_slots: 2,
-                        slot_bytes: 64 << 10,
-                        host_tier_bytes: 0,
-                    },
-                    readers: 2,
-                    stream_all: streamed,
-                    naive: false,
-                };
+                let o = run_opts(&g, &m, &mut b, streamed);
                 let mut enc = UmT5Encoder::new(&m, b, ids.len(), o).expect("umt5");
                 let (states, stats) = enc.forward(&ids, len).expect("forward");
                 if streamed {
@@ -189,10 +198,9 @@ fn wan_rotary_tables_are_diffusers() {
 /// recorded prompt embeddings and initial latents: every step's two predictions and latents,
 /// and a guided step reads each weight byte once.
 fn wan_loop_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
-    use nibble_core::exec::{ExecOptions, Executor};
+    use nibble_core::exec::Executor;
     use nibble_core::models::denoise::{DenoiseLoop, DenoiseModel};
     use nibble_core::models::wan::{self, WanTransformer};
-    use nibble_core::plan::Budgets;
     let root = fixture("tiny-wan-pipeline");
     let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/transformer"))
         .expect("transformer");
@@ -214,22 +222,7 @@ fn wan_loop_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, la
             let (gf, gh, gw) = wan::patch_grid(&cfg, dims).expect("grid");
             let wg = wan::build(&m, gf * gh * gw, t, 2).expect("graph");
             let mut b = make();
-            let device_bytes = if streamed {
-                nibble_core::plan::min_device_bytes(&wg.graph, &m, &mut b).expect("min")
-            } else {
-                1 << 30
-            };
-            let o = ExecOptions {
-                budgets: Budgets {
-                    device_bytes,
-                    ring_slots: 2,
-                    slot_bytes: 64 << 10,
-                    host_tier_bytes: 0,
-                },
-                readers: 2,
-                stream_all: streamed,
-                naive: false,
-            };
+            let o = run_opts(&wg.graph, &m, &mut b, streamed);
             let ex = Executor::new(wg.graph, &m, b, o).expect("executor");
             let per_step = ex.plan().streamed_bytes_per_step;
             let model = WanTransformer::new(ex, wg.config, dims, text, Some(5.0)).expect("model");
@@ -290,9 +283,7 @@ fn wan_guided_loop_matches_diffusers_on_wgpu() {
 /// pipeline's final latents: `vae_input` from the latents' mean and std, then the video
 /// (`video_f32`, clamped) within 1e-4 x max, resident and streamed.
 fn wan_vae_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
-    use nibble_core::exec::ExecOptions;
     use nibble_core::models::wan::vae::{self, WanVaeDecoder};
-    use nibble_core::plan::Budgets;
     let root = fixture("tiny-wan-pipeline");
     let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/vae")).expect("vae");
     let e = Expected::open(&root.join("expected.safetensors"));
@@ -304,22 +295,7 @@ fn wan_vae_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, lab
             let z = cfg.decoder_input(&get(&format!("{p}.final_latents")));
             assert_bits_eq(&z, &get(&format!("{p}.vae_input")), "vae_input");
             let mut b = make();
-            let device_bytes = if streamed {
-                nibble_core::plan::min_device_bytes(&g, &m, &mut b).expect("min")
-            } else {
-                1 << 30
-            };
-            let o = ExecOptions {
-                budgets: Budgets {
-                    device_bytes,
-                    ring_slots: 2,
-                    slot_bytes: 64 << 10,
-                    host_tier_bytes: 0,
-                },
-                readers: 2,
-                stream_all: streamed,
-                naive: false,
-            };
+            let o = run_opts(&g, &m, &mut b, streamed);
             let mut dec = WanVaeDecoder::new(&m, b, (6, 8), o).expect("decoder");
             let video = dec.decode(&z).expect("decode");
             let want = get(&format!("{p}.video_f32"));

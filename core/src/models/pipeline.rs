@@ -199,6 +199,17 @@ pub(crate) async fn read_json(folder: &dyn ModelFolder, name: &str) -> Result<se
     })
 }
 
+/// Opens component `name` of the pipeline at `root` through `folder` (its index: headers only).
+pub(crate) async fn open_component(
+    folder: &dyn Fn(&str) -> Result<std::sync::Arc<dyn ModelFolder>>,
+    root: &str,
+    name: &str,
+) -> Result<ModelIndex> {
+    let mut m = crate::io::model::open_model(folder(name)?, None).await?;
+    m.root = format!("{}/{name}", root.trim_end_matches('/'));
+    Ok(m)
+}
+
 /// Checks `model_index.json`: a `class` pipeline with exactly the `components` (name and the
 /// classes nibble computes for it); any other component must be absent (null).
 pub fn check_components(

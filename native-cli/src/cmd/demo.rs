@@ -19,7 +19,6 @@ use clap::Args;
 use nibble_core::backend::Backend;
 use nibble_core::models::flux::noise::NoiseMath;
 use nibble_core::models::flux::pipeline::{FluxPipeline, FluxRequest, Noise, VaeTiling};
-use nibble_core::models::pipeline::Pipeline;
 use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth_flux::{write_pipeline, FluxSynthShape};
 use serde_json::json;
@@ -27,7 +26,7 @@ use serde_json::json;
 use crate::args::{
     budget, count_or_auto, size, size_or_auto, BackendArg, Budget, MemoryArgs, OrAuto,
 };
-use crate::cmd::run::flux::{generate, plans_json, write_png};
+use crate::cmd::run::flux::{generate, pipeline_options, plans_json, write_png};
 
 /// Options of `nibble demo`.
 #[derive(Debug, Clone, Args)]
@@ -157,12 +156,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             quiet,
             None,
             |pipe, prepared, backend| {
-                let phases = pipe.budget_graphs(prepared)?;
-                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-                let (o, note) = crate::cmd::run::exec_options(&memory, backend, &graphs)?;
-                if !quiet {
-                    eprintln!("{}", note.note);
-                }
+                let o = pipeline_options(&memory, pipe, prepared, backend, quiet)?;
                 opts = Some(o);
                 Ok(o)
             },

@@ -70,7 +70,7 @@ pub fn check_model_index(file: &str, json: &serde_json::Value) -> Result<()> {
 }
 
 use crate::io::folder::ModelFolder;
-use crate::models::pipeline::{check_components, read, read_json, SMALL};
+use crate::models::pipeline::{check_components, open_component, read, read_json, SMALL};
 
 impl FluxPipeline {
     /// Opens a pipeline folder, locally or by URL: the configs and tokenizers are read and
@@ -127,11 +127,7 @@ impl FluxPipeline {
                 })
             }
         };
-        let open = |c: &'static str| async move {
-            let mut m = crate::io::model::open_model(folder(c)?, None).await?;
-            m.root = format!("{}/{c}", root.trim_end_matches('/'));
-            Ok::<_, Error>(m)
-        };
+        let open = |c: &'static str| open_component(folder, root, c);
         Ok(FluxPipeline {
             scheduler,
             clip_tokenizer,

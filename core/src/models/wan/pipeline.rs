@@ -16,7 +16,9 @@ use crate::io::model::ModelIndex;
 use crate::models::denoise::DenoiseLoop;
 use crate::models::flux::noise::{torch_randn, NoiseMath};
 use crate::models::flux::tokens::T5Tokenizer;
-use crate::models::pipeline::{check_components, read_json, Event, PhaseGraph, Pipeline, SMALL};
+use crate::models::pipeline::{
+    check_components, open_component, read_json, Event, PhaseGraph, Pipeline, SMALL,
+};
 use crate::models::scheduler::{UniPc, UniPcConfig};
 use crate::models::t5::{self, UmT5Encoder};
 use crate::models::Drive;
@@ -180,11 +182,7 @@ impl WanPipeline {
                 })
             }
         };
-        let open = |c: &'static str| async move {
-            let mut m = crate::io::model::open_model(folder(c)?, None).await?;
-            m.root = format!("{}/{c}", root.trim_end_matches('/'));
-            Ok::<_, Error>(m)
-        };
+        let open = |c: &'static str| open_component(folder, root, c);
         let transformer = open("transformer").await?;
         let vae = open("vae").await?;
         Ok(WanPipeline {

@@ -255,6 +255,24 @@ pub fn bar(done: usize, total: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), "-".repeat(w - filled))
 }
 
+/// The executor options of a pipeline's run (core's budget decision over its phases, sized
+/// before what the budgets decide), the note printed unless `quiet`.
+pub fn pipeline_options<P: Pipeline, B: Backend>(
+    memory: &crate::args::MemoryArgs,
+    pipe: &P,
+    prepared: &P::Prepared,
+    backend: &mut B,
+    quiet: bool,
+) -> Result<ExecOptions> {
+    let phases = pipe.budget_graphs(prepared)?;
+    let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+    let (opts, note) = super::options::exec_options(memory, backend, &graphs)?;
+    if !quiet {
+        eprintln!("{}", note.note);
+    }
+    Ok(opts)
+}
+
 /// Each phase's plan, as `--json` reports it (the one plan shape, with its phase).
 pub fn plans_json(plans: &[(&'static str, MemoryPlan)]) -> serde_json::Value {
     plans.iter().map(|(phase, p)| p.phase_json(phase)).collect()
@@ -300,15 +318,7 @@ impl crate::backends::WithBackend for Run<'_> {
             label,
             quiet,
             o.dit.embed_cache.as_deref(),
-            |pipe, prepared, backend| {
-                let phases = pipe.budget_graphs(prepared)?;
-                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-                let (opts, note) = super::options::exec_options(&o.memory, backend, &graphs)?;
-                if !quiet {
-                    eprintln!("{}", note.note);
-                }
-                Ok(opts)
-            },
+            |pipe, prepared, backend| pipeline_options(&o.memory, pipe, prepared, backend, quiet),
         )?;
         let out = &g.out;
         if let Some(path) = &o.dit.out {
