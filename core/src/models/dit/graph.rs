@@ -6,11 +6,11 @@
 
 use crate::error::Result;
 use crate::graph::{Graph, ValueId};
-use crate::graph::{OpKind, Q4Info, RopeMode, ValueInfo};
+use crate::graph::{OpKind, RopeMode, ValueInfo};
 use crate::io::model::ModelIndex;
 use crate::models::dit::DitConfig;
 use crate::models::nn::{merge_heads, modulate, Attention};
-use crate::models::require_block;
+use crate::models::{require_block, W};
 
 /// Inputs in order: latent tokens `[N, in]`, text tokens `[T, joint]`, pooled `[pooled]`,
 /// timestep `[1]` (already x1000), guidance `[1]` (already x1000; only when the model has a
@@ -42,37 +42,15 @@ impl Builder<'_> {
         out: usize,
         inp: usize,
     ) -> Result<ValueId> {
-        let w = format!("{name}.weight");
-        let b = format!("{name}.bias");
-        let has_bias = self.model.get(&b).is_some();
-        let y = if let Some(k) = self.model.q4_key(&w)? {
-            let s = self.model.quant_state_json(k)?;
-            let q = self.g.q4_weight(
-                grp,
-                &w,
-                Q4Info {
-                    shape: vec![out, inp],
-                    blocksize: s.blocksize as usize,
-                },
-            );
-            if has_bias {
-                let bv = self.g.dense_weight(grp, &b, &[out]);
-                self.g
-                    .op(OpKind::LinearQ4 { bias: true }, &[x, bv], Some(q))?
-            } else {
-                self.g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(q))?
-            }
-        } else {
-            let wv = self.g.dense_weight(grp, &w, &[out, inp]);
-            if has_bias {
-                let bv = self.g.dense_weight(grp, &b, &[out]);
-                self.g
-                    .op(OpKind::Linear { bias: true }, &[x, wv, bv], None)?
-            } else {
-                self.g.op(OpKind::Linear { bias: false }, &[x, wv], None)?
-            }
-        };
-        Ok(y)
+        let w = W::load(
+            &mut self.g,
+            self.model,
+            grp,
+            &format!("{name}.weight"),
+            out,
+            inp,
+        )?;
+        w.apply(&mut self.g, x)
     }
 
     /// Chunk `i` of `n` of a `[1, n*d]` modulation vector, as `[d]`.
