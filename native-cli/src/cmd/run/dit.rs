@@ -111,15 +111,20 @@ pub(super) fn run<B: Backend>(
             d.height.unwrap_or(4),
             d.width.unwrap_or(4),
             d.text_len,
-            d.guidance,
+            d.guidance.unwrap_or(3.5),
             o.seed,
         )?,
     };
     let sigmas = match &resumed {
         Some(c) => c.sigmas.clone(),
-        None => schedule(d.steps, d.shift, d.dynamic_shift, inputs.image_tokens())?,
+        None => schedule(
+            d.steps.unwrap_or(28),
+            d.shift,
+            d.dynamic_shift,
+            inputs.image_tokens(),
+        )?,
     };
-    if resumed.is_none() && d.steps == 0 {
+    if resumed.is_none() && d.steps == Some(0) {
         bail!("--steps must be at least 1");
     }
     let graph = Denoiser::<B>::graph_for(model, &inputs)?;

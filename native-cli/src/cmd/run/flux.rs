@@ -10,8 +10,8 @@ use nibble_core::format::dtype::{f32_to_bytes, Dtype};
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::flux::noise::NoiseMath;
 use nibble_core::models::flux::pipeline::{Embeds, FluxPipeline, FluxRequest, Noise, Prepared};
-use nibble_core::models::pipeline::{Event, Pipeline};
-use nibble_core::plan::{fmt_bytes, MemoryPlan};
+use nibble_core::models::pipeline::Pipeline;
+use nibble_core::plan::MemoryPlan;
 use serde_json::json;
 
 use super::options::{NoiseArg, RunArgs, TilingArg};
@@ -39,6 +39,9 @@ pub fn run(o: &RunArgs) -> Result<()> {
         );
     }
     let d = &o.dit;
+    if d.frames.is_some() || d.negative_prompt.is_some() || d.frames_dir.is_some() {
+        bail!("--frames, --negative-prompt and --frames-dir are for a Wan folder (text to video)");
+    }
     let noise = match &d.latents {
         Some(path) => Noise::Latents(read_latents(path)?),
         None => Noise::Seed(
@@ -53,8 +56,8 @@ pub fn run(o: &RunArgs) -> Result<()> {
         prompt,
         height: d.height.unwrap_or(1024),
         width: d.width.unwrap_or(1024),
-        steps: d.steps,
-        guidance: d.guidance,
+        steps: d.steps.unwrap_or(28),
+        guidance: d.guidance.unwrap_or(3.5),
         max_sequence_length: d.max_sequence_length,
         noise,
         vae_tiling: match d.vae_tiling {
@@ -166,69 +169,15 @@ pub fn generate<B: Backend + 'static>(
             );
         }
     }
-    let mut phases = Vec::new();
-    let mut steps = Vec::new();
-    // The process's own memory before the first phase allocates (binary, libraries, driver
-    // state, the opened indexes): each phase's plan comes on top of it.
-    nibble_core::io::machine::reset_peak_rss();
-    let baseline = nibble_core::io::machine::rss_bytes().unwrap_or(0);
-    let mut peak = baseline;
-    let t_run = std::time::Instant::now();
-    let out = pipe.run(&prepared, backend, opts, |e| match e {
-        Event::PhaseStart { phase } => {
-            // Each phase's peak is its own.
-            nibble_core::io::machine::reset_peak_rss();
-            if !quiet {
-                eprintln!("{phase} ...");
-            }
-        }
-        Event::Cached { phase } => {
-            if !quiet {
-                eprintln!("{phase}: outputs from the embedding cache");
-            }
-            phases.push(json!({"phase": phase, "cached": true, "ms": 0.0,
-                               "bytes_streamed": 0}));
-        }
-        Event::Step {
-            step,
-            steps: n,
-            info,
-        } => {
-            if !quiet {
-                let done = t_run.elapsed().as_secs_f64();
-                eprintln!(
-                    "  {} step {step:>3}/{n}: {:>7.0} ms, {} streamed, stall {:.0} ms, RSS {} \
-                     ({:.0} s in)",
-                    bar(step, n),
-                    info.wall.as_secs_f64() * 1e3,
-                    fmt_bytes(info.stats.stream.bytes),
-                    info.stats.stream.stall.as_secs_f64() * 1e3,
-                    fmt_bytes(info.rss_bytes),
-                    done
-                );
-            }
-            steps.push(super::dit::step_row(info));
-        }
-        Event::PhaseDone {
-            phase,
-            ms,
-            bytes_streamed,
-        } => {
-            let rss = nibble_core::io::machine::peak_rss_bytes().unwrap_or(0);
-            peak = peak.max(rss);
-            if !quiet {
-                eprintln!(
-                    "{phase} done in {ms:.0} ms, {} streamed, peak RSS {}",
-                    fmt_bytes(bytes_streamed),
-                    fmt_bytes(rss)
-                );
-            }
-            phases.push(
-                json!({"phase": phase, "ms": ms, "bytes_streamed": bytes_streamed,
-                               "peak_rss_bytes": rss}),
-            );
-        }
-    })?;
+    let mut progress = super::progress::Progress::start(quiet);
+    let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
+    let super::progress::Progress {
+        phases,
+        steps,
+        baseline,
+        peak,
+        ..
+    } = progress;
     if let (Some(path), false) = (&cache, hit) {
         write_embeds(path, &out.tensors)?;
     }

@@ -8,6 +8,8 @@ pub mod flux;
 mod llm;
 mod options;
 mod plan;
+mod progress;
+mod wan;
 
 use anyhow::{bail, Result};
 use nibble_core::backend::Backend;
@@ -22,14 +24,18 @@ pub use options::RunArgs;
 pub fn run(o: &RunArgs) -> Result<()> {
     check_outputs(o)?;
     match nibble_core::models::pipeline::pipeline_class(&o.model).as_deref() {
-        Some("WanPipeline") => bail!(
-            "{}: a WanPipeline folder (text to video); `nibble run` does not make videos yet",
-            o.model
-        ),
+        Some("WanPipeline") => return wan::run(o),
         Some(_) => return flux::run(o),
         None => {}
     }
     let d = &o.dit;
+    if d.frames.is_some() || d.negative_prompt.is_some() || d.frames_dir.is_some() {
+        bail!(
+            "--frames, --negative-prompt and --frames-dir are for a Wan folder \
+             (model_index.json naming WanPipeline); {} is not one",
+            o.model
+        );
+    }
     if d.latents.is_some() || d.embed_cache.is_some() || d.intermediates.is_some() {
         bail!(
             "--latents, --embed-cache and --intermediates are for a Flux pipeline folder \
@@ -98,6 +104,7 @@ fn check_outputs(o: &RunArgs) -> Result<()> {
             &with_resume,
         ),
         ("--embed-cache", o.dit.embed_cache.as_deref(), &with_resume),
+        ("--frames-dir", o.dit.frames_dir.as_deref(), &with_resume),
         // Checkpointing over the checkpoint resumed from is how a long run is continued.
         ("--checkpoint", o.dit.checkpoint.as_deref(), &inputs),
     ];

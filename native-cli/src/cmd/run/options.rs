@@ -86,23 +86,33 @@ pub struct LlmArgs {
     pub logits_out: Option<PathBuf>,
 }
 
-/// Denoising with a Flux-style DiT, alone or in a Flux pipeline folder.
+/// Denoising with a Flux-style DiT, alone or in a Flux pipeline folder, and text to video from a
+/// Wan folder.
 #[derive(Debug, Clone, Args)]
-#[command(next_help_heading = "DiTs and Flux pipelines")]
+#[command(next_help_heading = "DiTs, Flux pipelines and Wan video")]
 pub struct DitArgs {
-    /// Denoising steps.
-    #[arg(long, default_value_t = 28)]
-    pub steps: usize,
+    /// Denoising steps [default: 28; 50 for a Wan folder].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// A Wan folder's frames (4k + 1) [default: 81].
+    #[arg(long)]
+    pub frames: Option<usize>,
+    /// A Wan folder's negative prompt (none: "", as diffusers).
+    #[arg(long, value_name = "TEXT")]
+    pub negative_prompt: Option<String>,
+    /// A Wan folder's video as PNG frames in this folder (frame_0000.png, ...).
+    #[arg(long, value_name = "DIR")]
+    pub frames_dir: Option<PathBuf>,
     /// Inputs (hidden_states, encoder_hidden_states, pooled_projections, guidance, img_ids,
     /// txt_ids); random from --seed otherwise.
     #[arg(long, value_name = "FILE")]
     pub inputs: Option<PathBuf>,
-    /// A pipeline's image height in pixels [default: 1024]; a lone DiT's latent grid height in
-    /// tokens (random inputs) [default: 4].
+    /// A pipeline's image height in pixels [default: 1024; 480 for a Wan folder]; a lone DiT's
+    /// latent grid height in tokens (random inputs) [default: 4].
     #[arg(long)]
     pub height: Option<usize>,
-    /// A pipeline's image width in pixels [default: 1024]; a lone DiT's latent grid width in
-    /// tokens (random inputs) [default: 4].
+    /// A pipeline's image width in pixels [default: 1024; 832 for a Wan folder]; a lone DiT's
+    /// latent grid width in tokens (random inputs) [default: 4].
     #[arg(long)]
     pub width: Option<usize>,
     /// A pipeline's T5 tokens (diffusers' `max_sequence_length`).
@@ -136,9 +146,10 @@ pub struct DitArgs {
     /// Text tokens (random inputs).
     #[arg(long, default_value_t = 8)]
     pub text_len: usize,
-    /// Guidance scale (random inputs).
-    #[arg(long, default_value_t = 3.5, value_parser = crate::args::finite_f32)]
-    pub guidance: f32,
+    /// Guidance scale [default: 3.5 (embedded, Flux); 5.0 for a Wan folder (classifier-free,
+    /// off at 1 or below)].
+    #[arg(long, value_parser = crate::args::finite_f32)]
+    pub guidance: Option<f32>,
     /// Static schedule shift (1: none).
     #[arg(long, default_value_t = 1.0, value_parser = crate::args::finite)]
     pub shift: f64,

@@ -1,0 +1,192 @@
+//! `nibble run` on the tiny-wan-pipeline folder (written by diffusers itself) with the recorded
+//! call: the PNG frames against diffusers' 8-bit frames, the intermediates against its tensors,
+//! the JSON report, resident and with every group streamed through a small ring; and what a Wan
+//! folder refuses.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nibble_core::io::model::ModelIndex;
+
+fn root() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/tiny-wan-pipeline");
+    assert!(p.is_dir(), "shared fixture missing at {}", p.display());
+    p
+}
+
+fn manifest() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(root().join("manifest.json")).expect("manifest"))
+        .expect("json")
+}
+
+/// Runs the recorded call for prompt `i` with `extra` flags; returns the JSON report.
+fn run(i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
+    let m = manifest();
+    let pr = &m["prompts"][i];
+    let r = &m["run"];
+    let s = |v: &serde_json::Value| v.to_string();
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--model".into(),
+        root().join("pipeline").display().to_string(),
+        "--prompt".into(),
+        pr["text"].as_str().expect("text").into(),
+        "--height".into(),
+        s(&r["height"]),
+        "--width".into(),
+        s(&r["width"]),
+        "--frames".into(),
+        s(&r["num_frames"]),
+        "--steps".into(),
+        s(&r["num_inference_steps"]),
+        "--guidance".into(),
+        s(&r["guidance_scale"]),
+        "--max-sequence-length".into(),
+        s(&r["max_sequence_length"]),
+        "--seed".into(),
+        s(&pr["generator_seed"]),
+        "--frames-dir".into(),
+        dir.join("frames").display().to_string(),
+        "--intermediates".into(),
+        dir.join("i.safetensors").display().to_string(),
+        "--json".into(),
+    ];
+    if let Some(neg) = pr["negative_prompt"].as_str() {
+        args.extend(["--negative-prompt".to_string(), neg.to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(&args)
+        .output()
+        .expect("run nibble");
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).expect("one JSON object")
+}
+
+fn check(i: usize, extra: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().expect("tmp");
+    let v = run(i, dir.path(), extra);
+    let e = ModelIndex::open(&root().join("expected.safetensors")).expect("expected");
+    let want = e
+        .read_bytes(e.require(&format!("p{i}.video_u8")).expect("u8"))
+        .expect("bytes");
+    assert_eq!(
+        (v["frames"].as_u64(), v["width"].as_u64()),
+        (Some(9), Some(64))
+    );
+    let mut got = Vec::new();
+    for k in 0..9 {
+        let f = std::fs::File::open(dir.path().join(format!("frames/frame_{k:04}.png")))
+            .expect("frame");
+        let mut r = png::Decoder::new(std::io::BufReader::new(f))
+            .read_info()
+            .expect("png");
+        let mut buf = vec![0u8; r.output_buffer_size()];
+        let info = r.next_frame(&mut buf).expect("frame");
+        assert_eq!((info.width, info.height), (64, 48));
+        got.extend_from_slice(&buf[..info.buffer_size()]);
+    }
+    assert_eq!(got.len(), want.len());
+    let worst = got.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max();
+    let equal = got.iter().zip(&want).filter(|(a, b)| a == b).count() as f64 / got.len() as f64;
+    assert!(
+        worst <= Some(1) && equal >= 0.99,
+        "p{i}: frames off by up to {worst:?}, {equal} equal"
+    );
+    let inter = ModelIndex::open(&dir.path().join("i.safetensors")).expect("intermediates");
+    for name in ["final_latents", "video_f32"] {
+        let got = inter
+            .read_f32(inter.require(name).expect(name))
+            .expect("f32");
+        let want = e
+            .read_f32(e.require(&format!("p{i}.{name}")).expect(name))
+            .expect("f32");
+        let max = want.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64))
+            / max;
+        assert!(err <= 1e-4, "p{i} {name}: {err:e} x max");
+    }
+    let phases: Vec<&str> = v["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .map(|p| p["phase"].as_str().expect("name"))
+        .collect();
+    assert_eq!(phases, ["text encoder", "transformer", "VAE"]);
+    assert_eq!(v["steps"].as_array().map(Vec::len), Some(4));
+    v
+}
+
+#[test]
+fn prompt_to_frames_equals_diffusers_resident() {
+    for i in 0..2 {
+        check(i, &["--backend", "cpu"]);
+    }
+}
+
+/// Streamed through a ring of two 64 KiB slots: the same frames, and every denoising step (a
+/// guided one: both sequences) reads the transformer's streamed weights once.
+#[test]
+fn prompt_to_frames_equals_diffusers_streamed() {
+    let v = check(
+        0,
+        &[
+            "--backend",
+            "cpu",
+            "--stream-all",
+            "--slots",
+            "2",
+            "--slot-size",
+            "64KiB",
+        ],
+    );
+    let plan = v["plans"]
+        .as_array()
+        .expect("plans")
+        .iter()
+        .find(|p| p["phase"] == "transformer")
+        .expect("transformer plan");
+    let per = plan["streamed_bytes_per_step"].as_u64().expect("bytes");
+    assert!(per > 0, "the transformer streams");
+    for s in v["steps"].as_array().expect("steps") {
+        assert_eq!(s["bytes_streamed"].as_u64(), Some(per), "{s}");
+    }
+}
+
+/// What a Wan folder refuses, each with a clear one-line error.
+#[test]
+fn a_wan_folder_refuses_what_it_cannot_do() {
+    let model = root().join("pipeline").display().to_string();
+    for (extra, want) in [
+        (
+            vec!["--frames", "8", "--frames-dir", "/tmp/x"],
+            "4k + 1 frames",
+        ),
+        (vec!["--out", "v.mp4"], "MP4 output is not built yet"),
+        (vec![], "--frames-dir"),
+        (vec!["--prompt-ids", "1,2"], "--prompt TEXT"),
+    ] {
+        let mut args = vec!["run", "--model", &model];
+        if !extra.contains(&"--prompt-ids") {
+            args.extend(["--prompt", "a fox"]);
+        }
+        args.extend(extra.iter().copied());
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(&args)
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
