@@ -197,13 +197,6 @@ pub fn generate<B: Backend + 'static>(
     })
 }
 
-/// A progress bar of `done` of `total`.
-pub fn bar(done: usize, total: usize) -> String {
-    let w = 24;
-    let filled = (done * w).div_ceil(total.max(1)).min(w);
-    format!("[{}{}]", "#".repeat(filled), "-".repeat(w - filled))
-}
-
 /// The executor options of a pipeline's run (core's budget decision over its phases, sized
 /// before what the budgets decide), the note printed unless `quiet`.
 pub fn pipeline_options<P: Pipeline, B: Backend>(

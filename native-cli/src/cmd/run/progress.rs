@@ -64,7 +64,7 @@ impl Progress {
                     eprintln!(
                         "  {} step {step:>3}/{n}: {:>7.0} ms, {} streamed, stall {:.0} ms, RSS {} \
                          ({:.0} s in)",
-                        super::flux::bar(step, n),
+                        bar(step, n),
                         info.wall.as_secs_f64() * 1e3,
                         fmt_bytes(info.stats.stream.bytes),
                         info.stats.stream.stall.as_secs_f64() * 1e3,
@@ -93,4 +93,11 @@ impl Progress {
             }
         }
     }
+}
+
+/// A progress bar of `done` of `total`.
+pub fn bar(done: usize, total: usize) -> String {
+    let w = 24;
+    let filled = (done * w).div_ceil(total.max(1)).min(w);
+    format!("[{}{}]", "#".repeat(filled), "-".repeat(w - filled))
 }
