@@ -174,3 +174,29 @@ pub fn cuda_or_absent(what: &str) -> Option<nibble_cuda::CudaBackend> {
         }
     }
 }
+
+/// Every weight resident (a 1 GiB device budget), or (`streamed`) every group streamed through
+/// two 64 KiB slots at the smallest device budget: the two placements the fixture tests run.
+pub fn run_opts<B: nibble_core::backend::Backend>(
+    g: &nibble_core::graph::Graph,
+    m: &ModelIndex,
+    b: &mut B,
+    streamed: bool,
+) -> nibble_core::exec::ExecOptions {
+    let device_bytes = if streamed {
+        nibble_core::plan::min_device_bytes(g, m, b).expect("min device budget")
+    } else {
+        1 << 30
+    };
+    nibble_core::exec::ExecOptions {
+        budgets: nibble_core::plan::Budgets {
+            device_bytes,
+            ring_slots: 2,
+            slot_bytes: 64 << 10,
+            host_tier_bytes: 0,
+        },
+        readers: 2,
+        stream_all: streamed,
+        naive: false,
+    }
+}

@@ -7,11 +7,9 @@
 use nibble_core::backend::cpu_ref::CpuRefBackend;
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
-use nibble_core::graph::Graph;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::clip::{self, ClipText};
 use nibble_core::models::t5::{self, T5Encoder};
-use nibble_core::plan::Budgets;
 use nibble_tests::*;
 
 const TOL: f64 = 1e-5;
@@ -33,25 +31,6 @@ fn ids(e: &Expected, name: &str) -> Vec<u32> {
         .collect()
 }
 
-fn opts(graph: &Graph, m: &ModelIndex, streamed: bool, b: &mut impl Backend) -> ExecOptions {
-    let device_bytes = if streamed {
-        nibble_core::plan::min_device_bytes(graph, m, b).expect("min budget")
-    } else {
-        1 << 30
-    };
-    ExecOptions {
-        budgets: Budgets {
-            device_bytes,
-            ring_slots: 2,
-            slot_bytes: 64 << 10,
-            host_tier_bytes: 0,
-        },
-        readers: 2,
-        stream_all: streamed,
-        naive: false,
-    }
-}
-
 fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
     let e = expected();
     let (clip_m, t5_m) = (component("text_encoder"), component("text_encoder_2"));
@@ -61,7 +40,7 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             let clip_ids = ids(&e, &format!("p{p}.clip_input_ids"));
             let mut b = make();
             let (g, _) = clip::build(&clip_m, clip_ids.len()).expect("clip graph");
-            let o = opts(&g, &clip_m, streamed, &mut b);
+            let o = run_opts(&g, &clip_m, &mut b, streamed);
             let mut enc = ClipText::new(&clip_m, b, clip_ids.len(), o).expect("clip");
             let (states, pooled, stats) = enc.forward(&clip_ids).expect("clip forward");
             if streamed {
@@ -86,7 +65,7 @@ fn check<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             let t5_ids = ids(&e, &format!("p{p}.t5_input_ids"));
             let mut b = make();
             let (g, _) = t5::build(&t5_m, t5_ids.len()).expect("t5 graph");
-            let o = opts(&g, &t5_m, streamed, &mut b);
+            let o = run_opts(&g, &t5_m, &mut b, streamed);
             let mut enc = T5Encoder::new(&t5_m, b, t5_ids.len(), o).expect("t5");
             let (states, stats) = enc.forward(&t5_ids).expect("t5 forward");
             if streamed {
@@ -134,7 +113,7 @@ fn check_vae<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             assert_eq!(z.len(), c * h * w);
             let mut b = make();
             let (g, cfg) = vae::build(&m, h, w).expect("vae graph");
-            let o = opts(&g, &m, streamed, &mut b);
+            let o = run_opts(&g, &m, &mut b, streamed);
             let mut dec = VaeDecoder::new(&m, b, (h, w), o).expect("vae");
             let (img, stats) = dec.decode(&z).expect("decode");
             if streamed {
@@ -204,7 +183,7 @@ fn check_denoise<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             let sigmas = f("sigmas");
             let mut b = make();
             let dg = dit::build(&m, inputs.image_tokens(), inputs.text_tokens()).expect("graph");
-            let o = opts(&dg.graph, &m, streamed, &mut b);
+            let o = run_opts(&dg.graph, &m, &mut b, streamed);
             let mut d = Denoiser::new(&m, b, inputs, sigmas.clone(), o).expect("denoiser");
             for k in 0..sigmas.len() - 1 {
                 let st = d.step().expect("step").expect("a step");
@@ -256,7 +235,7 @@ fn check_tiled<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
         let z = e.f32(&format!("p{p}.vae_input")).expect("vae_input");
         let mut b = make();
         let (g, _) = vae::build(&m, tiling.latent_tile, tiling.latent_tile).expect("graph");
-        let o = opts(&g, &m, true, &mut b);
+        let o = run_opts(&g, &m, &mut b, true);
         let (img, _, _) = vae::tiled_decode(&m, b, &z, (4, 16, 16), tiling, o).expect("tiled");
         let want = tiled
             .f32(&format!("p{p}.image_f32_tiled"))

@@ -14,32 +14,6 @@ fn i64s(bytes: &[u8]) -> Vec<i64> {
         .collect()
 }
 
-/// Every weight resident, or (`streamed`) every group streamed through two 64 KiB slots at the
-/// smallest device budget.
-fn run_opts<B: nibble_core::backend::Backend>(
-    g: &nibble_core::graph::Graph,
-    m: &nibble_core::io::model::ModelIndex,
-    b: &mut B,
-    streamed: bool,
-) -> nibble_core::exec::ExecOptions {
-    let device_bytes = if streamed {
-        nibble_core::plan::min_device_bytes(g, m, b).expect("min")
-    } else {
-        1 << 30
-    };
-    nibble_core::exec::ExecOptions {
-        budgets: nibble_core::plan::Budgets {
-            device_bytes,
-            ring_slots: 2,
-            slot_bytes: 64 << 10,
-            host_tier_bytes: 0,
-        },
-        readers: 2,
-        stream_all: streamed,
-        naive: false,
-    }
-}
-
 #[test]
 fn unipc_reproduces_every_step_of_diffusers_wan_run() {
     let root = fixture("tiny-wan-pipeline");

@@ -96,10 +96,28 @@ impl<K: ComponentKind, B: Backend> Component<K, B> {
     }
 }
 
-/// A model's graph bound to a backend, with one output: the runner the encoders and the VAE
-/// share.
+/// Plans, allocates and loads the resident weights of `graph` on `backend`, reading as `drive`
+/// says (the browser awaits the resident groups' reads).
+pub(crate) async fn open_executor<B: Backend>(
+    graph: Graph,
+    model: &ModelIndex,
+    backend: B,
+    opts: ExecOptions,
+    drive: &Drive<'_>,
+) -> Result<Executor<B>> {
+    match drive {
+        Drive::Blocking => Executor::new(graph, model, backend, opts),
+        Drive::EventLoop(maker) => {
+            let mut make = maker(model);
+            Executor::with_source_async(graph, model, backend, opts, &mut make).await
+        }
+    }
+}
+
+/// A model's graph bound to a backend, each program with one output: the runner the encoders
+/// and the VAEs share.
 pub(crate) struct Runner<B: Backend> {
-    pub(crate) ex: crate::exec::Executor<B>,
+    pub(crate) ex: Executor<B>,
     event_loop: bool,
 }
 
@@ -112,16 +130,8 @@ impl<B: Backend> Runner<B> {
         opts: crate::exec::ExecOptions,
         drive: &Drive<'_>,
     ) -> Result<Self> {
-        let ex = match drive {
-            Drive::Blocking => crate::exec::Executor::new(graph, model, backend, opts)?,
-            Drive::EventLoop(maker) => {
-                let mut make = maker(model);
-                crate::exec::Executor::with_source_async(graph, model, backend, opts, &mut make)
-                    .await?
-            }
-        };
         Ok(Runner {
-            ex,
+            ex: open_executor(graph, model, backend, opts, drive).await?,
             event_loop: matches!(drive, Drive::EventLoop(_)),
         })
     }
@@ -129,13 +139,23 @@ impl<B: Backend> Runner<B> {
     /// One step with `inputs`: the output, checked finite (`what` names it in the error).
     pub(crate) async fn run(
         &mut self,
-        inputs: &[crate::graph::HostTensor],
+        inputs: &[HostTensor],
         what: &str,
-    ) -> Result<(Vec<f32>, crate::exec::ExecStats)> {
+    ) -> Result<(Vec<f32>, ExecStats)> {
+        self.run_program(0, inputs, what).await
+    }
+
+    /// [`Runner::run`] of program `p`.
+    pub(crate) async fn run_program(
+        &mut self,
+        p: usize,
+        inputs: &[HostTensor],
+        what: &str,
+    ) -> Result<(Vec<f32>, ExecStats)> {
         let (out, stats) = if self.event_loop {
-            self.ex.step_program_async(0, inputs).await?
+            self.ex.step_program_async(p, inputs).await?
         } else {
-            self.ex.step(inputs)?
+            self.ex.step_program(p, inputs)?
         };
         let v = out
             .into_iter()

@@ -76,6 +76,19 @@ pub(crate) fn swap01(g: &mut Graph, x: ValueId) -> Result<ValueId> {
     )
 }
 
+/// `nn.Linear` `name` of group `grp` (`name.weight`, 4-bit or dense, with `name.bias` where the
+/// file has one) applied to `x`.
+pub(crate) fn linear(
+    g: &mut Graph,
+    model: &ModelIndex,
+    grp: usize,
+    name: &str,
+    x: ValueId,
+    (out, inp): (usize, usize),
+) -> Result<ValueId> {
+    W::load(g, model, grp, &format!("{name}.weight"), out, inp)?.apply(g, x)
+}
+
 /// Tensor names under a prefix: `Names::new("blocks.3").pp("attn").name("to_q.weight")` is
 /// `blocks.3.attn.to_q.weight`.
 #[derive(Debug, Clone, PartialEq, Eq)]

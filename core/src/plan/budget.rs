@@ -262,12 +262,12 @@ pub fn decide<B: Backend + ?Sized>(
         slot_size: req.slot_size.unwrap_or(AUTO_SLOT_SIZE),
     };
     let rss = crate::io::machine::rss_bytes().unwrap_or(0);
-    let (budgets, mut note) = budgets_for(&ph, &least, given, rss, backend)?;
-    let (budgets, note) = if req.slots.is_some() && req.slot_size.is_some() {
-        (budgets, note)
+    let (budgets, mut note, plans) = budgets_for(&ph, &least, given, rss, backend)?;
+    let (budgets, note, plans) = if req.slots.is_some() && req.slot_size.is_some() {
+        (budgets, note, plans)
     } else {
         match grown_ring(&ph, given, budgets, &note) {
-            None => (budgets, note),
+            None => (budgets, note, plans),
             Some((grown, needs, need, name, cap)) => {
                 let bytes = grown.slots.saturating_mul(grown.slot_size);
                 let holds = needs <= grown.slots;
@@ -286,9 +286,9 @@ pub fn decide<B: Backend + ?Sized>(
                             fmt_bytes(need)
                         ));
                         note.rss_at_plan = rss;
-                        (budgets, note)
+                        (budgets, note, plans)
                     }
-                    Ok((b2, mut note2)) => {
+                    Ok((b2, mut note2, plans2)) => {
                         note2.note.push_str(&format!(
                             "; ring auto {} x {} = {}: {} the largest streamed group ({name}, \
                              {}){}",
@@ -307,14 +307,13 @@ pub fn decide<B: Backend + ?Sized>(
                                 )
                             }
                         ));
-                        (b2, note2)
+                        (b2, note2, plans2)
                     }
                 }
             }
         }
     };
-    let phases = ph
-        .plans(budgets)
+    let phases = plans
         .into_iter()
         .zip(&least)
         .map(|(plan, &(min, resident))| PhaseBudget {
@@ -423,8 +422,8 @@ fn grown_ring(
     (bytes > given.slots.saturating_mul(given.slot_size)).then_some((grown, needs, need, name, cap))
 }
 
-/// The budgets of the phases with this ring and a note saying where the device budget came
-/// from (see [`decide`]); `least` is each phase's (every group streamed, every group resident)
+/// The budgets of the phases with this ring, a note saying where the device budget came
+/// from (see [`decide`]) and each phase's plan under them; `least` is each phase's (every group streamed, every group resident)
 /// device bytes, `rss` the process's memory now.
 fn budgets_for<B: Backend + ?Sized>(
     ph: &Phases<'_>,
@@ -432,7 +431,7 @@ fn budgets_for<B: Backend + ?Sized>(
     r: Ring,
     rss: u64,
     backend: &mut B,
-) -> Result<(Budgets, BudgetNote)> {
+) -> Result<(Budgets, BudgetNote, Vec<Result<MemoryPlan>>)> {
     let req = ph.req;
     let ring = r.slots.saturating_mul(r.slot_size);
     let need = least.iter().map(|l| l.1).max().unwrap_or(0);
@@ -613,12 +612,13 @@ fn budgets_for<B: Backend + ?Sized>(
     if req.stream_all {
         note.push_str("; --stream-all: every weight group streams whatever the budget holds");
     }
+    let mut plans = ph.plans(budgets);
     if let (Some(h), false) = (host, shares_host) {
         // The host tier: what the host budget holds besides the process and each phase's
         // ring, loader and kernel buffers keeps streamed groups in RAM after their first read.
         let mut room = u64::MAX;
         let mut streams = false;
-        for plan in ph.plans(budgets).into_iter().flatten() {
+        for plan in plans.iter().flatten() {
             streams |= plan.counts().1 > 0;
             room = room.min(
                 h.saturating_sub(rss)
@@ -631,11 +631,12 @@ fn budgets_for<B: Backend + ?Sized>(
                 "; host tier up to {} for groups the device budget does not hold",
                 fmt_bytes(room)
             ));
+            plans = ph.plans(budgets);
         }
     }
     if let Some(h) = host {
         // A budget the planner refuses is reported by the run itself, with its minimum.
-        for plan in ph.plans(budgets).into_iter().flatten() {
+        for plan in plans.iter().flatten() {
             let need = rss.saturating_add(plan.host_bytes_with_device());
             if need > h {
                 return Err(Error::Invalid(format!(
@@ -665,6 +666,7 @@ fn budgets_for<B: Backend + ?Sized>(
             host_budget: host,
             device_budget: device_bytes,
         },
+        plans,
     ))
 }
 

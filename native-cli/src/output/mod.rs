@@ -1,4 +1,5 @@
-//! Output shared by the subcommands: stdout that tolerates a closed pipe, the op profile.
+//! Output shared by the subcommands: stdout that tolerates a closed pipe, the op profile, named
+//! float32 tensors (a pipeline's intermediates).
 
 /// Prints an op profile (slowest first) to stderr.
 pub fn print_profile(p: &[(String, u64, std::time::Duration)]) {
@@ -27,3 +28,23 @@ pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
 
 pub mod chart;
 pub mod paths;
+
+/// Writes named float32 tensors (shape and values) as one safetensors file.
+pub fn write_f32_tensors(
+    path: &std::path::Path,
+    tensors: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) -> anyhow::Result<()> {
+    let tensors: Vec<_> = tensors
+        .iter()
+        .map(|(name, (shape, v))| {
+            (
+                name.clone(),
+                nibble_core::format::dtype::Dtype::F32,
+                shape.iter().map(|&d| d as u64).collect(),
+                nibble_core::format::dtype::f32_to_bytes(v),
+            )
+        })
+        .collect();
+    nibble_core::format::writer::write_safetensors(path, &tensors, &Default::default())?;
+    Ok(())
+}

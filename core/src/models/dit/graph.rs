@@ -9,8 +9,8 @@ use crate::graph::{Graph, ValueId};
 use crate::graph::{OpKind, RopeMode, ValueInfo};
 use crate::io::model::ModelIndex;
 use crate::models::dit::DitConfig;
-use crate::models::nn::{merge_heads, modulate, Attention};
-use crate::models::{require_block, W};
+use crate::models::nn::{linear, merge_heads, modulate, Attention};
+use crate::models::require_block;
 
 /// Inputs in order: latent tokens `[N, in]`, text tokens `[T, joint]`, pooled `[pooled]`,
 /// timestep `[1]` (already x1000), guidance `[1]` (already x1000; only when the model has a
@@ -42,15 +42,7 @@ impl Builder<'_> {
         out: usize,
         inp: usize,
     ) -> Result<ValueId> {
-        let w = W::load(
-            &mut self.g,
-            self.model,
-            grp,
-            &format!("{name}.weight"),
-            out,
-            inp,
-        )?;
-        w.apply(&mut self.g, x)
+        linear(&mut self.g, self.model, grp, name, x, (out, inp))
     }
 
     /// Chunk `i` of `n` of a `[1, n*d]` modulation vector, as `[d]`.

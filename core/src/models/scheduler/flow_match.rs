@@ -97,26 +97,21 @@ impl SchedulerConfig {
             file: file.to_string(),
             msg: format!("{field}: {msg}"),
         };
-        match f.class_name.as_deref() {
-            Some("FlowMatchEulerDiscreteScheduler") | None => {}
-            Some(other) => {
-                return Err(bad(
-                    "_class_name",
-                    &format!("{other} is not supported (FlowMatchEulerDiscreteScheduler)"),
-                ))
-            }
-        }
-        for (field, on) in [
-            ("invert_sigmas", f.invert_sigmas),
-            ("stochastic_sampling", f.stochastic_sampling),
-            ("use_karras_sigmas", f.use_karras_sigmas),
-            ("use_exponential_sigmas", f.use_exponential_sigmas),
-            ("use_beta_sigmas", f.use_beta_sigmas),
-        ] {
-            if on == Some(true) {
-                return Err(bad(field, "true is not supported"));
-            }
-        }
+        super::check_class(
+            file,
+            f.class_name.as_deref(),
+            "FlowMatchEulerDiscreteScheduler",
+        )?;
+        super::refuse_true(
+            file,
+            &[
+                ("invert_sigmas", f.invert_sigmas),
+                ("stochastic_sampling", f.stochastic_sampling),
+                ("use_karras_sigmas", f.use_karras_sigmas),
+                ("use_exponential_sigmas", f.use_exponential_sigmas),
+                ("use_beta_sigmas", f.use_beta_sigmas),
+            ],
+        )?;
         if f.shift_terminal.is_some() {
             return Err(bad("shift_terminal", "is not supported"));
         }

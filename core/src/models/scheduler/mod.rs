@@ -17,6 +17,28 @@ use crate::error::{Error, Result};
 /// The most denoising steps a run takes.
 pub const MAX_STEPS: usize = 100_000;
 
+/// What a scheduler's config names as its class must be `class` (or absent).
+pub(crate) fn check_class(file: &str, found: Option<&str>, class: &str) -> Result<()> {
+    match found {
+        Some(c) if c != class => Err(Error::Model {
+            file: file.to_string(),
+            msg: format!("_class_name: {c} is not supported ({class})"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses each of `fields` that is set to true: a setting the sampler does not compute.
+pub(crate) fn refuse_true(file: &str, fields: &[(&str, Option<bool>)]) -> Result<()> {
+    match fields.iter().find(|(_, on)| *on == Some(true)) {
+        Some((field, _)) => Err(Error::Model {
+            file: file.to_string(),
+            msg: format!("{field}: true is not supported"),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A sampler of the flow-matching family: it walks a latent from `sigmas[0]` to the last sigma
 /// (0), given the model's output at each step.
 pub trait FlowSampler: std::fmt::Debug {

@@ -102,15 +102,7 @@ impl UniPcConfig {
             file: file.to_string(),
             msg: format!("{field}: {msg}"),
         };
-        match f.class_name.as_deref() {
-            Some("UniPCMultistepScheduler") | None => {}
-            Some(other) => {
-                return Err(bad(
-                    "_class_name",
-                    &format!("{other} is not UniPCMultistepScheduler"),
-                ))
-            }
-        }
+        super::check_class(file, f.class_name.as_deref(), "UniPCMultistepScheduler")?;
         match f.prediction_type.as_deref() {
             Some("flow_prediction") => {}
             other => {
@@ -129,18 +121,17 @@ impl UniPcConfig {
         if f.predict_x0 == Some(false) {
             return Err(bad("predict_x0", "false is not supported"));
         }
-        for (field, on) in [
-            ("thresholding", f.thresholding),
-            ("use_karras_sigmas", f.use_karras_sigmas),
-            ("use_exponential_sigmas", f.use_exponential_sigmas),
-            ("use_beta_sigmas", f.use_beta_sigmas),
-            ("use_dynamic_shifting", f.use_dynamic_shifting),
-            ("rescale_betas_zero_snr", f.rescale_betas_zero_snr),
-        ] {
-            if on == Some(true) {
-                return Err(bad(field, "true is not supported"));
-            }
-        }
+        super::refuse_true(
+            file,
+            &[
+                ("thresholding", f.thresholding),
+                ("use_karras_sigmas", f.use_karras_sigmas),
+                ("use_exponential_sigmas", f.use_exponential_sigmas),
+                ("use_beta_sigmas", f.use_beta_sigmas),
+                ("use_dynamic_shifting", f.use_dynamic_shifting),
+                ("rescale_betas_zero_snr", f.rescale_betas_zero_snr),
+            ],
+        )?;
         for (field, v) in [
             ("solver_p", &f.solver_p),
             ("shift_terminal", &f.shift_terminal),

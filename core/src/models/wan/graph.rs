@@ -12,8 +12,8 @@
 use crate::error::{Error, Result};
 use crate::graph::{Graph, OpKind, RopeMode, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
-use crate::models::nn::{merge_heads, modulate, Attention, Names};
-use crate::models::{require_block, reshape, swap01, W};
+use crate::models::nn::{linear, merge_heads, modulate, Attention, Names};
+use crate::models::{require_block, reshape, swap01};
 
 use super::WanConfig;
 
@@ -46,15 +46,7 @@ impl Builder<'_> {
         out: usize,
         inp: usize,
     ) -> Result<ValueId> {
-        let w = W::load(
-            &mut self.g,
-            self.model,
-            grp,
-            &format!("{name}.weight"),
-            out,
-            inp,
-        )?;
-        w.apply(&mut self.g, x)
+        linear(&mut self.g, self.model, grp, name, x, (out, inp))
     }
 
     /// LayerNorm over the last dim, without weights.

@@ -10,9 +10,10 @@ use std::collections::BTreeMap;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::exec::{ExecOptions, Executor};
+use crate::exec::ExecOptions;
 use crate::io::folder::ModelFolder;
 use crate::io::model::ModelIndex;
+use crate::models::component::open_executor;
 use crate::models::denoise::DenoiseLoop;
 use crate::models::flux::noise::{torch_randn, NoiseMath};
 use crate::models::flux::tokens::T5Tokenizer;
@@ -361,14 +362,7 @@ impl Pipeline for WanPipeline {
         );
         let (gf, gh, gw) = patch_grid(&self.config, p.dims)?;
         let wg = super::build(&self.transformer, gf * gh * gw, t, sides)?;
-        let mut ex = match drive {
-            Drive::Blocking => Executor::new(wg.graph, &self.transformer, backend, opts)?,
-            Drive::EventLoop(maker) => {
-                let mut make = maker(&self.transformer);
-                Executor::with_source_async(wg.graph, &self.transformer, backend, opts, &mut make)
-                    .await?
-            }
-        };
+        let mut ex = open_executor(wg.graph, &self.transformer, backend, opts, drive).await?;
         ex.limit_stream_passes(p.steps as u64);
         let guidance = p.negative.as_ref().map(|_| p.guidance);
         let model = WanTransformer::new(ex, wg.config, p.dims, text, guidance)?;

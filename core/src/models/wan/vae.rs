@@ -14,6 +14,7 @@ use serde::Deserialize;
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, Graph, OpKind, ValueId, ValueInfo};
 use crate::io::model::ModelIndex;
+use crate::models::component::Runner;
 use crate::models::nn::{Attention, Names};
 use crate::models::{reshape, typed_config};
 
@@ -536,11 +537,10 @@ pub fn build(model: &ModelIndex, h: usize, w: usize) -> Result<(Graph, WanVaeCon
 /// The Wan VAE's decoder bound to a backend, for latent frames of one size: latent frames go in
 /// one at a time, in order; the caches carry what the next one needs.
 pub struct WanVaeDecoder<B: crate::backend::Backend> {
-    ex: crate::exec::Executor<B>,
+    run: Runner<B>,
     cfg: WanVaeConfig,
     dims: (usize, usize),
     next_frame: usize,
-    event_loop: bool,
     streamed: u64,
 }
 
@@ -580,22 +580,11 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
         drive: &crate::models::Drive<'_>,
     ) -> Result<Self> {
         let (graph, cfg) = build(model, h, w)?;
-        let ex = match drive {
-            crate::models::Drive::Blocking => {
-                crate::exec::Executor::new(graph, model, backend, opts)?
-            }
-            crate::models::Drive::EventLoop(maker) => {
-                let mut make = maker(model);
-                crate::exec::Executor::with_source_async(graph, model, backend, opts, &mut make)
-                    .await?
-            }
-        };
         Ok(WanVaeDecoder {
-            ex,
+            run: Runner::open(graph, model, backend, opts, drive).await?,
             cfg,
             dims: (h, w),
             next_frame: 0,
-            event_loop: matches!(drive, crate::models::Drive::EventLoop(_)),
             streamed: 0,
         })
     }
@@ -607,12 +596,12 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
 
     /// The backend back, its device memory released.
     pub fn into_backend(self) -> B {
-        self.ex.into_parts().0
+        self.run.into_backend()
     }
 
     /// The executor (plan, backend).
     pub fn executor(&self) -> &crate::exec::Executor<B> {
-        &self.ex
+        &self.run.ex
     }
 
     /// The configuration.
@@ -639,6 +628,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
             "next"
         };
         let prog = self
+            .run
             .ex
             .graph()
             .program_index(p)
@@ -647,20 +637,9 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
             crate::graph::HostTensor::f32(&[self.cfg.z_dim, h, w], z.to_vec())?,
             crate::graph::HostTensor::u32(&[1], vec![0])?,
         ];
-        let (out, stats) = if self.event_loop {
-            self.ex.step_program_async(prog, &inputs).await?
-        } else {
-            self.ex.step_program(prog, &inputs)?
-        };
+        let what = format!("the VAE's frames of latent frame {}", self.next_frame);
+        let (v, stats) = self.run.run_program(prog, &inputs, &what).await?;
         self.streamed += stats.stream.bytes;
-        let v = out
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Invalid("the Wan VAE graph has no output".into()))?
-            .into_f32();
-        crate::error::check_finite(&v, || {
-            format!("the VAE's frames of latent frame {}", self.next_frame)
-        })?;
         self.next_frame += 1;
         Ok((v, stats))
     }
@@ -685,10 +664,10 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
             )));
         }
         let frames = z.len() / (zc * plane);
-        self.ex.reset_state()?;
+        self.run.ex.reset_state()?;
         self.next_frame = 0;
         // No read runs ahead into a frame that will not come.
-        self.ex.limit_stream_passes(frames as u64);
+        self.run.ex.limit_stream_passes(frames as u64);
         let s = self.cfg.spatial_scale();
         let (oh, ow, oc) = (h * s, w * s, self.cfg.out_channels);
         let total = self.cfg.frames(frames);

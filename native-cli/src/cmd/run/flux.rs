@@ -270,19 +270,7 @@ impl crate::backends::WithBackend for Run<'_> {
             }
         }
         if let Some(path) = &o.dit.intermediates {
-            let tensors: Vec<_> = out
-                .tensors
-                .iter()
-                .map(|(name, (shape, v))| {
-                    (
-                        name.clone(),
-                        Dtype::F32,
-                        shape.iter().map(|&d| d as u64).collect(),
-                        f32_to_bytes(v),
-                    )
-                })
-                .collect();
-            nibble_core::format::writer::write_safetensors(path, &tensors, &Default::default())?;
+            crate::output::write_f32_tensors(path, &out.tensors)?;
         }
         if quiet {
             crate::output::write_stdout(
