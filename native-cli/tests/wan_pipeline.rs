@@ -47,6 +47,8 @@ fn run(i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
         s(&pr["generator_seed"]),
         "--frames-dir".into(),
         dir.join("frames").display().to_string(),
+        "--out".into(),
+        dir.join("video.mp4").display().to_string(),
         "--intermediates".into(),
         dir.join("i.safetensors").display().to_string(),
         "--json".into(),
@@ -91,6 +93,7 @@ fn check(i: usize, extra: &[&str]) -> serde_json::Value {
         got.extend_from_slice(&buf[..info.buffer_size()]);
     }
     assert_eq!(got.len(), want.len());
+    check_mp4(&dir.path().join("video.mp4"), &got, &v);
     let worst = got.iter().zip(&want).map(|(a, b)| a.abs_diff(*b)).max();
     let equal = got.iter().zip(&want).filter(|(a, b)| a == b).count() as f64 / got.len() as f64;
     assert!(
@@ -122,6 +125,38 @@ fn check(i: usize, extra: &[&str]) -> serde_json::Value {
     assert_eq!(phases, ["text encoder", "transformer", "VAE"]);
     assert_eq!(v["steps"].as_array().map(Vec::len), Some(4));
     v
+}
+
+/// The least PSNR (dB) of each decoded plane (Y, Cb, Cr) of an MP4 frame against the BT.709
+/// 4:2:0 planes of its PNG frame: the H.264 encoder's loss (43.5 dB or more measured here).
+const MP4_MIN_PLANE_PSNR_DB: f64 = 40.0;
+
+/// The least PSNR (dB) of a decoded MP4 frame in RGB against its PNG frame. These random-weight
+/// frames are colour noise, which 4:2:0 chroma subsampling alone takes to 21.5 to 33 dB (any
+/// yuv420p video would); the encoder adds at most 1.1 dB to that here.
+const MP4_MIN_RGB_PSNR_DB: f64 = 20.0;
+
+/// The MP4 holds every frame at Wan's 16 fps as H.264 (`avc1`); decoded by OpenH264's decoder,
+/// each frame is within the PSNRs above of the PNG frames (`png`: the frames, back to back).
+fn check_mp4(path: &Path, png: &[u8], v: &serde_json::Value) {
+    use nibble_tests::video::{decode_mp4, psnr, rgb_to_planes};
+    assert_eq!(v["video"].as_str(), Some(path.to_str().expect("utf-8")));
+    let d = decode_mp4(path);
+    assert_eq!((d.codec.as_str(), d.width, d.height), ("avc1", 64, 48));
+    assert!((d.fps - 16.0).abs() < 1e-6, "{} fps", d.fps);
+    assert_eq!(d.frames.len(), 9, "frames in the MP4");
+    for (k, want) in png.chunks_exact(64 * 48 * 3).enumerate() {
+        let planes = rgb_to_planes(want, 64, 48);
+        for (p, (got, want)) in d.planes[k].iter().zip(&planes).enumerate() {
+            let db = psnr(got, want);
+            assert!(
+                db >= MP4_MIN_PLANE_PSNR_DB,
+                "frame {k} plane {p}: {db:.2} dB"
+            );
+        }
+        let db = psnr(&d.frames[k], want);
+        assert!(db >= MP4_MIN_RGB_PSNR_DB, "frame {k}: RGB {db:.2} dB");
+    }
 }
 
 #[test]
@@ -169,8 +204,8 @@ fn a_wan_folder_refuses_what_it_cannot_do() {
             vec!["--frames", "8", "--frames-dir", "/tmp/x"],
             "4k + 1 frames",
         ),
-        (vec!["--out", "v.mp4"], "MP4 output is not built yet"),
-        (vec![], "--frames-dir"),
+        (vec![], "--out video.mp4"),
+        (vec!["--out", "/tmp/v.mp4", "--fps", "0"], "--fps 0"),
         (vec!["--prompt-ids", "1,2"], "--prompt TEXT"),
     ] {
         let mut args = vec!["run", "--model", &model];

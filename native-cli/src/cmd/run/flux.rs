@@ -39,8 +39,15 @@ pub fn run(o: &RunArgs) -> Result<()> {
         );
     }
     let d = &o.dit;
-    if d.frames.is_some() || d.negative_prompt.is_some() || d.frames_dir.is_some() {
-        bail!("--frames, --negative-prompt and --frames-dir are for a Wan folder (text to video)");
+    if d.frames.is_some()
+        || d.negative_prompt.is_some()
+        || d.frames_dir.is_some()
+        || d.fps.is_some()
+    {
+        bail!(
+            "--frames, --negative-prompt, --frames-dir and --fps are for a Wan folder (text to \
+             video)"
+        );
     }
     let noise = match &d.latents {
         Some(path) => Noise::Latents(read_latents(path)?),

@@ -29,9 +29,13 @@ pub fn run(o: &RunArgs) -> Result<()> {
         None => {}
     }
     let d = &o.dit;
-    if d.frames.is_some() || d.negative_prompt.is_some() || d.frames_dir.is_some() {
+    if d.frames.is_some()
+        || d.negative_prompt.is_some()
+        || d.frames_dir.is_some()
+        || d.fps.is_some()
+    {
         bail!(
-            "--frames, --negative-prompt and --frames-dir are for a Wan folder \
+            "--frames, --negative-prompt, --frames-dir and --fps are for a Wan folder \
              (model_index.json naming WanPipeline); {} is not one",
             o.model
         );

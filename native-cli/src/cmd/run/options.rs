@@ -103,6 +103,9 @@ pub struct DitArgs {
     /// A Wan folder's video as PNG frames in this folder (frame_0000.png, ...).
     #[arg(long, value_name = "DIR")]
     pub frames_dir: Option<PathBuf>,
+    /// A Wan video's frame rate in its MP4 [default: 16, Wan 2.1's].
+    #[arg(long, value_parser = crate::args::finite)]
+    pub fps: Option<f64>,
     /// Inputs (hidden_states, encoder_hidden_states, pooled_projections, guidance, img_ids,
     /// txt_ids); random from --seed otherwise.
     #[arg(long, value_name = "FILE")]
@@ -156,7 +159,8 @@ pub struct DitArgs {
     /// Resolution-dependent shift, as Flux uses.
     #[arg(long)]
     pub dynamic_shift: bool,
-    /// A pipeline's image (PNG); a lone DiT's final latent (`latent`, float32 safetensors).
+    /// A Flux pipeline's image (PNG); a Wan folder's video (MP4, H.264); a lone DiT's final
+    /// latent (`latent`, float32 safetensors).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// PNG of the final latent's first three channels.

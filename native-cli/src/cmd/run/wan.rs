@@ -11,6 +11,10 @@ use serde_json::json;
 
 use super::options::RunArgs;
 
+/// Wan 2.1's frame rate (its `sample_fps`; diffusers' examples write `export_to_video(output,
+/// fps=16)`).
+const WAN_FPS: f64 = 16.0;
+
 /// Opens the folder and runs it on the chosen backend.
 pub fn run(o: &RunArgs) -> Result<()> {
     let pipe = WanPipeline::open(&o.model, o.file_mode.into())
@@ -36,15 +40,14 @@ pub fn run(o: &RunArgs) -> Result<()> {
              --embed-cache and --vae-tile-size are not taken by a Wan folder"
         );
     }
-    if let Some(out) = &d.out {
+    if d.out.is_none() && d.frames_dir.is_none() && d.intermediates.is_none() && !o.plan_only {
         bail!(
-            "--out {}: a Wan run writes its video as PNG frames (--frames-dir DIR); MP4 output \
-             is not built yet",
-            out.display()
+            "a Wan run needs somewhere to put the video: --out video.mp4 and/or --frames-dir DIR \
+             (or --intermediates FILE)"
         );
     }
-    if d.frames_dir.is_none() && d.intermediates.is_none() && !o.json && !o.plan_only {
-        bail!("a Wan run needs somewhere to put the video: --frames-dir DIR (or --json)");
+    if let Some(fps) = d.fps {
+        crate::output::mp4::check_fps(fps)?;
     }
     let req = WanRequest {
         prompt,
@@ -101,6 +104,7 @@ impl crate::backends::WithBackend for Run<'_> {
         let mut progress = super::progress::Progress::start(quiet);
         let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
         let mut written = Vec::new();
+        let mut written_video = None;
         if let Some(dir) = &o.dit.frames_dir {
             std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
             let per = out.height * out.width * 3;
@@ -119,6 +123,26 @@ impl crate::backends::WithBackend for Run<'_> {
                 );
             }
         }
+        if let Some(path) = &o.dit.out {
+            let fps = o.dit.fps.unwrap_or(WAN_FPS);
+            let mp4 = crate::output::mp4::write_mp4(
+                path,
+                &out.rgb,
+                out.frames,
+                (out.height, out.width),
+                fps,
+            )
+            .with_context(|| format!("writing the video {}", path.display()))?;
+            if !quiet {
+                eprintln!(
+                    "wrote {} ({} frames at {fps} fps, H.264, {:.1} KiB)",
+                    path.display(),
+                    mp4.frames,
+                    mp4.bytes as f64 / 1024.0
+                );
+            }
+            written_video = Some(path.display().to_string());
+        }
         if let Some(path) = &o.dit.intermediates {
             crate::output::write_f32_tensors(path, &out.tensors)?;
         }
@@ -131,6 +155,7 @@ impl crate::backends::WithBackend for Run<'_> {
                     "phases": progress.phases, "steps": progress.steps,
                     "baseline_rss_bytes": progress.baseline, "peak_rss_bytes": progress.peak,
                     "frame_files": written,
+                    "video": written_video,
                     "intermediates": o.dit.intermediates.as_ref().map(|p| p.display().to_string()),
                 })
                 .to_string()

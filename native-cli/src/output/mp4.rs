@@ -1,0 +1,232 @@
+//! A video's RGB frames to an MP4 file: H.264 (Constrained Baseline, 4:2:0, BT.709 limited range,
+//! signalled in the stream's VUI) in an ISO MP4 container, which every browser and player opens.
+//!
+//! The encoder is Cisco's OpenH264 (the `openh264` crate, built from its bundled C++ source: no
+//! external program or shared library at run time; it is the H.264 encoder Firefox and WebRTC
+//! ship, BSD-licensed and maintained). The container is written by the `mp4` crate (pure Rust,
+//! the most used MP4 muxer on crates.io). The RGB to YCbCr conversion is nibble's own, in plain
+//! f32 arithmetic, so the bytes handed to the encoder do not depend on the CPU's instruction set;
+//! the encoder runs on one thread.
+
+use anyhow::{anyhow, bail, Context, Result};
+use openh264::encoder::{
+    BitRate, Complexity, Encoder, EncoderConfig, FrameRate, IntraFramePeriod, QpRange,
+    RateControlMode, UsageType, VuiConfig,
+};
+use openh264::formats::YUVBuffer;
+use openh264::OpenH264API;
+
+/// What an MP4 write produced.
+#[derive(Debug, Clone, Copy)]
+pub struct Mp4Written {
+    pub frames: usize,
+    pub bytes: u64,
+}
+
+/// BT.709 luma weights.
+const KR: f32 = 0.2126;
+const KB: f32 = 0.0722;
+
+/// Converts one RGB frame (`h x w x 3`, `h` and `w` even) to planar YCbCr 4:2:0, BT.709 limited
+/// range; each chroma sample from the mean of its 2 x 2 RGB pixels.
+pub fn rgb_to_i420(rgb: &[u8], w: usize, h: usize) -> Vec<u8> {
+    let kg = 1.0 - KR - KB;
+    let luma = |r: f32, g: f32, b: f32| KR * r + kg * g + KB * b;
+    let to_u8 = |v: f32| v.round().clamp(0.0, 255.0) as u8;
+    let mut out = vec![0u8; w * h + 2 * (w / 2) * (h / 2)];
+    let (y_plane, chroma) = out.split_at_mut(w * h);
+    let (u_plane, v_plane) = chroma.split_at_mut((w / 2) * (h / 2));
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        let y = luma(px[0] as f32, px[1] as f32, px[2] as f32);
+        y_plane[i] = to_u8(16.0 + y * (219.0 / 255.0));
+    }
+    for cy in 0..h / 2 {
+        for cx in 0..w / 2 {
+            let mut s = [0f32; 3];
+            for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                let p = ((2 * cy + dy) * w + 2 * cx + dx) * 3;
+                for c in 0..3 {
+                    s[c] += rgb[p + c] as f32;
+                }
+            }
+            let (r, g, b) = (s[0] / 4.0, s[1] / 4.0, s[2] / 4.0);
+            let y = luma(r, g, b);
+            let k = cy * (w / 2) + cx;
+            u_plane[k] = to_u8(128.0 + (b - y) / (2.0 * (1.0 - KB)) * (224.0 / 255.0));
+            v_plane[k] = to_u8(128.0 + (r - y) / (2.0 * (1.0 - KR)) * (224.0 / 255.0));
+        }
+    }
+    out
+}
+
+/// Splits an Annex B byte stream into its NAL units (start codes removed).
+fn nal_units(annex_b: &[u8]) -> Vec<&[u8]> {
+    let mut starts = Vec::new();
+    let mut i = 0;
+    while i + 3 <= annex_b.len() {
+        if annex_b[i] == 0 && annex_b[i + 1] == 0 && annex_b[i + 2] == 1 {
+            starts.push(i + 3);
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    let mut nals = Vec::with_capacity(starts.len());
+    for (k, &s) in starts.iter().enumerate() {
+        let mut e = starts.get(k + 1).map_or(annex_b.len(), |&n| n - 3);
+        // A four-byte start code leaves one zero behind the previous unit.
+        while e > s && annex_b[e - 1] == 0 && k + 1 < starts.len() {
+            e -= 1;
+        }
+        nals.push(&annex_b[s..e]);
+    }
+    nals
+}
+
+/// Refuses a frame rate an MP4 player would not take.
+pub fn check_fps(fps: f64) -> Result<()> {
+    if !(fps.is_finite() && (0.1..=240.0).contains(&fps)) {
+        bail!("--fps {fps}: give a frame rate from 0.1 to 240");
+    }
+    Ok(())
+}
+
+/// Writes `frames` RGB frames (`frames x h x w x 3` bytes) as an H.264 MP4 at `fps`.
+pub fn write_mp4(
+    path: &std::path::Path,
+    rgb: &[u8],
+    frames: usize,
+    (h, w): (usize, usize),
+    fps: f64,
+) -> Result<Mp4Written> {
+    if frames == 0 || rgb.len() != frames * h * w * 3 {
+        bail!(
+            "{} bytes are not {frames} RGB frames of {w} x {h}",
+            rgb.len()
+        );
+    }
+    if h % 2 != 0 || w % 2 != 0 || h > u16::MAX as usize || w > u16::MAX as usize {
+        bail!("an H.264 4:2:0 video needs even sizes up to 65535, not {w} x {h}");
+    }
+    check_fps(fps)?;
+    // Near-transparent quality: OpenH264's buffer-based rate control kept within QP 4 to 18
+    // (43 dB or more per plane on the fixture's noise-like frames) and a bitrate it never
+    // reaches; no frame is ever skipped (its quality mode warns unless skipping is allowed).
+    let bps = ((w * h) as f64 * fps * 2.0).clamp(2e6, 2e9) as u32;
+    let config = EncoderConfig::new()
+        .usage_type(UsageType::CameraVideoRealTime)
+        .rate_control_mode(RateControlMode::Bufferbased)
+        .bitrate(BitRate::from_bps(bps))
+        .max_frame_rate(FrameRate::from_hz(fps as f32))
+        .qp(QpRange::new(4, 18))
+        .skip_frames(false)
+        .scene_change_detect(false)
+        .background_detection(false)
+        .adaptive_quantization(false)
+        .complexity(Complexity::High)
+        .intra_frame_period(IntraFramePeriod::from_num_frames(fps.ceil() as u32 * 2))
+        .num_threads(1)
+        .vui(VuiConfig::bt709());
+    let mut encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
+        .map_err(|e| anyhow!("starting the H.264 encoder: {e}"))?;
+
+    let file = std::fs::File::create(path).with_context(|| path.display().to_string())?;
+    let mp4_config = mp4::Mp4Config {
+        major_brand: "isom".parse().map_err(|e| anyhow!("{e}"))?,
+        minor_version: 512,
+        compatible_brands: ["isom", "iso2", "avc1", "mp41"]
+            .iter()
+            .map(|b| b.parse().map_err(|e| anyhow!("{e}")))
+            .collect::<Result<_>>()?,
+        timescale: 1000,
+    };
+    let mut mux = mp4::Mp4Writer::write_start(std::io::BufWriter::new(file), &mp4_config)?;
+    const TIMESCALE: u32 = 90_000;
+    let tick = |k: usize| ((k as f64) * TIMESCALE as f64 / fps).round() as u64;
+    let frame_bytes = h * w * 3;
+    let mut track = false;
+    for k in 0..frames {
+        let yuv = rgb_to_i420(&rgb[k * frame_bytes..(k + 1) * frame_bytes], w, h);
+        let stream = encoder
+            .encode(&YUVBuffer::from_vec(yuv, w, h))
+            .map_err(|e| anyhow!("encoding frame {k}: {e}"))?
+            .to_vec();
+        let (mut sps, mut pps, mut sample, mut sync) = (None, None, Vec::new(), false);
+        for nal in nal_units(&stream) {
+            match nal.first().map(|b| b & 0x1f) {
+                Some(7) => sps = Some(nal.to_vec()),
+                Some(8) => pps = Some(nal.to_vec()),
+                Some(t) => {
+                    sync |= t == 5;
+                    sample.extend_from_slice(&(nal.len() as u32).to_be_bytes());
+                    sample.extend_from_slice(nal);
+                }
+                None => {}
+            }
+        }
+        if !track {
+            let (Some(sps), Some(pps)) = (sps, pps) else {
+                bail!("the H.264 encoder's first frame carried no SPS/PPS");
+            };
+            mux.add_track(&mp4::TrackConfig {
+                track_type: mp4::TrackType::Video,
+                timescale: TIMESCALE,
+                language: "und".into(),
+                media_conf: mp4::MediaConfig::AvcConfig(mp4::AvcConfig {
+                    width: w as u16,
+                    height: h as u16,
+                    seq_param_set: sps,
+                    pic_param_set: pps,
+                }),
+            })?;
+            track = true;
+        }
+        if sample.is_empty() {
+            bail!("the H.264 encoder skipped frame {k}");
+        }
+        mux.write_sample(
+            1,
+            &mp4::Mp4Sample {
+                start_time: tick(k),
+                duration: (tick(k + 1) - tick(k)) as u32,
+                rendering_offset: 0,
+                is_sync: sync,
+                bytes: sample.into(),
+            },
+        )?;
+    }
+    mux.write_end()?;
+    use std::io::Write;
+    let mut file = mux.into_writer();
+    file.flush()?;
+    let bytes = std::fs::metadata(path)?.len();
+    Ok(Mp4Written { frames, bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nal_units_split_three_and_four_byte_start_codes() {
+        let s = [
+            0, 0, 0, 1, 0x67, 1, 2, 0, 0, 1, 0x68, 3, 0, 0, 0, 1, 0x65, 4, 5,
+        ];
+        let n = nal_units(&s);
+        assert_eq!(
+            n,
+            vec![&[0x67, 1, 2][..], &[0x68, 3][..], &[0x65, 4, 5][..]]
+        );
+    }
+
+    #[test]
+    fn bt709_limited_range_of_black_white_and_primaries() {
+        // 2 x 2 of one colour: one chroma sample.
+        let px = |r: u8, g: u8, b: u8| rgb_to_i420(&[r, g, b].repeat(4), 2, 2);
+        assert_eq!(px(0, 0, 0), vec![16, 16, 16, 16, 128, 128]);
+        assert_eq!(px(255, 255, 255), vec![235, 235, 235, 235, 128, 128]);
+        // BT.709 red: Y 63, Cb 102, Cr 240 (ITU-R BT.709 table, 8-bit).
+        assert_eq!(px(255, 0, 0), vec![63, 63, 63, 63, 102, 240]);
+        assert_eq!(px(0, 0, 255), vec![32, 32, 32, 32, 240, 118]);
+    }
+}
