@@ -195,6 +195,88 @@ fn prompt_to_frames_equals_diffusers_streamed() {
     }
 }
 
+/// `--vae-decode`: the fixture's seeded latent video through the VAE alone, whole
+/// (`--vae-tiling off`) and in diffusers' tiles given in pixels (`--vae-tile-size 32
+/// --vae-tile-stride 24,24`): `video_f32` within 1e-4 x max of `AutoencoderKLWan.decode`'s
+/// untiled and tiled videos, the MP4 holding all nine frames.
+#[test]
+fn vae_decode_of_given_latents_equals_diffusers_tiled_and_whole() {
+    let fx = root();
+    let e = ModelIndex::open(&fx.join("vae_tiled.safetensors")).expect("vae_tiled");
+    for (flags, want) in [
+        (vec!["--vae-tiling", "off"], "video_f32_untiled"),
+        (
+            vec![
+                "--vae-tiling",
+                "on",
+                "--vae-tile-size",
+                "32",
+                "--vae-tile-stride",
+                "24,24",
+            ],
+            "video_f32_tiled",
+        ),
+    ] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let inter = dir.path().join("i.safetensors");
+        let mp4 = dir.path().join("v.mp4");
+        let model = fx.join("pipeline").display().to_string();
+        let latents = fx.join("vae_tiled.safetensors").display().to_string();
+        let mut args = vec![
+            "run",
+            "--model",
+            &model,
+            "--vae-decode",
+            &latents,
+            "--backend",
+            "cpu",
+            "--json",
+            "--intermediates",
+            inter.to_str().expect("utf-8"),
+            "--out",
+            mp4.to_str().expect("utf-8"),
+        ];
+        args.extend(flags.iter().copied());
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(&args)
+            .output()
+            .expect("run");
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        assert_eq!(
+            (
+                v["frames"].as_u64(),
+                v["width"].as_u64(),
+                v["height"].as_u64()
+            ),
+            (Some(9), Some(96), Some(64))
+        );
+        assert_eq!(
+            v["vae_tiling"].is_null(),
+            want == "video_f32_untiled",
+            "{v}"
+        );
+        let i = ModelIndex::open(&inter).expect("intermediates");
+        let got = i
+            .read_f32(i.require("video_f32").expect("video"))
+            .expect("f32");
+        let want_v = e.read_f32(e.require(want).expect(want)).expect("f32");
+        let max = want_v.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+        let err = got
+            .iter()
+            .zip(&want_v)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64))
+            / max;
+        assert!(err <= 1e-4, "{want}: {err:e} x max");
+        let d = nibble_tests::video::decode_mp4(&mp4);
+        assert_eq!((d.frames.len(), d.width, d.height), (9, 96, 64));
+    }
+}
+
 /// What a Wan folder refuses, each with a clear one-line error.
 #[test]
 fn a_wan_folder_refuses_what_it_cannot_do() {
@@ -206,7 +288,23 @@ fn a_wan_folder_refuses_what_it_cannot_do() {
         ),
         (vec![], "--out video.mp4"),
         (vec!["--out", "/tmp/v.mp4", "--fps", "0"], "--fps 0"),
-        (vec!["--prompt-ids", "1,2"], "--prompt TEXT"),
+        (
+            vec!["--out", "/tmp/v.mp4", "--prompt-ids", "1,2"],
+            "--prompt TEXT",
+        ),
+        (
+            vec!["--out", "/tmp/v.mp4", "--vae-tile-size", "30,32"],
+            "multiples of 8",
+        ),
+        (
+            vec![
+                "--out",
+                "/tmp/v.mp4",
+                "--vae-decode",
+                "/nonexistent.safetensors",
+            ],
+            "do not apply",
+        ),
     ] {
         let mut args = vec!["run", "--model", &model];
         if !extra.contains(&"--prompt-ids") {

@@ -314,6 +314,76 @@ fn wan_vae_matches_diffusers_on_wgpu() {
     wan_vae_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
 }
 
+/// `vae_tiled.safetensors`: a seeded random latent video decoded whole and in diffusers' tiles
+/// (32 x 32 pixels every 24, blended over 8), each within 1e-4 x max of `AutoencoderKLWan`'s,
+/// resident and streamed; the tiled decode streams the weights once per tile.
+fn wan_tiled_vae_on<B: nibble_core::backend::Backend>(mut make: impl FnMut() -> B, label: &str) {
+    use nibble_core::models::wan::{tiling, vae, WanTiling};
+    let root = fixture("tiny-wan-pipeline");
+    let m = nibble_core::io::model::ModelIndex::open(&root.join("pipeline/vae")).expect("vae");
+    let e = Expected::open(&root.join("vae_tiled.safetensors"));
+    let get = |n: &str| e.f32(n).unwrap_or_else(|| panic!("{n} missing"));
+    let z = get("latents");
+    let tiles = WanTiling {
+        tile: (32, 32),
+        stride: (24, 24),
+    };
+    assert_eq!(tiles.shapes((8, 12), 8), [(4, 4), (4, 3), (2, 4), (2, 3)]);
+    for streamed in [false, true] {
+        let what = format!("{label} streamed={streamed}");
+        // Whole frames.
+        let (g, _) = vae::build(&m, 8, 12).expect("graph");
+        let mut b = make();
+        let o = run_opts(&g, &m, &mut b, streamed);
+        let mut dec = vae::WanVaeDecoder::new(&m, b, (8, 12), o).expect("decoder");
+        let video = dec.decode(&z).expect("decode");
+        let err = max_err_rel_to_max(&video, &get("video_f32_untiled"));
+        assert!(err <= 1e-4, "{what}: untiled video {err:e} x max");
+        // Tiles: planned for the largest tile.
+        let (g, _) = vae::build(&m, 4, 4).expect("graph");
+        let mut b = make();
+        let o = run_opts(&g, &m, &mut b, streamed);
+        let (tiled, _, bytes) = nibble_core::io::folder::block_on(tiling::tiled_decode(
+            &m,
+            b,
+            &z,
+            (3, 8, 12),
+            tiles,
+            o,
+            &nibble_core::models::Drive::Blocking,
+        ))
+        .expect("tiled decode");
+        let err_t = max_err_rel_to_max(&tiled, &get("video_f32_tiled"));
+        assert!(err_t <= 1e-4, "{what}: tiled video {err_t:e} x max");
+        if streamed {
+            // 12 tiles of 3 latent frames, each frame one pass over the streamed weights.
+            assert!(
+                bytes > 0 && bytes % 36 == 0,
+                "{what}: {bytes} bytes streamed"
+            );
+        }
+        println!("{what}: untiled {err:.2e} x max, tiled {err_t:.2e} x max");
+    }
+}
+
+#[test]
+fn wan_tiled_vae_matches_diffusers_on_cpu_ref() {
+    wan_tiled_vae_on(nibble_core::backend::cpu_ref::CpuRefBackend::new, "cpu_ref");
+}
+
+#[test]
+fn wan_tiled_vae_matches_diffusers_on_cpu() {
+    wan_tiled_vae_on(nibble_core::backend::cpu::CpuBackend::new, "cpu");
+}
+
+#[test]
+fn wan_tiled_vae_matches_diffusers_on_wgpu() {
+    if wgpu_or_absent("wan tiled vae").is_none() {
+        return;
+    }
+    wan_tiled_vae_on(|| nibble_wgpu::WgpuBackend::new().expect("wgpu"), "wgpu");
+}
+
 /// The ids the text encoder gets: the pipeline's prompt cleaning, the umT5 tokenizer, `</s>`
 /// kept when truncated, `<pad>` after; and the mask's length. No negative prompt is `""`.
 #[test]
@@ -387,6 +457,7 @@ fn the_pipeline_folder_makes_diffusers_video() {
             guidance: run["guidance_scale"].as_f64().expect("g") as f32,
             seed: pr["generator_seed"].as_u64().expect("seed"),
             max_sequence_length: run["max_sequence_length"].as_u64().expect("msl") as usize,
+            ..Default::default()
         };
         let mut prepared = pipe.prepare(&req).expect("prepare");
         assert_bits_eq(
@@ -473,6 +544,16 @@ fn bad_sizes_and_frame_counts_say_what_works() {
                 ..base.clone()
             },
             "denoising steps",
+        ),
+        (
+            WanRequest {
+                vae_tile: Some(nibble_core::models::wan::WanTiling {
+                    tile: (32, 30),
+                    stride: (24, 24),
+                }),
+                ..base.clone()
+            },
+            "multiples of 8",
         ),
     ] {
         let e = pipe.prepare(&req).expect_err(want).to_string();

@@ -51,6 +51,18 @@ pub enum Event<'a> {
     },
 }
 
+/// Whether a pipeline's VAE decodes in spatial tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VaeTiling {
+    /// Never.
+    Off,
+    /// Always (when the latent is larger than one tile).
+    On,
+    /// When the whole image's (or frame's) decoder does not fit the device budget.
+    #[default]
+    Auto,
+}
+
 /// A pipeline of phases over one backend.
 pub trait Pipeline {
     /// What a user asks for (prompt, size, steps, seed, ...).

@@ -443,10 +443,10 @@ impl Tiling {
 }
 
 /// An image tile `[c, h, w]`.
-struct Tile {
-    v: Vec<f32>,
-    h: usize,
-    w: usize,
+pub(crate) struct Tile {
+    pub(crate) v: Vec<f32>,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
 }
 
 /// Decodes `z` (`[c, h, w]`, the decoder's input) in tiles on `backend`, one decoder graph per
@@ -542,10 +542,27 @@ pub async fn tiled_decode_with<B: crate::backend::Backend>(
         }
         backend = dec.into_backend();
     }
-    let mut tiles: Vec<Vec<Tile>> = grid
+    let tiles: Vec<Vec<Tile>> = grid
         .into_iter()
         .map(|row| row.into_iter().flatten().collect())
         .collect();
+    let out = blend_tiles(tiles, oc, (blend, blend), (limit, limit), (h * f, w * f))?;
+    crate::error::check_finite(&out, || "the VAE's tiled image".to_string())?;
+    Ok((out, backend, streamed))
+}
+
+/// Blends decoded tiles (row-major, each `[planes, h, w]`) as diffusers' tiled decodes do it:
+/// each tile blended linearly over `blend` pixels (height, width) with the tile above, then with
+/// the tile to its left (both already blended themselves), cropped to `limit` pixels (the
+/// stride), and placed:
+/// the `[planes, ih, iw]` result.
+pub(crate) fn blend_tiles(
+    mut tiles: Vec<Vec<Tile>>,
+    oc: usize,
+    (blend_h, blend_w): (usize, usize),
+    (limit_h, limit_w): (usize, usize),
+    (ih, iw): (usize, usize),
+) -> Result<Vec<f32>> {
     // torch's float32 blend: a * (1 - y / e) + b * (y / e), the weights rounded to float.
     let weights = |k: usize, e: usize| {
         let t = k as f64 / e as f64;
@@ -558,7 +575,7 @@ pub async fn tiled_decode_with<B: crate::backend::Backend>(
                     let (top, rest) = tiles.split_at_mut(a);
                     (&top[a - 1][b], &mut rest[0][b])
                 };
-                let e = blend.min(up.h).min(cur.h);
+                let e = blend_h.min(up.h).min(cur.h);
                 for y in 0..e {
                     let (wa, wb) = weights(y, e);
                     for ch in 0..oc {
@@ -575,7 +592,7 @@ pub async fn tiled_decode_with<B: crate::backend::Backend>(
                     let (l, r) = tiles[a].split_at_mut(b);
                     (&l[b - 1], &mut r[0])
                 };
-                let e = blend.min(left.w).min(cur.w);
+                let e = blend_w.min(left.w).min(cur.w);
                 for x in 0..e {
                     let (wa, wb) = weights(x, e);
                     for ch in 0..oc {
@@ -589,14 +606,13 @@ pub async fn tiled_decode_with<B: crate::backend::Backend>(
             }
         }
     }
-    let (ih, iw) = (h * f, w * f);
     let mut out = vec![0f32; oc * ih * iw];
     let mut y0 = 0;
     for row in &tiles {
-        let rh = row.first().map_or(0, |t| t.h.min(limit));
+        let rh = row.first().map_or(0, |t| t.h.min(limit_h));
         let mut x0 = 0;
         for t in row {
-            let cw = t.w.min(limit);
+            let cw = t.w.min(limit_w);
             for ch in 0..oc {
                 for y in 0..rh {
                     let src = &t.v[(ch * t.h + y) * t.w..(ch * t.h + y) * t.w + cw];
@@ -612,13 +628,12 @@ pub async fn tiled_decode_with<B: crate::backend::Backend>(
         y0,
         tiles
             .first()
-            .map_or(0, |r| r.iter().map(|t| t.w.min(limit)).sum()),
+            .map_or(0, |r| r.iter().map(|t| t.w.min(limit_w)).sum()),
     ) != (ih, iw)
     {
         return Err(Error::Invalid(format!(
             "VAE tiles assembled {y0} rows for a {ih} x {iw} image"
         )));
     }
-    crate::error::check_finite(&out, || "the VAE's tiled image".to_string())?;
-    Ok((out, backend, streamed))
+    Ok(out)
 }

@@ -577,17 +577,7 @@ pub struct FluxRequest {
     pub vae_tile: Option<usize>,
 }
 
-/// Whether the VAE decodes in tiles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum VaeTiling {
-    /// Never.
-    Off,
-    /// Always (when the latent is larger than one tile).
-    On,
-    /// When the whole image's decoder does not fit the device budget.
-    #[default]
-    Auto,
-}
+pub use crate::models::pipeline::VaeTiling;
 
 /// A request made concrete: ids, grid, schedule, initial latents.
 #[derive(Debug, Clone)]

@@ -11,10 +11,12 @@ mod graph;
 pub mod pipeline;
 #[cfg(feature = "text")]
 pub mod text;
+pub mod tiling;
 mod transformer;
 pub mod vae;
 
 pub use config::WanConfig;
 pub use graph::{build, WanGraph};
+pub use tiling::WanTiling;
 pub use transformer::{patch_grid, patchify, rope_tables, unpatchify, WanTransformer};
 pub use vae::{WanVaeConfig, WanVaeDecoder};

@@ -18,13 +18,14 @@ use crate::models::denoise::DenoiseLoop;
 use crate::models::flux::noise::{torch_randn, NoiseMath};
 use crate::models::flux::tokens::T5Tokenizer;
 use crate::models::pipeline::{
-    check_components, open_component, read_json, Event, PhaseGraph, Pipeline, SMALL,
+    check_components, open_component, read_json, Event, PhaseGraph, Pipeline, VaeTiling, SMALL,
 };
 use crate::models::scheduler::{UniPc, UniPcConfig};
 use crate::models::t5::{self, UmT5Encoder};
 use crate::models::Drive;
 
 use super::text::prompt_ids;
+use super::tiling::{tiled_decode, WanTiling};
 use super::vae::{self, WanVaeConfig, WanVaeDecoder};
 use super::{patch_grid, WanConfig, WanTransformer};
 
@@ -87,6 +88,10 @@ pub struct WanRequest {
     pub seed: u64,
     /// Tokens of each prompt.
     pub max_sequence_length: usize,
+    /// Whether the VAE decodes in spatial tiles.
+    pub vae_tiling: VaeTiling,
+    /// The tiles (diffusers' defaults if none).
+    pub vae_tile: Option<WanTiling>,
 }
 
 impl Default for WanRequest {
@@ -101,6 +106,8 @@ impl Default for WanRequest {
             guidance: 5.0,
             seed: 0,
             max_sequence_length: 512,
+            vae_tiling: VaeTiling::Auto,
+            vae_tile: None,
         }
     }
 }
@@ -120,6 +127,12 @@ pub struct WanPrepared {
     pub steps: usize,
     /// Guidance scale.
     pub guidance: f32,
+    /// The tiling asked for.
+    pub tiling_choice: VaeTiling,
+    /// The tiles asked for (or diffusers' defaults).
+    pub tile: WanTiling,
+    /// The VAE's tiling, once [`Pipeline::plans`] has settled it.
+    pub tiling: Option<WanTiling>,
 }
 
 /// The video and the tensors diffusers names along the way.
@@ -234,6 +247,73 @@ impl WanPipeline {
     }
 }
 
+impl WanPipeline {
+    /// The VAE decoder's graph for `h x w` latent frames: the largest tile's when tiled.
+    pub fn vae_graph(
+        &self,
+        (h, w): (usize, usize),
+        tiling: Option<WanTiling>,
+    ) -> Result<crate::graph::Graph> {
+        let (h, w) = match tiling {
+            Some(t) => {
+                let (th, tw) = t.latent_tile(self.vae_config.spatial_scale());
+                (th.min(h), tw.min(w))
+            }
+            None => (h, w),
+        };
+        Ok(vae::build(&self.vae, h, w)?.0)
+    }
+
+    /// The VAE's tiling for `h x w` latent frames: `Off` none, `On` the tiles when the latent is
+    /// larger than one, `Auto` the tiles when it is larger and the whole frame's decoder cannot
+    /// be planned within the device budget (or the backend's limit for one operand).
+    pub fn vae_tiling<B: Backend>(
+        &self,
+        dims: (usize, usize),
+        choice: VaeTiling,
+        tile: WanTiling,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<Option<WanTiling>> {
+        let s = self.vae_config.spatial_scale();
+        tile.check(s)?;
+        let larger = tile.tiles(dims, s);
+        Ok(match choice {
+            VaeTiling::Off => None,
+            VaeTiling::On => larger.then_some(tile),
+            VaeTiling::Auto => {
+                let g = self.vae_graph(dims, None)?;
+                let fits =
+                    crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
+                        .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
+                (larger && !fits).then_some(tile)
+            }
+        })
+    }
+
+    /// Decodes the latent video `z` (`[z_dim, f, h, w]`, de-normalized: the VAE's own input)
+    /// latent frame by latent frame, whole or in `tiling`'s tiles: the video
+    /// `[out_channels, frames, 8h, 8w]` clamped to [-1, 1], the backend (its device memory
+    /// released) and the weight bytes streamed.
+    pub async fn decode_latents<B: Backend>(
+        &self,
+        z: &[f32],
+        (f, h, w): (usize, usize, usize),
+        tiling: Option<WanTiling>,
+        backend: B,
+        opts: ExecOptions,
+        drive: &Drive<'_>,
+    ) -> Result<(Vec<f32>, B, u64)> {
+        if let Some(t) = tiling {
+            return tiled_decode(&self.vae, backend, z, (f, h, w), t, opts, drive).await;
+        }
+        let mut dec = WanVaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
+        let video = dec.decode_async(z).await?;
+        let bytes = dec.bytes_streamed();
+        Ok((video, dec.into_backend(), bytes))
+    }
+}
+
 impl Pipeline for WanPipeline {
     type Request = WanRequest;
     type Prepared = WanPrepared;
@@ -241,6 +321,8 @@ impl Pipeline for WanPipeline {
 
     fn prepare(&self, req: &WanRequest) -> Result<WanPrepared> {
         let dims = self.latent_dims(req)?;
+        let tile = req.vae_tile.unwrap_or_default();
+        tile.check(self.vae_config.spatial_scale())?;
         if req.steps == 0 || req.steps > crate::models::scheduler::MAX_STEPS {
             return Err(Error::Invalid(format!(
                 "{} denoising steps: between 1 and {}",
@@ -279,6 +361,9 @@ impl Pipeline for WanPipeline {
             latents: torch_randn(n, req.seed, NoiseMath::AvxMathfun),
             steps: req.steps,
             guidance: req.guidance,
+            tiling_choice: req.vae_tiling,
+            tile,
+            tiling: None,
         })
     }
 
@@ -298,10 +383,37 @@ impl Pipeline for WanPipeline {
             ),
             (
                 "VAE",
-                vae::build(&self.vae, p.dims.1, p.dims.2)?.0,
+                self.vae_graph((p.dims.1, p.dims.2), p.tiling)?,
                 &self.vae,
             ),
         ])
+    }
+
+    /// The phases' graphs to size budgets from before the VAE's tiling is settled: the VAE at
+    /// its tile size wherever tiling may be chosen, so that a whole-frame decoder that tiling
+    /// would avoid does not set the budget.
+    fn budget_graphs(&self, p: &WanPrepared) -> Result<Vec<PhaseGraph<'_>>> {
+        let s = self.vae_config.spatial_scale();
+        if p.tiling.is_none()
+            && p.tiling_choice != VaeTiling::Off
+            && p.tile.tiles((p.dims.1, p.dims.2), s)
+        {
+            let mut q = p.clone();
+            q.tiling = Some(p.tile);
+            return self.graphs(&q);
+        }
+        self.graphs(p)
+    }
+
+    /// Settles the VAE's tiling ([`WanPipeline::vae_tiling`]).
+    fn settle<B: Backend>(
+        &self,
+        p: &mut WanPrepared,
+        backend: &mut B,
+        opts: ExecOptions,
+    ) -> Result<()> {
+        p.tiling = self.vae_tiling((p.dims.1, p.dims.2), p.tiling_choice, p.tile, backend, opts)?;
+        Ok(())
     }
 
     async fn run_with<B: Backend, F: FnMut(Event<'_>)>(
@@ -407,10 +519,9 @@ impl Pipeline for WanPipeline {
         let t0 = web_time::Instant::now();
         let z = self.vae_config.decoder_input(&latents);
         tensors.insert("vae_input".into(), (vec![1, zc, f, h, w], z.clone()));
-        let mut dec = WanVaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
-        let video = dec.decode_async(&z).await?;
-        let bytes = dec.bytes_streamed();
-        let backend = dec.into_backend();
+        let (video, backend, bytes) = self
+            .decode_latents(&z, p.dims, p.tiling, backend, opts, drive)
+            .await?;
         done(&mut on, "VAE", t0, bytes);
         let s = self.vae_config.spatial_scale();
         let (frames, oh, ow) = (self.vae_config.frames(f), h * s, w * s);

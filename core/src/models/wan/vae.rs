@@ -654,6 +654,15 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
 
     /// [`WanVaeDecoder::decode`], awaiting the frames on an event loop.
     pub async fn decode_async(&mut self, z: &[f32]) -> Result<Vec<f32>> {
+        let mut video = self.decode_unclamped(z).await?;
+        for v in &mut video {
+            *v = v.clamp(-1.0, 1.0);
+        }
+        Ok(video)
+    }
+
+    /// [`WanVaeDecoder::decode_async`] without the clamp (a tiled decode blends the tiles first).
+    pub async fn decode_unclamped(&mut self, z: &[f32]) -> Result<Vec<f32>> {
         let (h, w) = self.dims;
         let plane = h * w;
         let zc = self.cfg.z_dim;
@@ -686,9 +695,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
                 for c in 0..oc {
                     let src = &out[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow];
                     let dst = (c * total + at + k) * oh * ow;
-                    for (d, &v) in video[dst..dst + oh * ow].iter_mut().zip(src) {
-                        *d = v.clamp(-1.0, 1.0);
-                    }
+                    video[dst..dst + oh * ow].copy_from_slice(src);
                 }
             }
             at += t;

@@ -39,16 +39,7 @@ pub fn run(o: &RunArgs) -> Result<()> {
         );
     }
     let d = &o.dit;
-    if d.frames.is_some()
-        || d.negative_prompt.is_some()
-        || d.frames_dir.is_some()
-        || d.fps.is_some()
-    {
-        bail!(
-            "--frames, --negative-prompt, --frames-dir and --fps are for a Wan folder (text to \
-             video)"
-        );
-    }
+    super::options::refuse_wan_flags(d, &o.model)?;
     let noise = match &d.latents {
         Some(path) => Noise::Latents(read_latents(path)?),
         None => Noise::Seed(
@@ -72,7 +63,12 @@ pub fn run(o: &RunArgs) -> Result<()> {
             TilingArg::Off => VaeTiling::Off,
             TilingArg::Auto => VaeTiling::Auto,
         },
-        vae_tile: d.vae_tile_size,
+        vae_tile: match d.vae_tile_size {
+            Some((h, w)) if h != w => bail!(
+                "--vae-tile-size {h},{w}: a Flux VAE tile is square, N latent positions a side"
+            ),
+            t => t.map(|t| t.0),
+        },
     };
     crate::backends::select(o.backend)?.run(Run { o, pipe, req })
 }
@@ -234,31 +230,7 @@ impl crate::backends::WithBackend for Run<'_> {
         let quiet = o.json;
         if o.plan_only {
             let mut prepared = pipe.prepare(&req)?;
-            let phases = pipe.budget_graphs(&prepared)?;
-            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-            let machine = nibble_core::plan::budget::Machine::measure();
-            let d = nibble_core::plan::budget::decide(
-                &o.memory.request(),
-                &machine,
-                &mut backend,
-                &graphs,
-            )?;
-            let opts = ExecOptions::decided(&d, 2);
-            drop(graphs);
-            drop(phases);
-            // The VAE's tiling follows the budgets: its phase is planned again as it will run.
-            prepared.tiling = pipe.vae_tiling(&prepared, &mut backend, opts)?;
-            let phases = pipe.graphs(&prepared)?;
-            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-            let planned = nibble_core::plan::budget::phase_budgets(
-                d.budgets,
-                d.stream_all,
-                &machine,
-                &mut backend,
-                &graphs,
-            )?;
-            let named: Vec<_> = phases.iter().map(|(n, ..)| *n).zip(planned).collect();
-            return super::plan::print(o, label, &d.note, &named);
+            return super::plan::print_pipeline(o, label, &pipe, &mut prepared, &mut backend);
         }
         let g = generate(
             &pipe,

@@ -29,17 +29,7 @@ pub fn run(o: &RunArgs) -> Result<()> {
         None => {}
     }
     let d = &o.dit;
-    if d.frames.is_some()
-        || d.negative_prompt.is_some()
-        || d.frames_dir.is_some()
-        || d.fps.is_some()
-    {
-        bail!(
-            "--frames, --negative-prompt, --frames-dir and --fps are for a Wan folder \
-             (model_index.json naming WanPipeline); {} is not one",
-            o.model
-        );
-    }
+    options::refuse_wan_flags(d, &o.model)?;
     if d.latents.is_some() || d.embed_cache.is_some() || d.intermediates.is_some() {
         bail!(
             "--latents, --embed-cache and --intermediates are for a Flux pipeline folder \
@@ -94,6 +84,7 @@ fn check_outputs(o: &RunArgs) -> Result<()> {
         .inputs
         .iter()
         .chain(&o.dit.latents)
+        .chain(&o.dit.vae_decode)
         .map(|p| p.as_path())
         .collect();
     let mut with_resume = inputs.clone();

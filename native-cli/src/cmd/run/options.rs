@@ -133,10 +133,20 @@ pub struct DitArgs {
     /// when the whole image's decoder does not fit the device budget.
     #[arg(long, value_enum, default_value_t = TilingArg::Auto)]
     pub vae_tiling: TilingArg,
-    /// Latent positions per VAE tile side (diffusers' tile_latent_min_size; the image tile is
-    /// this times the VAE's scale factor) [default: the VAE's sample_size / scale factor].
-    #[arg(long, value_name = "N")]
-    pub vae_tile_size: Option<usize>,
+    /// VAE tile size. Flux: N latent positions a side (diffusers' tile_latent_min_size; the
+    /// image tile is N times the VAE's scale factor) [default: the VAE's sample_size / scale
+    /// factor]. Wan: H,W (or N for N,N) in video pixels, as AutoencoderKLWan.enable_tiling's
+    /// tile_sample_min_height/width [default: 256,256].
+    #[arg(long, value_name = "N|H,W", value_parser = parse_pair)]
+    pub vae_tile_size: Option<(usize, usize)>,
+    /// Wan: pixels between VAE tile starts, H,W (or N), as enable_tiling's
+    /// tile_sample_stride_height/width [default: 192,192]; tiles blend over size - stride.
+    #[arg(long, value_name = "N|H,W", value_parser = parse_pair)]
+    pub vae_tile_stride: Option<(usize, usize)>,
+    /// Wan: decode this latent video (`latents`, [1, z_dim, F, h, w] or [z_dim, F, h, w], the
+    /// VAE's own input, already de-normalized) instead of running the prompt.
+    #[arg(long, value_name = "LATENTS.safetensors")]
+    pub vae_decode: Option<PathBuf>,
     /// A pipeline's cache of text-encoder outputs: a second image from the same prompt (and the
     /// same encoder files and sequence length) skips CLIP and T5 and reads none of their weights.
     #[arg(long, value_name = "DIR")]
@@ -200,6 +210,40 @@ pub(crate) fn decide<B: Backend>(
         backend,
         graphs,
     )?)
+}
+
+/// Refuses the flags only a Wan folder takes on `model`, which is not one.
+pub(crate) fn refuse_wan_flags(d: &DitArgs, model: &str) -> Result<()> {
+    let given: Vec<&str> = [
+        ("--frames", d.frames.is_some()),
+        ("--negative-prompt", d.negative_prompt.is_some()),
+        ("--frames-dir", d.frames_dir.is_some()),
+        ("--fps", d.fps.is_some()),
+        ("--vae-tile-stride", d.vae_tile_stride.is_some()),
+        ("--vae-decode", d.vae_decode.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(f, on)| on.then_some(f))
+    .collect();
+    if !given.is_empty() {
+        anyhow::bail!(
+            "{} are for a Wan folder (model_index.json naming WanPipeline); {model} is not one",
+            given.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// `N` (as `N,N`) or `H,W`, each a positive count.
+fn parse_pair(s: &str) -> std::result::Result<(usize, usize), String> {
+    let one = |t: &str| match t.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?}: give N or H,W (positive whole numbers)")),
+    };
+    match s.split_once(',') {
+        Some((h, w)) => Ok((one(h)?, one(w)?)),
+        None => one(s).map(|n| (n, n)),
+    }
 }
 
 /// Which of torch's noise transforms `--seed` reproduces.

@@ -43,6 +43,35 @@ pub(super) fn announce(o: &RunArgs, label: &str, note: &BudgetNote, plan: &Memor
     }
 }
 
+/// `nibble plan` on a pipeline: the budgets decided from the graphs that size them, what the
+/// budgets decide settled (a VAE's tiling), every phase planned as it will run and printed.
+pub(super) fn print_pipeline<P: nibble_core::models::pipeline::Pipeline, B: Backend>(
+    o: &RunArgs,
+    label: &str,
+    pipe: &P,
+    prepared: &mut P::Prepared,
+    backend: &mut B,
+) -> Result<()> {
+    let machine = nibble_core::plan::budget::Machine::measure();
+    let d = {
+        let phases = pipe.budget_graphs(prepared)?;
+        let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+        nibble_core::plan::budget::decide(&o.memory.request(), &machine, backend, &graphs)?
+    };
+    pipe.settle(prepared, backend, ExecOptions::decided(&d, 2))?;
+    let phases = pipe.graphs(prepared)?;
+    let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+    let planned = nibble_core::plan::budget::phase_budgets(
+        d.budgets,
+        d.stream_all,
+        &machine,
+        backend,
+        &graphs,
+    )?;
+    let named: Vec<_> = phases.iter().map(|(n, ..)| *n).zip(planned).collect();
+    print(o, label, &d.note, &named)
+}
+
 /// Prints each phase's plan (`phases`: name and its plan under the decided budgets).
 pub(super) fn print(
     o: &RunArgs,

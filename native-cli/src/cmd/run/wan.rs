@@ -1,15 +1,23 @@
-//! `nibble run` on a diffusers `WanPipeline` folder: the prompt (and negative prompt) to video
-//! frames through core's [`WanPipeline`], each phase's plan printed before any weight byte is
-//! read, progress per step with RSS; the frames as PNGs (`--frames-dir`), the intermediate
-//! tensors under diffusers' names (`--intermediates`), one JSON object (`--json`).
+//! `nibble run` on a diffusers `WanPipeline` folder: the prompt (and negative prompt) to a video
+//! through core's [`WanPipeline`], or (`--vae-decode`) a given latent video through its VAE
+//! alone; each phase's plan printed before any weight byte is read, progress per step with RSS;
+//! the video as an MP4 (`--out`) and PNG frames (`--frames-dir`), the intermediate tensors under
+//! diffusers' names (`--intermediates`), one JSON object (`--json`).
+
+use std::collections::BTreeMap;
 
 use anyhow::{bail, Context, Result};
 use nibble_core::backend::Backend;
-use nibble_core::models::pipeline::Pipeline;
+use nibble_core::exec::ExecOptions;
+use nibble_core::io::model::ModelIndex;
+use nibble_core::models::pipeline::{Event, Pipeline, VaeTiling};
 use nibble_core::models::wan::pipeline::{WanPipeline, WanRequest};
+use nibble_core::models::wan::{vae, WanTiling};
+use nibble_core::plan::MemoryPlan;
 use serde_json::json;
 
-use super::options::RunArgs;
+use super::options::{RunArgs, TilingArg};
+use super::progress::Progress;
 
 /// Wan 2.1's frame rate (its `sample_fps`; diffusers' examples write `export_to_video(output,
 /// fps=16)`).
@@ -19,12 +27,6 @@ const WAN_FPS: f64 = 16.0;
 pub fn run(o: &RunArgs) -> Result<()> {
     let pipe = WanPipeline::open(&o.model, o.file_mode.into())
         .with_context(|| format!("opening the Wan pipeline {}", o.model))?;
-    if !o.text.prompt_ids.is_empty() || o.text.chat {
-        bail!("a Wan folder takes --prompt TEXT (tokenized by its umT5 tokenizer)");
-    }
-    let Some(prompt) = o.text.prompt.clone() else {
-        bail!("a Wan folder needs --prompt TEXT");
-    };
     let d = &o.dit;
     if d.inputs.is_some()
         || d.checkpoint.is_some()
@@ -33,11 +35,10 @@ pub fn run(o: &RunArgs) -> Result<()> {
         || d.dynamic_shift
         || d.latents.is_some()
         || d.embed_cache.is_some()
-        || d.vae_tile_size.is_some()
     {
         bail!(
-            "--inputs, --checkpoint, --resume, --preview, --dynamic-shift, --latents, \
-             --embed-cache and --vae-tile-size are not taken by a Wan folder"
+            "--inputs, --checkpoint, --resume, --preview, --dynamic-shift, --latents and \
+             --embed-cache are not taken by a Wan folder"
         );
     }
     if d.out.is_none() && d.frames_dir.is_none() && d.intermediates.is_none() && !o.plan_only {
@@ -49,6 +50,51 @@ pub fn run(o: &RunArgs) -> Result<()> {
     if let Some(fps) = d.fps {
         crate::output::mp4::check_fps(fps)?;
     }
+    let tiling = match d.vae_tiling {
+        TilingArg::On => VaeTiling::On,
+        TilingArg::Off => VaeTiling::Off,
+        TilingArg::Auto => VaeTiling::Auto,
+    };
+    let tile = {
+        let def = WanTiling::default();
+        let t = WanTiling {
+            tile: d.vae_tile_size.unwrap_or(def.tile),
+            stride: d.vae_tile_stride.unwrap_or(def.stride),
+        };
+        t.check(pipe.vae_config.spatial_scale())?;
+        t
+    };
+    if let Some(path) = &d.vae_decode {
+        let given = o.text.prompt.is_some()
+            || d.negative_prompt.is_some()
+            || d.frames.is_some()
+            || d.steps.is_some()
+            || d.height.is_some()
+            || d.width.is_some()
+            || d.guidance.is_some();
+        if given {
+            bail!(
+                "--vae-decode decodes the latents as they are: --prompt, --negative-prompt, \
+                 --frames, --steps, --height, --width and --guidance do not apply"
+            );
+        }
+        let (z, dims) = read_video_latents(path, pipe.vae_config.z_dim)?;
+        let job = Decode {
+            o,
+            pipe,
+            z,
+            dims,
+            tiling,
+            tile,
+        };
+        return crate::backends::select(o.backend)?.run(job);
+    }
+    if !o.text.prompt_ids.is_empty() || o.text.chat {
+        bail!("a Wan folder takes --prompt TEXT (tokenized by its umT5 tokenizer)");
+    }
+    let Some(prompt) = o.text.prompt.clone() else {
+        bail!("a Wan folder needs --prompt TEXT (or --vae-decode LATENTS.safetensors)");
+    };
     let req = WanRequest {
         prompt,
         negative_prompt: d.negative_prompt.clone(),
@@ -59,8 +105,33 @@ pub fn run(o: &RunArgs) -> Result<()> {
         guidance: d.guidance.unwrap_or(5.0),
         seed: o.seed,
         max_sequence_length: d.max_sequence_length,
+        vae_tiling: tiling,
+        vae_tile: Some(tile),
     };
     crate::backends::select(o.backend)?.run(Run { o, pipe, req })
+}
+
+/// The latent video in `path`: the tensor `latents`, `[1, z, F, h, w]` or `[z, F, h, w]`.
+fn read_video_latents(
+    path: &std::path::Path,
+    z_dim: usize,
+) -> Result<(Vec<f32>, (usize, usize, usize))> {
+    let f = ModelIndex::open(path).with_context(|| format!("--vae-decode {}", path.display()))?;
+    let e = f
+        .get("latents")
+        .with_context(|| format!("{}: no tensor 'latents'", path.display()))?;
+    let shape: Vec<usize> = e.shape.iter().map(|&d| d as usize).collect();
+    let dims = match shape.as_slice() {
+        [1, z, t, h, w] | [z, t, h, w] if *z == z_dim => (*t, *h, *w),
+        _ => bail!(
+            "{}: latents of shape {shape:?}; this VAE decodes [1, {z_dim}, frames, height, width]",
+            path.display()
+        ),
+    };
+    if dims.0 == 0 || dims.1 == 0 || dims.2 == 0 {
+        bail!("{}: an empty latent video {shape:?}", path.display());
+    }
+    Ok((f.read_f32(e)?, dims))
 }
 
 struct Run<'a> {
@@ -76,11 +147,7 @@ impl crate::backends::WithBackend for Run<'_> {
         let quiet = o.json;
         let mut prepared = pipe.prepare(&req)?;
         if o.plan_only {
-            let phases = pipe.budget_graphs(&prepared)?;
-            let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-            let d = super::options::decide(&o.memory, &mut backend, &graphs)?;
-            let named: Vec<_> = phases.iter().map(|(n, ..)| *n).zip(d.phases).collect();
-            return super::plan::print(o, label, &d.note, &named);
+            return super::plan::print_pipeline(o, label, &pipe, &mut prepared, &mut backend);
         }
         let opts = super::flux::pipeline_options(&o.memory, &pipe, &prepared, &mut backend, quiet)?;
         let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
@@ -96,72 +163,204 @@ impl crate::backends::WithBackend for Run<'_> {
                 req.guidance,
                 prepared.ids.0.len()
             );
-            for (i, (phase, plan)) in plans.iter().enumerate() {
-                eprintln!("phase {} of {}, {phase}:", i + 1, plans.len());
-                eprint!("{}", plan.explain());
-            }
+            print_plans(&plans);
         }
-        let mut progress = super::progress::Progress::start(quiet);
+        let mut progress = Progress::start(quiet);
         let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
-        let mut written = Vec::new();
-        let mut written_video = None;
-        if let Some(dir) = &o.dit.frames_dir {
-            std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
-            let per = out.height * out.width * 3;
-            for (k, rgb) in out.rgb.chunks_exact(per).enumerate() {
-                let path = dir.join(format!("frame_{k:04}.png"));
-                super::flux::write_png(&path, rgb, out.width, out.height)?;
-                written.push(path.display().to_string());
-            }
-            if !quiet {
-                eprintln!(
-                    "wrote {} frames ({} x {}) into {}",
-                    out.frames,
-                    out.width,
-                    out.height,
-                    dir.display()
-                );
-            }
-        }
-        if let Some(path) = &o.dit.out {
-            let fps = o.dit.fps.unwrap_or(WAN_FPS);
-            let mp4 = crate::output::mp4::write_mp4(
-                path,
-                &out.rgb,
-                out.frames,
-                (out.height, out.width),
-                fps,
-            )
-            .with_context(|| format!("writing the video {}", path.display()))?;
-            if !quiet {
-                eprintln!(
-                    "wrote {} ({} frames at {fps} fps, H.264, {:.1} KiB)",
-                    path.display(),
-                    mp4.frames,
-                    mp4.bytes as f64 / 1024.0
-                );
-            }
-            written_video = Some(path.display().to_string());
-        }
-        if let Some(path) = &o.dit.intermediates {
-            crate::output::write_f32_tensors(path, &out.tensors)?;
-        }
-        if quiet {
-            crate::output::write_stdout(
-                &(json!({
-                    "backend": label,
-                    "frames": out.frames, "width": out.width, "height": out.height,
-                    "plans": super::flux::plans_json(&plans),
-                    "phases": progress.phases, "steps": progress.steps,
-                    "baseline_rss_bytes": progress.baseline, "peak_rss_bytes": progress.peak,
-                    "frame_files": written,
-                    "video": written_video,
-                    "intermediates": o.dit.intermediates.as_ref().map(|p| p.display().to_string()),
-                })
-                .to_string()
-                    + "\n"),
-            )?;
-        }
-        Ok(())
+        let video = Video {
+            rgb: &out.rgb,
+            frames: out.frames,
+            height: out.height,
+            width: out.width,
+            tiling: prepared.tiling,
+        };
+        write(o, label, &video, &out.tensors, &plans, &progress)
     }
+}
+
+/// `--vae-decode`: a given latent video through the VAE alone.
+struct Decode<'a> {
+    o: &'a RunArgs,
+    pipe: WanPipeline,
+    z: Vec<f32>,
+    dims: (usize, usize, usize),
+    tiling: VaeTiling,
+    tile: WanTiling,
+}
+
+impl crate::backends::WithBackend for Decode<'_> {
+    type Output = ();
+    fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
+        let Decode {
+            o,
+            pipe,
+            z,
+            dims: (f, h, w),
+            tiling,
+            tile,
+        } = self;
+        let quiet = o.json;
+        // Budgets from the tile's graph wherever tiling may be chosen, then the tiling settled
+        // under them and the decoder planned as it will run.
+        let s = pipe.vae_config.spatial_scale();
+        let may_tile = tiling != VaeTiling::Off && tile.tiles((h, w), s);
+        let sizing = pipe.vae_graph((h, w), may_tile.then_some(tile))?;
+        let d = super::options::decide(&o.memory, &mut backend, &[(&sizing, &pipe.vae)])?;
+        let opts = ExecOptions::decided(&d, 2);
+        let settled = pipe.vae_tiling((h, w), tiling, tile, &mut backend, opts)?;
+        let graph = pipe.vae_graph((h, w), settled)?;
+        if o.plan_only {
+            let machine = nibble_core::plan::budget::Machine::measure();
+            let planned = nibble_core::plan::budget::phase_budgets(
+                d.budgets,
+                d.stream_all,
+                &machine,
+                &mut backend,
+                &[(&graph, &pipe.vae)],
+            )?;
+            let named: Vec<_> = ["VAE"].into_iter().zip(planned).collect();
+            return super::plan::print(o, label, &d.note, &named);
+        }
+        let plans = nibble_core::models::pipeline::plan_phases(
+            &[("VAE", graph, &pipe.vae)],
+            &mut backend,
+            opts,
+        )?;
+        if !quiet {
+            eprintln!("backend {label}");
+            eprintln!("{}", d.note.note);
+            eprintln!(
+                "decoding {f} latent frames of {h} x {w} into {} frames of {} x {}{}",
+                pipe.vae_config.frames(f),
+                w * s,
+                h * s,
+                match settled {
+                    Some(t) => format!(
+                        " in tiles of {} x {} pixels every {} x {}",
+                        t.tile.1, t.tile.0, t.stride.1, t.stride.0
+                    ),
+                    None => String::new(),
+                }
+            );
+            print_plans(&plans);
+        }
+        let mut progress = Progress::start(quiet);
+        progress.on(Event::PhaseStart { phase: "VAE" });
+        let t0 = std::time::Instant::now();
+        let (video, _, bytes) = nibble_core::io::folder::block_on(pipe.decode_latents(
+            &z,
+            (f, h, w),
+            settled,
+            backend,
+            opts,
+            &nibble_core::models::Drive::Blocking,
+        ))?;
+        progress.on(Event::PhaseDone {
+            phase: "VAE",
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+            bytes_streamed: bytes,
+        });
+        let (oc, frames) = (pipe.vae_config.out_channels, pipe.vae_config.frames(f));
+        let rgb = vae::frames_u8(&video, (oc, frames, h * s, w * s))?;
+        let mut tensors = BTreeMap::new();
+        tensors.insert(
+            "video_f32".to_string(),
+            (vec![1, oc, frames, h * s, w * s], video),
+        );
+        let out = Video {
+            rgb: &rgb,
+            frames,
+            height: h * s,
+            width: w * s,
+            tiling: settled,
+        };
+        write(o, label, &out, &tensors, &plans, &progress)
+    }
+}
+
+fn print_plans(plans: &[(&'static str, MemoryPlan)]) {
+    for (i, (phase, plan)) in plans.iter().enumerate() {
+        eprintln!("phase {} of {}, {phase}:", i + 1, plans.len());
+        eprint!("{}", plan.explain());
+    }
+}
+
+/// A decoded video's 8-bit frames.
+struct Video<'a> {
+    /// `[frames, height, width, 3]`.
+    rgb: &'a [u8],
+    frames: usize,
+    height: usize,
+    width: usize,
+    tiling: Option<WanTiling>,
+}
+
+/// Writes what the flags ask for: PNG frames, the MP4, the intermediates, the JSON report.
+fn write(
+    o: &RunArgs,
+    label: &str,
+    v: &Video<'_>,
+    tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    plans: &[(&'static str, MemoryPlan)],
+    progress: &Progress,
+) -> Result<()> {
+    let quiet = o.json;
+    let mut written = Vec::new();
+    if let Some(dir) = &o.dit.frames_dir {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        let per = v.height * v.width * 3;
+        for (k, rgb) in v.rgb.chunks_exact(per).enumerate() {
+            let path = dir.join(format!("frame_{k:04}.png"));
+            super::flux::write_png(&path, rgb, v.width, v.height)?;
+            written.push(path.display().to_string());
+        }
+        if !quiet {
+            eprintln!(
+                "wrote {} frames ({} x {}) into {}",
+                v.frames,
+                v.width,
+                v.height,
+                dir.display()
+            );
+        }
+    }
+    let mut video = None;
+    if let Some(path) = &o.dit.out {
+        let fps = o.dit.fps.unwrap_or(WAN_FPS);
+        let mp4 = crate::output::mp4::write_mp4(path, v.rgb, v.frames, (v.height, v.width), fps)
+            .with_context(|| format!("writing the video {}", path.display()))?;
+        if !quiet {
+            eprintln!(
+                "wrote {} ({} frames of {} x {} at {fps} fps, H.264, {:.1} KiB)",
+                path.display(),
+                mp4.frames,
+                v.width,
+                v.height,
+                mp4.bytes as f64 / 1024.0
+            );
+        }
+        video = Some(path.display().to_string());
+    }
+    if let Some(path) = &o.dit.intermediates {
+        crate::output::write_f32_tensors(path, tensors)?;
+    }
+    if quiet {
+        crate::output::write_stdout(
+            &(json!({
+                "backend": label,
+                "frames": v.frames, "width": v.width, "height": v.height,
+                "plans": super::flux::plans_json(plans),
+                "phases": progress.phases, "steps": progress.steps,
+                "baseline_rss_bytes": progress.baseline, "peak_rss_bytes": progress.peak,
+                "vae_tiling": v.tiling.map(|t| json!({"tile": [t.tile.0, t.tile.1],
+                    "stride": [t.stride.0, t.stride.1]})),
+                "frame_files": written,
+                "video": video,
+                "intermediates": o.dit.intermediates.as_ref().map(|p| p.display().to_string()),
+            })
+            .to_string()
+                + "\n"),
+        )?;
+    }
+    Ok(())
 }
