@@ -277,6 +277,71 @@ fn vae_decode_of_given_latents_equals_diffusers_tiled_and_whole() {
     }
 }
 
+/// A Wan folder whose scheduler is `FlowMatchEulerDiscreteScheduler` (shift 3): the run samples
+/// with Euler over the scheduler's own `set_timesteps` sigmas (worked through from diffusers'
+/// source in the scheduler's unit test) and decodes a video.
+#[test]
+fn a_wan_folder_with_the_flow_match_euler_scheduler_runs_euler() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let folder = dir.path().join("wan-euler");
+    std::fs::create_dir_all(folder.join("scheduler")).expect("mkdir");
+    // Copies (2.3 MB): a model folder's files may not lead outside it.
+    for c in ["text_encoder", "tokenizer", "transformer", "vae"] {
+        std::fs::create_dir_all(folder.join(c)).expect("mkdir");
+        for f in std::fs::read_dir(root().join("pipeline").join(c)).expect("component") {
+            let f = f.expect("entry").path();
+            let name = f.file_name().expect("name");
+            std::fs::copy(&f, folder.join(c).join(name)).expect("copy");
+        }
+    }
+    let index = std::fs::read_to_string(root().join("pipeline/model_index.json")).expect("index");
+    let index = index.replace("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler");
+    std::fs::write(folder.join("model_index.json"), index).expect("write");
+    std::fs::write(
+        folder.join("scheduler/scheduler_config.json"),
+        r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+            "shift": 3.0, "use_dynamic_shifting": false}"#,
+    )
+    .expect("write");
+    let inter = dir.path().join("i.safetensors");
+    let args = [
+        "run",
+        "--model",
+        folder.to_str().expect("utf-8"),
+        "--prompt",
+        "a fox",
+        "--height",
+        "48",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--steps",
+        "4",
+        "--max-sequence-length",
+        "16",
+        "--backend",
+        "cpu",
+        "--intermediates",
+        inter.to_str().expect("utf-8"),
+    ];
+    let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(args)
+        .output()
+        .expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let i = ModelIndex::open(&inter).expect("intermediates");
+    let sigmas = i
+        .read_f32(i.require("sigmas").expect("sigmas"))
+        .expect("f32");
+    assert_eq!(sigmas, [1.0, 0.857_692_3, 0.602_150_56, 0.008_928_572, 0.0]);
+    let video = i
+        .read_f32(i.require("video_f32").expect("video"))
+        .expect("f32");
+    assert_eq!(video.len(), 3 * 5 * 48 * 64);
+    assert!(video.iter().all(|v| v.is_finite() && v.abs() <= 1.0));
+}
+
 /// What a Wan folder refuses, each with a clear one-line error.
 #[test]
 fn a_wan_folder_refuses_what_it_cannot_do() {

@@ -8,7 +8,8 @@
 //!   arithmetic, so the values are diffusers' to the bit.
 //! - [`SchedulerConfig::default_sigmas`]: the scheduler's own `set_timesteps(steps)`,
 //!   `linspace(t(sigma_max), t(sigma_min), steps) / N` in f64 (the training schedule's ends after
-//!   the static shift), shifted, then f32 and a final 0 (the lone DiT's schedule).
+//!   the static shift, in float32 as torch computes them), shifted, then f32 and a final 0 (the
+//!   lone DiT's schedule, and a Wan folder's that names this scheduler).
 //!
 //! The model's timestep at step i is `sigmas[i] * num_train_timesteps` in f32.
 
@@ -169,15 +170,24 @@ impl SchedulerConfig {
         } else {
             self.shift
         };
-        let train = |t: f64| static_shift(init_shift, t / n);
-        let (sigma_max, sigma_min) = (train(n), train(1.0));
+        // The training sigmas as the scheduler's __init__ computes them: torch float32
+        // (`linspace(1, N, N) / N`, shifted), read back with `.item()`.
+        let train = |t: f32| {
+            let s = t / n as f32;
+            let (a, b) = (init_shift as f32, (init_shift - 1.0) as f32);
+            (a * s / (1.0 + b * s)) as f64
+        };
+        let (sigma_max, sigma_min) = (train(n as f32), train(1.0));
         let (t0, t1) = (sigma_max * n, sigma_min * n);
         let mut out: Vec<f32> = (0..steps)
             .map(|i| {
+                // np.linspace: i * ((t1 - t0) / (steps - 1)) + t0, the last exactly t1.
                 let t = if steps == 1 {
                     t0
+                } else if i == steps - 1 {
+                    t1
                 } else {
-                    t0 + (t1 - t0) * i as f64 / (steps - 1) as f64
+                    i as f64 * ((t1 - t0) / (steps - 1) as f64) + t0
                 };
                 let s = t / n;
                 let s = if self.use_dynamic_shifting {
@@ -270,6 +280,19 @@ mod tests {
         assert_eq!((s[0], s[4]), (1.0, 0.0));
         assert!((s[1] - 0.827_228_67).abs() < 1e-7, "{s:?}");
         assert!((s[3] - 0.347_258_4).abs() < 1e-7, "{s:?}");
+    }
+
+    /// diffusers' `FlowMatchEulerDiscreteScheduler(shift=3.0).set_timesteps(4)` as its source
+    /// computes it (float32 training sigmas, numpy f64 linspace and shift, float32), worked
+    /// through with Python floats rounded to float32 at each torch operation.
+    #[test]
+    fn four_default_steps_with_static_shift_3_follow_diffusers_arithmetic() {
+        let s = SchedulerConfig {
+            shift: 3.0,
+            ..Default::default()
+        }
+        .default_sigmas(4, 0.0);
+        assert_eq!(s, vec![1.0, 0.857_692_3, 0.602_150_56, 0.008_928_572, 0.0]);
     }
 
     #[test]

@@ -78,6 +78,31 @@ pub trait FlowSampler: std::fmt::Debug {
     }
 }
 
+/// A boxed sampler is one (a pipeline whose folder chooses its sampler at run time).
+impl<S: FlowSampler + ?Sized> FlowSampler for Box<S> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn sigmas(&self) -> &[f32] {
+        (**self).sigmas()
+    }
+    fn steps(&self) -> usize {
+        (**self).steps()
+    }
+    fn timestep(&self, i: usize) -> f32 {
+        (**self).timestep(i)
+    }
+    fn step(&mut self, i: usize, x: &mut [f32], model_out: &[f32]) -> Result<()> {
+        (**self).step(i, x, model_out)
+    }
+    fn state(&self) -> Vec<(String, Vec<f32>)> {
+        (**self).state()
+    }
+    fn restore(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        (**self).restore(state)
+    }
+}
+
 /// Classifier-free guidance as diffusers computes it: `uncond + scale · (cond − uncond)`, each
 /// operation in float32.
 pub fn guide(cond: &[f32], uncond: &[f32], scale: f32) -> Vec<f32> {

@@ -20,7 +20,7 @@ use crate::models::flux::tokens::T5Tokenizer;
 use crate::models::pipeline::{
     check_components, open_component, read_json, Event, PhaseGraph, Pipeline, VaeTiling, SMALL,
 };
-use crate::models::scheduler::{UniPc, UniPcConfig};
+use crate::models::scheduler::{Euler, FlowSampler, SchedulerConfig, UniPc, UniPcConfig};
 use crate::models::t5::{self, UmT5Encoder};
 use crate::models::Drive;
 
@@ -32,19 +32,65 @@ use super::{patch_grid, WanConfig, WanTransformer};
 /// The components a Wan 2.1 folder lists in `model_index.json`, with the classes nibble
 /// computes.
 const COMPONENTS: [(&str, &[&str]); 5] = [
-    ("scheduler", &["UniPCMultistepScheduler"]),
+    (
+        "scheduler",
+        &["UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"],
+    ),
     ("text_encoder", &["UMT5EncoderModel"]),
     ("tokenizer", &["T5TokenizerFast", "T5Tokenizer"]),
     ("transformer", &["WanTransformer3DModel"]),
     ("vae", &["AutoencoderKLWan"]),
 ];
 
+/// The sampler a Wan folder's `scheduler/scheduler_config.json` names.
+#[derive(Debug, Clone)]
+pub enum WanScheduler {
+    /// `UniPCMultistepScheduler` (the Wan 2.1 repos' own).
+    UniPc(UniPcConfig),
+    /// `FlowMatchEulerDiscreteScheduler`, over the sigmas of its own `set_timesteps(steps)`
+    /// (WanPipeline passes no `mu`, so a config that shifts dynamically is refused, as
+    /// diffusers raises for it).
+    Euler(SchedulerConfig),
+}
+
+impl WanScheduler {
+    /// Reads the config (`file` names it in errors) by its `_class_name`.
+    pub fn from_json(file: &str, json: &serde_json::Value) -> Result<Self> {
+        match json.get("_class_name").and_then(|v| v.as_str()) {
+            Some("FlowMatchEulerDiscreteScheduler") => {
+                let c = SchedulerConfig::from_json(file, json)?;
+                if c.use_dynamic_shifting {
+                    return Err(Error::Model {
+                        file: file.to_string(),
+                        msg: "use_dynamic_shifting: WanPipeline passes no mu to set_timesteps \
+                              (diffusers refuses this config too)"
+                            .into(),
+                    });
+                }
+                Ok(WanScheduler::Euler(c))
+            }
+            _ => Ok(WanScheduler::UniPc(UniPcConfig::from_json(file, json)?)),
+        }
+    }
+
+    /// The sampler for `steps` steps.
+    pub fn sampler(&self, steps: usize) -> Result<Box<dyn FlowSampler>> {
+        Ok(match self {
+            WanScheduler::UniPc(c) => Box::new(UniPc::new(c.clone(), steps)?),
+            WanScheduler::Euler(c) => Box::new(Euler::new(
+                c.default_sigmas(steps, 0.0),
+                c.num_train_timesteps,
+            )?),
+        })
+    }
+}
+
 /// An opened Wan folder: configs, the tokenizer, the three models' indexes (headers only).
 pub struct WanPipeline {
     /// The folder as given.
     pub root: String,
     /// The scheduler's settings.
-    pub scheduler: UniPcConfig,
+    pub scheduler: WanScheduler,
     /// The umT5 tokenizer.
     pub tokenizer: T5Tokenizer,
     /// `text_encoder/`.
@@ -186,7 +232,7 @@ impl WanPipeline {
             ));
         }
         let sched = "scheduler/scheduler_config.json";
-        let scheduler = UniPcConfig::from_json(&top.locate(sched), &read_json(top, sched).await?)?;
+        let scheduler = WanScheduler::from_json(&top.locate(sched), &read_json(top, sched).await?)?;
         let tokenizer = match top.read_small("tokenizer/tokenizer.json", SMALL).await? {
             Some(b) => T5Tokenizer::from_json(&b)?,
             None => {
@@ -478,7 +524,7 @@ impl Pipeline for WanPipeline {
         ex.limit_stream_passes(p.steps as u64);
         let guidance = p.negative.as_ref().map(|_| p.guidance);
         let model = WanTransformer::new(ex, wg.config, p.dims, text, guidance)?;
-        let sampler = UniPc::new(self.scheduler.clone(), p.steps)?;
+        let sampler = self.scheduler.sampler(p.steps)?;
         tensors.insert(
             "sigmas".into(),
             (
