@@ -8,3 +8,4 @@
 pub mod fuzzing;
 pub mod synth;
 pub mod synth_flux;
+pub mod synth_wan;

@@ -203,7 +203,14 @@ pub fn t5_tokenizer_json() -> serde_json::Value {
     })
 }
 
-fn linear(t: &mut Vec<(String, Kind)>, name: &str, out: u64, inp: u64, quant: bool, bias: bool) {
+pub(crate) fn linear(
+    t: &mut Vec<(String, Kind)>,
+    name: &str,
+    out: u64,
+    inp: u64,
+    quant: bool,
+    bias: bool,
+) {
     let w = if quant {
         Kind::Quant(vec![out, inp])
     } else {
@@ -215,7 +222,7 @@ fn linear(t: &mut Vec<(String, Kind)>, name: &str, out: u64, inp: u64, quant: bo
     }
 }
 
-fn norm(t: &mut Vec<(String, Kind)>, name: &str, width: u64, bias: bool) {
+pub(crate) fn norm(t: &mut Vec<(String, Kind)>, name: &str, width: u64, bias: bool) {
     t.push((format!("{name}.weight"), Kind::Dense(vec![width], 1.0)));
     if bias {
         t.push((format!("{name}.bias"), Kind::Dense(vec![width], 0.0)));
@@ -264,8 +271,9 @@ fn clip(vocab: u64, layers: u64, seed: u64) -> SynthModel {
     )
 }
 
-/// A T5 encoder (transformers' `T5EncoderModel` with bitsandbytes NF4: every Linear but `wo`).
-fn t5(vocab: u64, layers: u64, seed: u64) -> SynthModel {
+/// A T5 encoder (transformers' `T5EncoderModel` with bitsandbytes NF4: every Linear but `wo`);
+/// with `umt5`, transformers' `UMT5EncoderModel` (a relative position bias in every layer).
+pub(crate) fn t5(vocab: u64, layers: u64, seed: u64, umt5: bool) -> SynthModel {
     let (d, ff, heads, d_kv, buckets) = (4096u64, 10240u64, 64u64, 64u64, 32u64);
     let inner = heads * d_kv;
     let mut t = vec![(
@@ -292,7 +300,7 @@ fn t5(vocab: u64, layers: u64, seed: u64) -> SynthModel {
             true,
             false,
         );
-        if l == 0 {
+        if l == 0 || umt5 {
             t.push((
                 format!("{p}.0.SelfAttention.relative_attention_bias.weight"),
                 Kind::Dense(vec![buckets, heads], 0.0),
@@ -320,8 +328,13 @@ fn t5(vocab: u64, layers: u64, seed: u64) -> SynthModel {
         norm(&mut t, &format!("{p}.1.layer_norm"), d, false);
     }
     norm(&mut t, "encoder.final_layer_norm", d, false);
+    let (arch, model_type) = if umt5 {
+        ("UMT5EncoderModel", "umt5")
+    } else {
+        ("T5EncoderModel", "t5")
+    };
     let config = json!({
-        "architectures": ["T5EncoderModel"], "model_type": "t5", "classifier_dropout": 0.0,
+        "architectures": [arch], "model_type": model_type, "classifier_dropout": 0.0,
         "d_ff": ff, "d_kv": d_kv, "d_model": d, "decoder_start_token_id": 0,
         "dense_act_fn": "gelu_new", "dropout_rate": 0.1, "dtype": "bfloat16", "eos_token_id": 1,
         "feed_forward_proj": "gated-gelu", "initializer_factor": 1.0, "is_encoder_decoder": true,
@@ -445,7 +458,12 @@ pub fn components(shape: FluxSynthShape, seed: u64) -> Vec<(&'static str, SynthM
         (
             "text_encoder_2",
             // T5 checkpoints pad the embedding rows to a multiple of 128.
-            t5(t5_pieces.div_ceil(128) * 128, shape.t5_layers, seed + 2),
+            t5(
+                t5_pieces.div_ceil(128) * 128,
+                shape.t5_layers,
+                seed + 2,
+                false,
+            ),
         ),
         (
             "transformer",
@@ -457,7 +475,7 @@ pub fn components(shape: FluxSynthShape, seed: u64) -> Vec<(&'static str, SynthM
 
 const CLIP_MERGES: usize = 400;
 
-fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir.display().to_string(), e))?;
     }

@@ -31,9 +31,16 @@ use crate::cmd::run::flux::{generate, pipeline_options, plans_json, write_png};
 /// Options of `nibble demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Denoising steps.
-    #[arg(long, default_value_t = 50)]
-    pub steps: usize,
+    /// Text to video instead: a synthetic Wan 2.1 folder (the 1.3B transformer's shape, NF4;
+    /// umT5 and the video VAE) through the whole pipeline to an MP4.
+    #[arg(long)]
+    pub video: bool,
+    /// With --video: frames (4k + 1).
+    #[arg(long, default_value_t = 9)]
+    pub frames: usize,
+    /// Denoising steps [default: 50; 8 with --video].
+    #[arg(long)]
+    pub steps: Option<usize>,
     /// Image height in pixels (a multiple of 16).
     #[arg(long, default_value_t = 128)]
     pub height: usize,
@@ -46,13 +53,16 @@ pub struct DemoArgs {
     /// The prompt (tokenized by the folder's CLIP and T5 tokenizers).
     #[arg(long, default_value = "a lighthouse on a cliff at dusk, oil on canvas")]
     pub prompt: String,
-    /// Guidance embedded into the transformer (FLUX.1-dev's default).
-    #[arg(long, default_value_t = 3.5)]
-    pub guidance: f32,
-    /// Size of the synthetic transformer on disk.
-    #[arg(long, value_parser = size, default_value = "1800MiB", value_name = "SIZE")]
-    pub dit_size: u64,
-    /// Layers of the synthetic T5 encoder (4096 wide; about 170 MiB each in NF4 + dense `wo`).
+    /// Guidance [default: 3.5 embedded into the transformer, FLUX.1-dev's; with --video 5.0,
+    /// classifier-free, both sequences in one pass over the weights].
+    #[arg(long)]
+    pub guidance: Option<f32>,
+    /// Size of the synthetic transformer on disk [default: 1800MiB; with --video the real
+    /// Wan 2.1 1.3B shape, about 700 MiB in NF4].
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    pub dit_size: Option<u64>,
+    /// Layers of the synthetic T5 (umT5 with --video) encoder (4096 wide; about 170 MiB each in
+    /// NF4 + dense `wo`).
     #[arg(long, default_value_t = 2)]
     pub t5_layers: u64,
     /// Seed of the models and of the noise (torch's CPU generator, as diffusers draws it).
@@ -84,7 +94,20 @@ pub struct DemoArgs {
     pub json: bool,
 }
 
-fn cache_root(o: &DemoArgs) -> PathBuf {
+impl DemoArgs {
+    /// The memory flags as `nibble run` takes them.
+    pub(super) fn memory(&self) -> MemoryArgs {
+        MemoryArgs {
+            device_budget: self.device_budget,
+            host_budget: self.host_budget,
+            slots: self.slots,
+            slot_size: self.slot_size,
+            stream_all: false,
+        }
+    }
+}
+
+pub(super) fn cache_root(o: &DemoArgs) -> PathBuf {
     o.cache_dir
         .clone()
         .or_else(|| std::env::var_os("NIBBLE_CACHE").map(PathBuf::from))
@@ -93,9 +116,14 @@ fn cache_root(o: &DemoArgs) -> PathBuf {
         .join("demo")
 }
 
-/// Writes the synthetic pipeline into `dir` once: into `dir.partial`, renamed when complete,
-/// reused afterwards.
-fn ensure_pipeline(dir: &Path, shape: FluxSynthShape, seed: u64, quiet: bool) -> Result<()> {
+/// Writes a synthetic pipeline (`what`) into `dir` once with `write`: into `dir.partial`,
+/// renamed when complete, reused afterwards.
+pub(super) fn ensure_folder(
+    dir: &Path,
+    what: &str,
+    quiet: bool,
+    write: impl FnOnce(&Path, &mut dyn FnMut(&str, u64, u64)) -> nibble_core::error::Result<()>,
+) -> Result<()> {
     if dir.join("model_index.json").is_file() {
         return Ok(());
     }
@@ -103,13 +131,13 @@ fn ensure_pipeline(dir: &Path, shape: FluxSynthShape, seed: u64, quiet: bool) ->
     let _ = std::fs::remove_dir_all(&partial);
     if !quiet {
         eprintln!(
-            "writing a synthetic Flux pipeline (random weights) into {} (once; reused later)",
+            "writing a synthetic {what} (random weights) into {} (once; reused later)",
             dir.display()
         );
     }
     let t = Instant::now();
     let mut last = (String::new(), 0u64);
-    write_pipeline(&partial, shape, seed, |component, done, total| {
+    write(&partial, &mut |component, done, total| {
         let new = last.0 != component;
         if !quiet && (new || done - last.1 >= 256 << 20 || done == total) {
             eprintln!(
@@ -139,13 +167,7 @@ impl crate::backends::WithBackend for Demo<'_> {
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         let Demo { o, pipe, req } = self;
         let quiet = o.json;
-        let memory = MemoryArgs {
-            device_budget: o.device_budget,
-            host_budget: o.host_budget,
-            slots: o.slots,
-            slot_size: o.slot_size,
-            stream_all: false,
-        };
+        let memory = o.memory();
         let mut opts = None;
         let t0 = Instant::now();
         let g = generate(
@@ -305,8 +327,11 @@ impl crate::backends::WithBackend for Demo<'_> {
 pub fn run(o: &DemoArgs) -> Result<()> {
     let root = cache_root(o);
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    if o.video {
+        return super::demo_video::run(o, &root);
+    }
     let shape = FluxSynthShape {
-        dit_bytes: o.dit_size,
+        dit_bytes: o.dit_size.unwrap_or(1800 << 20),
         t5_layers: o.t5_layers.max(1),
         ..Default::default()
     };
@@ -314,15 +339,17 @@ pub fn run(o: &DemoArgs) -> Result<()> {
         "flux-dit{}-t5x{}-seed{}-v1",
         shape.dit_bytes, shape.t5_layers, o.seed
     ));
-    ensure_pipeline(&dir, shape, o.seed, o.json)?;
+    ensure_folder(&dir, "Flux pipeline", o.json, |d, p| {
+        write_pipeline(d, shape, o.seed, p)
+    })?;
     let pipe = FluxPipeline::open(&dir.to_string_lossy(), Default::default())
         .with_context(|| format!("opening the demo pipeline {}", dir.display()))?;
     let req = FluxRequest {
         prompt: o.prompt.clone(),
         height: o.height,
         width: o.width,
-        steps: o.steps,
-        guidance: o.guidance,
+        steps: o.steps.unwrap_or(50),
+        guidance: o.guidance.unwrap_or(3.5),
         max_sequence_length: o.max_sequence_length,
         noise: Noise::Seed(o.seed, NoiseMath::AvxMathfun),
         vae_tiling: VaeTiling::Auto,

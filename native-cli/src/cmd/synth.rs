@@ -17,6 +17,20 @@ pub enum SynthArch {
     Llama,
     /// diffusers' Flux-style DiT.
     Dit,
+    /// A diffusers Wan 2.1 pipeline folder (WanPipeline: umT5, the 3D transformer, the video
+    /// VAE); --size sizes the transformer, --shape gives a real repo's shapes.
+    Wan,
+}
+
+/// A real repo's shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SynthShape {
+    /// Wan-AI/Wan2.1-T2V-1.3B-Diffusers.
+    #[value(name = "1.3b")]
+    Wan1_3b,
+    /// Wan-AI/Wan2.1-T2V-14B-Diffusers.
+    #[value(name = "14b")]
+    Wan14b,
 }
 
 /// Options of `nibble synth`.
@@ -25,9 +39,12 @@ pub struct SynthArgs {
     /// The architecture.
     #[arg(long, value_enum)]
     pub arch: SynthArch,
-    /// Approximate size on disk, e.g. 1GiB, 256MiB.
-    #[arg(long, value_parser = size, value_name = "SIZE")]
-    pub size: u64,
+    /// Approximate size on disk, e.g. 1GiB, 256MiB (a Wan folder: its transformer's).
+    #[arg(long, value_parser = size, value_name = "SIZE", required_unless_present = "shape")]
+    pub size: Option<u64>,
+    /// A Wan folder of a real repo's shapes and configs (instead of --size).
+    #[arg(long, value_enum, conflicts_with = "size")]
+    pub shape: Option<SynthShape>,
     /// Output folder.
     #[arg(short, long)]
     pub out: PathBuf,
@@ -38,11 +55,13 @@ pub struct SynthArgs {
 
 /// Writes the model, with progress on stderr.
 pub fn run(a: &SynthArgs) -> Result<()> {
-    let arch = match a.arch {
-        SynthArch::Llama => Arch::Llama,
-        SynthArch::Dit => Arch::Dit,
+    let arch = match (a.arch, a.size) {
+        (SynthArch::Wan, _) => return wan(a),
+        (_, None) => anyhow::bail!("--shape is for --arch wan; give --size"),
+        (SynthArch::Llama, Some(s)) => (Arch::Llama, s),
+        (SynthArch::Dit, Some(s)) => (Arch::Dit, s),
     };
-    let m = SynthModel::new(arch, a.size, a.seed);
+    let m = SynthModel::new(arch.0, arch.1, a.seed);
     let total = m.tensor_bytes();
     eprintln!(
         "writing {} of tensors to {}",
@@ -67,5 +86,43 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         files.len(),
         files.join(", ")
     );
+    Ok(())
+}
+
+/// A Wan folder: its shapes, then each component's progress.
+fn wan(a: &SynthArgs) -> Result<()> {
+    use nibble_core::tooling::synth_wan::{tensor_bytes, write_pipeline, WanSynthShape};
+    let shape = match (a.shape, a.size) {
+        (Some(SynthShape::Wan1_3b), _) => WanSynthShape::real_1_3b(),
+        (Some(SynthShape::Wan14b), _) => WanSynthShape::real_14b(),
+        (None, Some(s)) => WanSynthShape::scaled(s),
+        (None, None) => anyhow::bail!("give --size or --shape"),
+    };
+    eprintln!(
+        "writing a Wan folder to {}: transformer {} blocks of {}, umT5 {} layers, VAE base {}; \
+         {} of tensors",
+        a.out.display(),
+        shape.layers,
+        shape.dim,
+        shape.text_layers,
+        shape.vae_base_dim,
+        fmt_bytes(tensor_bytes(shape))
+    );
+    let mut last = (String::new(), 0u64);
+    write_pipeline(&a.out, shape, a.seed, |name, done, total| {
+        if name != last.0 || done - last.1 >= 64 << 20 || done == total {
+            eprint!(
+                "\r  {name:<13} {:>5.1}%  {} / {}   ",
+                done as f64 * 100.0 / total.max(1) as f64,
+                fmt_bytes(done),
+                fmt_bytes(total)
+            );
+            if done == total {
+                eprintln!();
+            }
+            last = (name.to_string(), done);
+        }
+    })?;
+    eprintln!("wrote {}", a.out.display());
     Ok(())
 }

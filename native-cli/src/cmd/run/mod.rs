@@ -9,7 +9,7 @@ mod llm;
 mod options;
 mod plan;
 mod progress;
-mod wan;
+pub mod wan;
 
 use anyhow::{bail, Result};
 use nibble_core::backend::Backend;

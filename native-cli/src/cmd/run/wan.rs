@@ -144,38 +144,80 @@ impl crate::backends::WithBackend for Run<'_> {
     type Output = ();
     fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<()> {
         let Run { o, pipe, req } = self;
-        let quiet = o.json;
-        let mut prepared = pipe.prepare(&req)?;
         if o.plan_only {
+            let mut prepared = pipe.prepare(&req)?;
             return super::plan::print_pipeline(o, label, &pipe, &mut prepared, &mut backend);
         }
-        let opts = super::flux::pipeline_options(&o.memory, &pipe, &prepared, &mut backend, quiet)?;
-        let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
-        let (f, h, w) = prepared.dims;
-        if !quiet {
-            eprintln!("backend {label}");
-            eprintln!(
-                "{} x {} x {} frames, {} steps, guidance {}, latent {f} x {h} x {w}, {} tokens",
-                req.width,
-                req.height,
-                req.frames,
-                req.steps,
-                req.guidance,
-                prepared.ids.0.len()
-            );
-            print_plans(&plans);
-        }
-        let mut progress = Progress::start(quiet);
-        let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
+        let g = generate(&pipe, &req, backend, label, o.json, &o.memory)?;
         let video = Video {
-            rgb: &out.rgb,
-            frames: out.frames,
-            height: out.height,
-            width: out.width,
-            tiling: prepared.tiling,
+            rgb: &g.out.rgb,
+            frames: g.out.frames,
+            height: g.out.height,
+            width: g.out.width,
+            tiling: g.prepared.tiling,
         };
-        write(o, label, &video, &out.tensors, &plans, &progress)
+        write(o, label, &video, &g.out.tensors, &g.plans, &g.progress)
     }
+}
+
+/// What one Wan run produced, with its plans and figures.
+pub struct Generated {
+    /// The video and the named intermediate tensors.
+    pub out: nibble_core::models::wan::pipeline::WanOutput,
+    /// Ids, the latent's size, the VAE tiling chosen.
+    pub prepared: nibble_core::models::wan::pipeline::WanPrepared,
+    /// Each phase's memory plan, in run order.
+    pub plans: Vec<(&'static str, MemoryPlan)>,
+    /// Per phase and per step figures, RSS.
+    pub progress: Progress,
+    /// The executor options the budgets gave.
+    pub opts: ExecOptions,
+}
+
+/// Runs `req` on `pipe`: budgets decided for `memory`, every phase planned (and printed unless
+/// `quiet`) before any weight byte is read, progress per step; `nibble run` and `nibble demo
+/// --video` both run a Wan folder through here.
+pub fn generate<B: Backend + 'static>(
+    pipe: &WanPipeline,
+    req: &WanRequest,
+    mut backend: B,
+    label: &str,
+    quiet: bool,
+    memory: &crate::args::MemoryArgs,
+) -> Result<Generated> {
+    let mut prepared = pipe.prepare(req)?;
+    let opts = super::flux::pipeline_options(memory, pipe, &prepared, &mut backend, quiet)?;
+    let plans = pipe.plans(&mut prepared, &mut backend, opts)?;
+    let (f, h, w) = prepared.dims;
+    if !quiet {
+        eprintln!("backend {label}");
+        eprintln!(
+            "{} x {} x {} frames, {} steps, guidance {}, latent {f} x {h} x {w}, {} tokens{}",
+            req.width,
+            req.height,
+            req.frames,
+            req.steps,
+            req.guidance,
+            prepared.ids.0.len(),
+            match prepared.tiling {
+                Some(t) => format!(
+                    "; VAE in tiles of {} x {} pixels every {} x {}",
+                    t.tile.1, t.tile.0, t.stride.1, t.stride.0
+                ),
+                None => String::new(),
+            }
+        );
+        print_plans(&plans);
+    }
+    let mut progress = Progress::start(quiet);
+    let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
+    Ok(Generated {
+        out,
+        prepared,
+        plans,
+        progress,
+        opts,
+    })
 }
 
 /// `--vae-decode`: a given latent video through the VAE alone.
