@@ -51,6 +51,8 @@ pub(crate) struct State {
     busy: bool,
     /// The Flux pipeline folder opened by `loadPipeline` (instead of a model).
     pub(crate) pipeline: Option<Rc<nibble_core::models::flux::pipeline::FluxPipeline>>,
+    /// The Wan folder opened by `loadPipeline` (instead of a model or a Flux folder).
+    pub(crate) wan: Option<Rc<nibble_core::models::wan::pipeline::WanPipeline>>,
     /// `loadPipeline` was given no device budget: each run's default is every weight resident.
     pub(crate) pipeline_resident: bool,
     /// The language model's tokenizer and chat template, when its folder has them.

@@ -12,8 +12,9 @@
 //! // model.plan: the memory plan of a default run, before any weight byte is read
 //! const out = await nb.generate("Hello", { maxTokens: 16 }, (id, i, text) => ...); // LLMs
 //! const dit = await nb.denoise({ steps: 4, inputs }, (step) => ...);             // DiTs
-//! await nb.loadPipeline(url, {});                    // a diffusers Flux folder
+//! await nb.loadPipeline(url, {});                    // a diffusers Flux or Wan folder
 //! const img = await nb.generateImage({ prompt, height, width, steps, seed }, (ev) => ...);
+//! const vid = await nb.generateVideo({ prompt, frames, height, width }, (ev) => ...); // Wan
 //! nb.stats();                                       // every request, bytes fetched vs the plan
 //! ```
 //!
@@ -25,6 +26,8 @@ mod api;
 mod fetch;
 #[cfg(target_arch = "wasm32")]
 mod pipeline;
+#[cfg(target_arch = "wasm32")]
+mod video;
 
 #[cfg(target_arch = "wasm32")]
 pub use api::Nibble;

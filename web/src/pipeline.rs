@@ -83,6 +83,85 @@ fn request_from(v: &Value) -> Result<FluxRequest, JsValue> {
     })
 }
 
+/// A pipeline folder's models readied (the graph builders and the planner read the quant states
+/// synchronously) and described: `{ url, kind, components, bytes, open_ms, open_bytes }`.
+async fn loaded(
+    url: &str,
+    kind: &str,
+    models: &[(&str, &ModelIndex)],
+    t0: Instant,
+    traffic: &crate::fetch::SharedTraffic,
+) -> Result<Value, JsValue> {
+    for (_, m) in models {
+        m.load_quant_states().await.map_err(js_err)?;
+    }
+    let components: Vec<Value> = models
+        .iter()
+        .map(|(name, m)| json!({"name": name, "bytes": m.file_bytes(), "tensors": m.len()}))
+        .collect();
+    Ok(json!({
+        "url": url,
+        "kind": kind,
+        "components": components,
+        "bytes": models.iter().map(|(_, m)| m.file_bytes()).sum::<u64>(),
+        "open_ms": t0.elapsed().as_secs_f64() * 1e3,
+        "open_bytes": traffic_bytes(traffic, "header") + traffic_bytes(traffic, "quant-state"),
+    }))
+}
+
+/// A run's event for JavaScript (`phases` and `steps` keep the phase and step rows): `{ type:
+/// "phase" | "step" | "frames", ... }`; frames carry `rgb` (a Uint8Array `[n, h, w, 3]`).
+pub(crate) fn event_js(
+    e: Event<'_>,
+    phases: &mut Vec<Value>,
+    steps: &mut Vec<Value>,
+) -> Result<JsValue, JsValue> {
+    let v = match e {
+        Event::PhaseStart { phase } => json!({"type": "phase", "phase": phase, "state": "start"}),
+        Event::Cached { phase } => json!({"type": "phase", "phase": phase, "state": "cached"}),
+        Event::PhaseDone {
+            phase,
+            ms,
+            bytes_streamed,
+        } => {
+            let v = json!({"type": "phase", "phase": phase, "state": "done",
+                           "ms": ms, "bytes_streamed": bytes_streamed});
+            phases.push(v.clone());
+            v
+        }
+        Event::Step {
+            step,
+            steps: n,
+            info,
+        } => {
+            let v = json!({"type": "step", "step": step, "steps": n,
+                "wall_ms": info.wall.as_secs_f64() * 1e3,
+                "bytes_streamed": info.stats.stream.bytes,
+                "stall_ms": info.stats.stream.stall.as_secs_f64() * 1e3});
+            steps.push(v.clone());
+            v
+        }
+        Event::Frames {
+            first,
+            total,
+            width,
+            height,
+            rgb,
+        } => {
+            let v = json!({"type": "frames", "first": first, "total": total,
+                "count": rgb.len() / (width * height * 3).max(1), "width": width, "height": height});
+            let js = to_js(&v)?;
+            js_sys::Reflect::set(
+                &js,
+                &JsValue::from_str("rgb"),
+                &js_sys::Uint8Array::from(rgb),
+            )?;
+            return Ok(js);
+        }
+    };
+    to_js(&v)
+}
+
 #[wasm_bindgen]
 impl Nibble {
     /// Opens the diffusers Flux pipeline folder at `url` (its `model_index.json`, scheduler
@@ -117,6 +196,37 @@ impl Nibble {
                 };
                 Ok(Arc::new(FetchFolder::new(&at, t.clone())))
             };
+            let class = match folder("")
+                .map_err(js_err)?
+                .read_small("model_index.json", 1 << 20)
+                .await
+            {
+                Ok(Some(b)) => serde_json::from_slice::<Value>(&b).ok().and_then(|v| {
+                    v.get("_class_name")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                }),
+                _ => None,
+            };
+            if class.as_deref() == Some("WanPipeline") {
+                let pipe = nibble_core::models::wan::pipeline::WanPipeline::open_in(&url, &folder)
+                    .await
+                    .map_err(js_err)?;
+                let models = [
+                    ("text_encoder", &pipe.text_encoder),
+                    ("transformer", &pipe.transformer),
+                    ("vae", &pipe.vae),
+                ];
+                let v = loaded(&url, "video", &models, t0, &traffic).await?;
+                let mut st = state.borrow_mut();
+                st.wan = Some(Rc::new(pipe));
+                st.pipeline = None;
+                st.pipeline_resident = resident;
+                st.model = None;
+                st.kind = None;
+                st.settings = s;
+                return to_js(&v);
+            }
             let pipe = FluxPipeline::open_in(&url, &folder).await.map_err(js_err)?;
             let models = [
                 ("text_encoder", &pipe.text_encoder),
@@ -124,24 +234,10 @@ impl Nibble {
                 ("transformer", &pipe.transformer),
                 ("vae", &pipe.vae),
             ];
-            // The graph builders and the planner read the quant states synchronously.
-            for (_, m) in models {
-                m.load_quant_states().await.map_err(js_err)?;
-            }
-            let components: Vec<Value> = models
-                .iter()
-                .map(|(name, m)| json!({"name": name, "bytes": m.file_bytes(), "tensors": m.len()}))
-                .collect();
-            let v = json!({
-                "url": url,
-                "kind": "pipeline",
-                "components": components,
-                "bytes": models.iter().map(|(_, m)| m.file_bytes()).sum::<u64>(),
-                "open_ms": t0.elapsed().as_secs_f64() * 1e3,
-                "open_bytes": traffic_bytes(&traffic, "header") + traffic_bytes(&traffic, "quant-state"),
-            });
+            let v = loaded(&url, "pipeline", &models, t0, &traffic).await?;
             let mut st = state.borrow_mut();
             st.pipeline = Some(Rc::new(pipe));
+            st.wan = None;
             st.pipeline_resident = resident;
             st.model = None;
             st.kind = None;
@@ -215,12 +311,9 @@ impl Nibble {
                     }
                 })
                 .sum();
-            let emit = |v: Value| {
-                if let Ok(js) = to_js(&v) {
-                    let _ = on_event.call1(&JsValue::NULL, &js);
-                }
-            };
-            emit(json!({"type": "plans", "plans": plans_v}));
+            if let Ok(js) = to_js(&json!({"type": "plans", "plans": plans_v})) {
+                let _ = on_event.call1(&JsValue::NULL, &js);
+            }
             let before = traffic_bytes(&traffic, "weights");
             let t = traffic.clone();
             let maker =
@@ -228,37 +321,9 @@ impl Nibble {
             let (mut phases, mut steps) = (Vec::new(), Vec::new());
             let out = pipe
                 .run_with(&prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
-                    let v = match e {
-                        Event::PhaseStart { phase } => {
-                            json!({"type": "phase", "phase": phase, "state": "start"})
-                        }
-                        Event::Cached { phase } => {
-                            json!({"type": "phase", "phase": phase, "state": "cached"})
-                        }
-                        Event::PhaseDone {
-                            phase,
-                            ms,
-                            bytes_streamed,
-                        } => {
-                            let v = json!({"type": "phase", "phase": phase, "state": "done",
-                                           "ms": ms, "bytes_streamed": bytes_streamed});
-                            phases.push(v.clone());
-                            v
-                        }
-                        Event::Step {
-                            step,
-                            steps: n,
-                            info,
-                        } => {
-                            let v = json!({"type": "step", "step": step, "steps": n,
-                                "wall_ms": info.wall.as_secs_f64() * 1e3,
-                                "bytes_streamed": info.stats.stream.bytes,
-                                "stall_ms": info.stats.stream.stall.as_secs_f64() * 1e3});
-                            steps.push(v.clone());
-                            v
-                        }
-                    };
-                    emit(v);
+                    if let Ok(js) = event_js(e, &mut phases, &mut steps) {
+                        let _ = on_event.call1(&JsValue::NULL, &js);
+                    }
                 })
                 .await;
             let (out, backend) = out.map_err(js_err)?;

@@ -6,7 +6,9 @@
 //      euler_x0 to within 1e-4 x max of euler_final;
 //   2b. open tiny-flux-pipeline/pipeline and paint each prompt's image, which must equal the PNG
 //      diffusers wrote (within 1 per channel, >= 99% equal);
-// and for both: the weight bytes fetched equal the plan's prediction (resident once + streamed
+//   2c. open tiny-wan-pipeline/pipeline and make the recorded video, each frame painted as the VAE
+//      decodes it, the video equal to diffusers' 8-bit frames (within 1, >= 99% equal);
+// and for all: the weight bytes fetched equal the plan's prediction (resident once + streamed
 // bytes per step x steps), the opening reads equal 8 + header per file plus the quant-state
 // tensors, and no request to a weight file comes without a Range header. Saves a screenshot.
 //
@@ -240,6 +242,53 @@ async function main() {
         weight_bytes: img.weight_bytes, predicted: img.predicted, plans: img.plans });
     }
     await page.screenshot({ path: join(outDir, "browser-flux.png"), fullPage: true });
+
+    // 2c. The Wan 2.1 folder: prompt to video through umT5, the transformer (both guidance
+    // sequences in one pass) and the causal VAE on WebGPU, every phase streamed; the frames reach
+    // the page as the VAE decodes them, and the video equals diffusers' 8-bit frames (within 1, at
+    // least 99% equal); the weight bytes fetched equal the three plans' prediction.
+    const wanDir = join(fixturesDir, "tiny-wan-pipeline");
+    const wman = JSON.parse(readFileSync(join(wanDir, "manifest.json"), "utf8"));
+    const wanUrl = `${base}/fixtures/tiny-wan-pipeline/pipeline`;
+    const wm = await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [wanUrl, mem]);
+    check("tiny-wan-pipeline opens as a video folder", wm.kind === "video" && wm.components.length === 3,
+      JSON.stringify(wm.components));
+    const expected = readFileSync(join(wanDir, "expected.safetensors"));
+    const hlen = Number(expected.readBigUInt64LE(0));
+    const header = JSON.parse(expected.subarray(8, 8 + hlen).toString("utf8"));
+    const wpr = wman.prompts[0];
+    const vu8 = header["p0.video_u8"];
+    const wantU8 = expected.subarray(8 + hlen + vu8.data_offsets[0], 8 + hlen + vu8.data_offsets[1]);
+    const t4 = Date.now();
+    const vid = await page.evaluate(async ([o, m]) => {
+      const r = await window.nibbleDemo.runVideo({ ...m, ...o });
+      window.nibbleDemo.stopPlayback();
+      return { frames: r.frames, w: r.width, h: r.height, rgb: Array.from(r.rgb), steps: r.steps.length,
+        shown: window.nibbleDemo.framesShown, phases: r.phases.map((p) => p.phase),
+        plans: r.plans.map((p) => ({ phase: p.phase, streamed: p.streamed_groups })),
+        weight_bytes: r.weight_bytes, predicted: r.predicted_weight_bytes };
+    }, [{ prompt: wpr.text, negativePrompt: wpr.negative_prompt, height: wman.run.height, width: wman.run.width,
+      frames: wman.run.num_frames, steps: wman.run.num_inference_steps, guidance: wman.run.guidance_scale,
+      maxSequenceLength: wman.run.max_sequence_length, seed: wpr.generator_seed }, mem]);
+    let vworst = 0, vequal = 0;
+    const vsame = vid.rgb.length === wantU8.length;
+    for (let i = 0; vsame && i < vid.rgb.length; i++) {
+      const d = Math.abs(vid.rgb[i] - wantU8[i]);
+      vworst = Math.max(vworst, d);
+      if (d === 0) vequal++;
+    }
+    check("tiny-wan-pipeline p0: the video equals diffusers' 8-bit frames (within 1, >= 99% equal)",
+      vsame && vid.frames === wman.run.num_frames && vworst <= 1 && vequal >= 0.99 * vid.rgb.length,
+      `${vid.frames} frames of ${vid.w} x ${vid.h}, worst difference ${vworst}, ${(100 * vequal / Math.max(vid.rgb.length, 1)).toFixed(2)}% equal`);
+    check("tiny-wan-pipeline p0: every frame shown as it was decoded, before the run ended",
+      JSON.stringify(vid.shown) === JSON.stringify([...Array(wman.run.num_frames).keys()]), JSON.stringify(vid.shown));
+    check("tiny-wan-pipeline p0: three phases, every one streamed, bytes fetched equal the plans'",
+      JSON.stringify(vid.phases) === JSON.stringify(["text encoder", "transformer", "VAE"]) &&
+      vid.steps === wman.run.num_inference_steps && vid.plans.every((p) => p.streamed > 0) && vid.weight_bytes === vid.predicted,
+      `${JSON.stringify(vid.plans)}; ${vid.weight_bytes} weight bytes fetched, ${vid.predicted} predicted`);
+    report.wan = { wall_s: (Date.now() - t4) / 1000, worst: vworst, equal_pct: 100 * vequal / Math.max(vid.rgb.length, 1),
+      weight_bytes: vid.weight_bytes, predicted: vid.predicted, plans: vid.plans };
+    await page.screenshot({ path: join(outDir, "browser-wan.png"), fullPage: true });
 
     // 3. SmolLM2-135M-Instruct (when scripts/get-smollm2.sh has converted it): the tokenizer and
     // chat template in wasm give transformers' prompt ids; 8 greedy tokens (within the robust

@@ -176,15 +176,21 @@ export async function openPipeline(url, s = settings()) {
   model = await nb.loadPipeline(url, s);
   window.nibbleDemo.lastModel = model;
   $("openBar").style.width = "100%";
+  const video = model.kind === "video";
   $("openStatus").textContent =
-    `Flux pipeline: ${model.components.map((c) => `${c.name} ${fmt(c.bytes)}`).join(", ")}; opened with ` +
+    `${video ? "Wan video folder" : "Flux pipeline"}: ${model.components.map((c) => `${c.name} ${fmt(c.bytes)}`).join(", ")}; opened with ` +
     `${fmt(model.open_bytes)} (configs, tokenizers, headers, quant states) in ${(performance.now() - t0).toFixed(0)} ms`;
   $("plan").textContent = "(each phase's plan is printed when the run starts, before the first weight byte is read)";
   $("runCard").hidden = false;
   $("pipelineControls").hidden = false;
   $("llmControls").hidden = true;
   $("ditControls").hidden = true;
-  $("runTitle").textContent = "Text to image";
+  $("videoControls").hidden = !video;
+  $("runTitle").textContent = video ? "Text to video" : "Text to image";
+  if (video) {
+    // WanPipeline's defaults.
+    $("imgHeight").value = 480; $("imgWidth").value = 832; $("imgSteps").value = 50; $("guidance").value = 5;
+  }
   return model;
 }
 
@@ -224,6 +230,73 @@ export async function runPipeline(opts = {}) {
   } finally { stop(); }
 }
 
+// A Wan folder: umT5, the transformer (both guidance sequences in one pass over the weights per
+// step) and the causal VAE; each frame is painted as the VAE decodes it, then the whole video
+// plays in the canvas at Wan's 16 frames a second.
+export async function runVideo(opts = {}) {
+  const o = {
+    prompt: $("imagePrompt").value, height: Number($("imgHeight").value), width: Number($("imgWidth").value),
+    frames: Number($("vidFrames").value), steps: Number($("imgSteps").value), guidance: Number($("guidance").value),
+    maxSequenceLength: Number($("maxSeqLen").value), seed: Number($("imgSeed").value), ...opts,
+  };
+  if (!("negativePrompt" in opts) && $("negPrompt").value) o.negativePrompt = $("negPrompt").value;
+  for (const [k, id] of [["height", "imgHeight"], ["width", "imgWidth"], ["frames", "vidFrames"], ["steps", "imgSteps"], ["guidance", "guidance"], ["maxSequenceLength", "maxSeqLen"], ["seed", "imgSeed"]]) $(id).value = o[k];
+  stopPlayback();
+  chart.rows = []; drawChart();
+  $("output").textContent = "";
+  const shown = [];
+  let stop = () => {};
+  try {
+    const r = await nb.generateVideo(o, (ev) => {
+      if (ev.type === "plans") {
+        $("plan").textContent = ev.plans.map((p, i) => `phase ${i + 1} of ${ev.plans.length}, ${p.phase}:\n${p.text}`).join("");
+        const dit = ev.plans.find((p) => p.phase === "transformer");
+        stop = watchStep(dit ? dit.streamed_bytes_per_step : 0);
+      } else if (ev.type === "phase") {
+        $("runStatus").textContent = ev.state === "done"
+          ? `${ev.phase} done in ${ev.ms.toFixed(0)} ms, ${fmt(ev.bytes_streamed)} streamed` : `${ev.phase} …`;
+        $("output").textContent += `${$("runStatus").textContent}\n`;
+      } else if (ev.type === "step") {
+        chart.rows.push(ev);
+        drawChart();
+        $("runStatus").textContent =
+          `step ${ev.step} of ${ev.steps}: ${ev.wall_ms.toFixed(0)} ms, ${fmt(ev.bytes_streamed)} streamed, stall ${ev.stall_ms.toFixed(0)} ms`;
+      } else if (ev.type === "frames") {
+        // Show each decoded frame as it comes.
+        const per = ev.width * ev.height * 3;
+        for (let k = 0; k < ev.count; k++) {
+          paint(ev.rgb.subarray(k * per, (k + 1) * per), ev.width, ev.height);
+          shown.push(ev.first + k);
+        }
+        $("videoStatus").hidden = false;
+        $("videoStatus").textContent = `decoded frames ${ev.first + 1}-${ev.first + ev.count} of ${ev.total}`;
+      }
+    });
+    window.nibbleDemo.framesShown = shown;
+    $("runStatus").textContent =
+      `${r.frames} frames of ${r.width} x ${r.height}; streamed ${fmt(r.weight_bytes)}` +
+      (r.predicted_weight_bytes == null ? "" : ` (plan: ${fmt(r.predicted_weight_bytes)})`);
+    play(r.rgb, r.frames, r.width, r.height);
+    return r;
+  } finally { stop(); }
+}
+
+// Plays [n, h, w, 3] frames in the image canvas in a loop at 16 frames a second.
+let playback = null;
+function play(rgb, n, w, h) {
+  const per = w * h * 3;
+  let k = 0;
+  playback = setInterval(() => {
+    paint(rgb.subarray(k * per, (k + 1) * per), w, h);
+    $("videoStatus").textContent = `playing: frame ${k + 1} of ${n} (16 fps)`;
+    k = (k + 1) % n;
+  }, 1000 / 16);
+}
+function stopPlayback() {
+  if (playback !== null) clearInterval(playback);
+  playback = null;
+}
+
 // 8-bit RGB [h, w, 3] into the image canvas.
 function paint(rgb, w, h) {
   const c = $("image");
@@ -241,7 +314,7 @@ function paint(rgb, w, h) {
 async function main() {
   await init();
   nb = new Nibble();
-  window.nibbleDemo = { nb, openModel, openPipeline, showPlan, runLlm, runDit, runPipeline, promptIds };
+  window.nibbleDemo = { nb, openModel, openPipeline, showPlan, runLlm, runDit, runPipeline, runVideo, stopPlayback, promptIds };
   try {
     const a = await nb.adapter();
     // Browsers give wgpu no adapter name; ask WebGPU itself for vendor and architecture.
@@ -268,7 +341,7 @@ async function main() {
     openModel($("url").value.trim()).catch((e) => { $("openStatus").textContent = `error: ${e.message ?? e}`; });
   });
   $("showPlan").addEventListener("click", () => {
-    if (model?.kind === "pipeline") {
+    if (model?.kind === "pipeline" || model?.kind === "video") {
       $("plan").textContent = "(a pipeline's four plans are printed when the run starts, before any weight byte is read)";
       return;
     }
@@ -278,7 +351,7 @@ async function main() {
     showPlan({ ...settings(), ...o }).catch((e) => { $("plan").textContent = `error: ${e.message ?? e}`; });
   });
   $("run").addEventListener("click", () => {
-    const p = model?.kind === "pipeline" ? runPipeline({ ...settings() }) : model?.kind === "llm"
+    const p = model?.kind === "video" ? runVideo({ ...settings() }) : model?.kind === "pipeline" ? runPipeline({ ...settings() }) : model?.kind === "llm"
       ? runLlm(promptIds(), {
         ...settings(), stopAtEos: $("stopAtEos").checked,
         temperature: Number($("temperature").value), topK: Number($("topK").value),

@@ -256,6 +256,20 @@ impl Graph {
                 )));
             }
         }
+        // One value twice among an op's inputs (`concat(x, x)`) would be bound twice to one
+        // range, and WebGPU refuses two writable bindings of one range: later uses read a copy.
+        if op.in_place_input().is_none()
+            && (1..inputs.len()).any(|i| inputs[..i].contains(&inputs[i]))
+        {
+            let mut own = inputs.to_vec();
+            for i in 1..own.len() {
+                if own[..i].contains(&own[i]) {
+                    let shape = self.values[own[i].0].shape.clone();
+                    own[i] = self.op(OpKind::Reshape { shape }, &[own[i]], None)?;
+                }
+            }
+            return self.op(op, &own, weight);
+        }
         let infos: Vec<&ValueInfo> = inputs.iter().map(|v| &self.values[v.0]).collect();
         let q4 = weight
             .map(|w| {
@@ -411,5 +425,24 @@ mod dense_tests {
             .invalid
             .as_deref()
             .is_some_and(|e| e.contains("declared as")));
+    }
+
+    /// WebGPU refuses an op bound twice to one range (Chromium's validation caught the Wan
+    /// transformer's `concat(x, x)` for its two guidance sequences): a value given twice is read
+    /// from a copy the second time.
+    #[test]
+    fn an_op_never_takes_one_value_twice() {
+        let mut g = Graph::new();
+        let x = g.input(ValueInfo::f32(&[2, 3]));
+        let y = g
+            .op(OpKind::Concat { axis: 0 }, &[x, x], None)
+            .expect("concat");
+        assert_eq!(g.values[y.0].shape, vec![4, 3]);
+        for n in g.nodes() {
+            let mut seen = n.inputs.clone();
+            seen.dedup();
+            assert_eq!(seen.len(), n.inputs.len(), "{:?} takes a value twice", n.op);
+        }
+        assert_eq!(g.nodes().len(), 2, "one copy, then the concat");
     }
 }

@@ -40,6 +40,19 @@ pub enum Event<'a> {
         /// Its name.
         phase: &'static str,
     },
+    /// Video frames are decoded (as they come, before the phase ends).
+    Frames {
+        /// The first one's index.
+        first: usize,
+        /// Frames in the whole video.
+        total: usize,
+        /// Pixels wide.
+        width: usize,
+        /// Pixels high.
+        height: usize,
+        /// 8-bit RGB `[n, height, width, 3]`.
+        rgb: &'a [u8],
+    },
     /// A phase is done and its device memory released.
     PhaseDone {
         /// Its name.

@@ -340,7 +340,9 @@ impl WanPipeline {
     /// Decodes the latent video `z` (`[z_dim, f, h, w]`, de-normalized: the VAE's own input)
     /// latent frame by latent frame, whole or in `tiling`'s tiles: the video
     /// `[out_channels, frames, 8h, 8w]` clamped to [-1, 1], the backend (its device memory
-    /// released) and the weight bytes streamed.
+    /// released) and the weight bytes streamed. `on` gets the 8-bit frames as they are decoded
+    /// ([`Event::Frames`]): each latent frame's, or, tiled, the whole video's at the end.
+    #[allow(clippy::too_many_arguments)]
     pub async fn decode_latents<B: Backend>(
         &self,
         z: &[f32],
@@ -349,12 +351,64 @@ impl WanPipeline {
         backend: B,
         opts: ExecOptions,
         drive: &Drive<'_>,
+        on: &mut dyn FnMut(Event<'_>),
     ) -> Result<(Vec<f32>, B, u64)> {
+        let s = self.vae_config.spatial_scale();
+        let (oc, total, oh, ow) = (
+            self.vae_config.out_channels,
+            self.vae_config.frames(f),
+            h * s,
+            w * s,
+        );
+        let mut emit = |first: usize, chunk: &[f32], layout_ct: bool| -> Result<()> {
+            // `chunk`: [t, oc, oh, ow] as decoded, or [oc, t, oh, ow] (`layout_ct`).
+            let t = chunk.len() / (oc * oh * ow);
+            let ct: Vec<f32>;
+            let video = if layout_ct {
+                chunk
+            } else {
+                ct = (0..oc)
+                    .flat_map(|c| {
+                        (0..t).flat_map(move |k| {
+                            chunk[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow]
+                                .iter()
+                                .map(|v| v.clamp(-1.0, 1.0))
+                        })
+                    })
+                    .collect();
+                &ct
+            };
+            let rgb = vae::frames_u8(video, (oc, t, oh, ow))?;
+            on(Event::Frames {
+                first,
+                total,
+                width: ow,
+                height: oh,
+                rgb: &rgb,
+            });
+            Ok(())
+        };
         if let Some(t) = tiling {
-            return tiled_decode(&self.vae, backend, z, (f, h, w), t, opts, drive).await;
+            let (video, backend, bytes) =
+                tiled_decode(&self.vae, backend, z, (f, h, w), t, opts, drive).await?;
+            emit(0, &video, true)?;
+            return Ok((video, backend, bytes));
         }
         let mut dec = WanVaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
-        let video = dec.decode_async(z).await?;
+        let mut failed = None;
+        let mut video = dec
+            .decode_each(z, &mut |first, chunk| {
+                if failed.is_none() {
+                    failed = emit(first, chunk, false).err();
+                }
+            })
+            .await?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        for v in &mut video {
+            *v = v.clamp(-1.0, 1.0);
+        }
         let bytes = dec.bytes_streamed();
         Ok((video, dec.into_backend(), bytes))
     }
@@ -566,7 +620,7 @@ impl Pipeline for WanPipeline {
         let z = self.vae_config.decoder_input(&latents);
         tensors.insert("vae_input".into(), (vec![1, zc, f, h, w], z.clone()));
         let (video, backend, bytes) = self
-            .decode_latents(&z, p.dims, p.tiling, backend, opts, drive)
+            .decode_latents(&z, p.dims, p.tiling, backend, opts, drive, &mut on)
             .await?;
         done(&mut on, "VAE", t0, bytes);
         let s = self.vae_config.spatial_scale();

@@ -663,6 +663,16 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
 
     /// [`WanVaeDecoder::decode_async`] without the clamp (a tiled decode blends the tiles first).
     pub async fn decode_unclamped(&mut self, z: &[f32]) -> Result<Vec<f32>> {
+        self.decode_each(z, &mut |_, _| {}).await
+    }
+
+    /// [`WanVaeDecoder::decode_unclamped`], handing each latent frame's video frames to `on`
+    /// as they are decoded (the first one's index and `[t, out, 8h, 8w]`, not clamped).
+    pub async fn decode_each(
+        &mut self,
+        z: &[f32],
+        on: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Vec<f32>> {
         let (h, w) = self.dims;
         let plane = h * w;
         let zc = self.cfg.z_dim;
@@ -691,6 +701,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
                 .collect();
             let (out, _) = self.decode_frame_async(&frame).await?;
             let t = out.len() / (oc * oh * ow);
+            on(at, &out);
             for k in 0..t {
                 for c in 0..oc {
                     let src = &out[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow];

@@ -74,6 +74,24 @@ impl Progress {
                 }
                 self.steps.push(super::dit::step_row(info));
             }
+            Event::Frames {
+                first,
+                total,
+                width,
+                height,
+                rgb,
+            } => {
+                let n = rgb.len() / (width * height * 3).max(1);
+                if !quiet {
+                    eprintln!(
+                        "  {} frames {}-{} of {total} decoded, RSS {}",
+                        bar(first + n, total),
+                        first + 1,
+                        first + n,
+                        fmt_bytes(nibble_core::io::machine::rss_bytes().unwrap_or(0))
+                    );
+                }
+            }
             Event::PhaseDone {
                 phase,
                 ms,

@@ -296,6 +296,7 @@ impl crate::backends::WithBackend for Decode<'_> {
             backend,
             opts,
             &nibble_core::models::Drive::Blocking,
+            &mut |e| progress.on(e),
         ))?;
         progress.on(Event::PhaseDone {
             phase: "VAE",
