@@ -19,8 +19,9 @@ fn manifest() -> serde_json::Value {
         .expect("json")
 }
 
-/// Runs the recorded call for prompt `i` with `extra` flags; returns the JSON report.
-fn run(i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
+/// Runs the recorded call for prompt `i` on the folder `model` (a path or URL) with `extra`
+/// flags; returns the JSON report.
+fn run(model: &str, i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
     let m = manifest();
     let pr = &m["prompts"][i];
     let r = &m["run"];
@@ -28,7 +29,7 @@ fn run(i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args: Vec<String> = vec![
         "run".into(),
         "--model".into(),
-        root().join("pipeline").display().to_string(),
+        model.to_string(),
         "--prompt".into(),
         pr["text"].as_str().expect("text").into(),
         "--height".into(),
@@ -70,8 +71,13 @@ fn run(i: usize, dir: &Path, extra: &[&str]) -> serde_json::Value {
 }
 
 fn check(i: usize, extra: &[&str]) -> serde_json::Value {
+    check_on(&root().join("pipeline").display().to_string(), i, extra)
+}
+
+/// [`check`] on the folder `model` (a path or URL).
+fn check_on(model: &str, i: usize, extra: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tmp");
-    let v = run(i, dir.path(), extra);
+    let v = run(model, i, dir.path(), extra);
     let e = ModelIndex::open(&root().join("expected.safetensors")).expect("expected");
     let want = e
         .read_bytes(e.require(&format!("p{i}.video_u8")).expect("u8"))
@@ -128,35 +134,48 @@ fn check(i: usize, extra: &[&str]) -> serde_json::Value {
 }
 
 /// The least PSNR (dB) of each decoded plane (Y, Cb, Cr) of an MP4 frame against the BT.709
-/// 4:2:0 planes of its PNG frame: the H.264 encoder's loss (43.5 dB or more measured here).
-const MP4_MIN_PLANE_PSNR_DB: f64 = 40.0;
+/// 4:2:0 planes of its PNG frame: the H.264 encoder's loss at its constant QP 26 (35.0 dB or
+/// more measured here on these noise-like frames).
+const MP4_MIN_PLANE_PSNR_DB: f64 = 33.0;
 
-/// The least PSNR (dB) of a decoded MP4 frame in RGB against its PNG frame. These random-weight
-/// frames are colour noise, which 4:2:0 chroma subsampling alone takes to 21.5 to 33 dB (any
-/// yuv420p video would); the encoder adds at most 1.1 dB to that here.
-const MP4_MIN_RGB_PSNR_DB: f64 = 20.0;
+/// How far (dB) a decoded MP4 frame's RGB PSNR against its PNG frame may fall below what 4:2:0
+/// chroma subsampling alone keeps of it. These random-weight frames are colour noise, which the
+/// subsampling alone takes to 21 to 33 dB (any yuv420p video would); the encoder costs up to
+/// 3.2 dB more here.
+const MP4_MAX_RGB_LOSS_DB: f64 = 6.0;
 
 /// The MP4 holds every frame at Wan's 16 fps as H.264 (`avc1`); decoded by OpenH264's decoder,
 /// each frame is within the PSNRs above of the PNG frames (`png`: the frames, back to back).
 fn check_mp4(path: &Path, png: &[u8], v: &serde_json::Value) {
-    use nibble_tests::video::{decode_mp4, psnr, rgb_to_planes};
+    use nibble_tests::video::{decode_mp4, planes_to_rgb, psnr, rgb_to_planes};
     assert_eq!(v["video"].as_str(), Some(path.to_str().expect("utf-8")));
     let d = decode_mp4(path);
     assert_eq!((d.codec.as_str(), d.width, d.height), ("avc1", 64, 48));
     assert!((d.fps - 16.0).abs() < 1e-6, "{} fps", d.fps);
     assert_eq!(d.frames.len(), 9, "frames in the MP4");
+    let (mut least_plane, mut least_rgb) = (f64::INFINITY, f64::INFINITY);
     for (k, want) in png.chunks_exact(64 * 48 * 3).enumerate() {
         let planes = rgb_to_planes(want, 64, 48);
         for (p, (got, want)) in d.planes[k].iter().zip(&planes).enumerate() {
             let db = psnr(got, want);
+            least_plane = least_plane.min(db);
             assert!(
                 db >= MP4_MIN_PLANE_PSNR_DB,
                 "frame {k} plane {p}: {db:.2} dB"
             );
         }
         let db = psnr(&d.frames[k], want);
-        assert!(db >= MP4_MIN_RGB_PSNR_DB, "frame {k}: RGB {db:.2} dB");
+        let bound = psnr(&planes_to_rgb(&planes, 64, 48), want);
+        least_rgb = least_rgb.min(db - bound);
+        assert!(
+            db >= bound - MP4_MAX_RGB_LOSS_DB,
+            "frame {k}: RGB {db:.2} dB, 4:2:0 alone {bound:.2} dB"
+        );
     }
+    println!(
+        "MP4: least plane PSNR {least_plane:.2} dB; RGB at most {:.2} dB below 4:2:0 alone",
+        -least_rgb
+    );
 }
 
 #[test]
@@ -193,6 +212,38 @@ fn prompt_to_frames_equals_diffusers_streamed() {
     for s in v["steps"].as_array().expect("steps") {
         assert_eq!(s["bytes_streamed"].as_u64(), Some(per), "{s}");
     }
+}
+
+/// Over HTTP (Range requests to a server holding the folder), streamed: the same frames.
+#[test]
+fn prompt_to_frames_equals_diffusers_over_http() {
+    use nibble_tests::http_server::{files_under, Fault, TestServer};
+    let srv = TestServer::start(
+        files_under(&root().join("pipeline"), "pipeline"),
+        Fault::None,
+    );
+    let url = format!("{}/pipeline", srv.base);
+    check_on(
+        &url,
+        1,
+        &[
+            "--backend",
+            "cpu",
+            "--stream-all",
+            "--slots",
+            "2",
+            "--slot-size",
+            "64KiB",
+        ],
+    );
+    let s = srv.stats();
+    let weights: u64 = s
+        .bytes_by_path
+        .iter()
+        .filter(|(p, _)| p.ends_with(".safetensors"))
+        .map(|(_, b)| *b)
+        .sum();
+    assert!(weights > 1 << 20, "{weights} weight bytes fetched");
 }
 
 /// `--vae-decode`: the fixture's seeded latent video through the VAE alone, whole

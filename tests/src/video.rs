@@ -135,8 +135,24 @@ pub fn rgb_to_planes(rgb: &[u8], w: usize, h: usize) -> [Vec<u8>; 3] {
 /// BT.709 limited range 4:2:0 to RGB (chroma sample shared by its 2 x 2 pixels).
 fn yuv_to_rgb(yuv: &impl openh264::formats::YUVSource) -> Vec<u8> {
     let (w, h) = yuv.dimensions();
-    let (sy, su, sv) = yuv.strides();
-    let (yp, up, vp) = (yuv.y(), yuv.u(), yuv.v());
+    planes_rgb((yuv.y(), yuv.u(), yuv.v()), yuv.strides(), (w, h))
+}
+
+/// [`yuv_to_rgb`] of tightly packed planes (`[Y, Cb, Cr]`, the chroma half size each way): with
+/// [`rgb_to_planes`], what 4:2:0 alone keeps of a frame.
+pub fn planes_to_rgb(planes: &[Vec<u8>; 3], w: usize, h: usize) -> Vec<u8> {
+    planes_rgb(
+        (&planes[0], &planes[1], &planes[2]),
+        (w, w / 2, w / 2),
+        (w, h),
+    )
+}
+
+fn planes_rgb(
+    (yp, up, vp): (&[u8], &[u8], &[u8]),
+    (sy, su, sv): (usize, usize, usize),
+    (w, h): (usize, usize),
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(w * h * 3);
     for y in 0..h {
         for x in 0..w {

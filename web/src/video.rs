@@ -89,6 +89,8 @@ fn request_from(v: &Value) -> Result<WanRequest, JsValue> {
         max_sequence_length: size(v, "maxSequenceLength", d.max_sequence_length)?,
         vae_tiling,
         vae_tile,
+        // The page keeps the 8-bit frames it is handed (`Event::Frames`), not the float video.
+        keep_video: false,
     })
 }
 
@@ -160,9 +162,12 @@ impl Nibble {
             let t = traffic.clone();
             let maker =
                 move |m: &ModelIndex| -> SourceMaker { Box::new(FetchSource::maker(m, &t)) };
-            let (mut phases, mut steps) = (Vec::new(), Vec::new());
+            let (mut phases, mut steps, mut rgb) = (Vec::new(), Vec::new(), Vec::new());
             let out = pipe
                 .run_with(&prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
+                    if let nibble_core::models::pipeline::Event::Frames { rgb: f, .. } = &e {
+                        rgb.extend_from_slice(f);
+                    }
                     if let Ok(js) = event_js(e, &mut phases, &mut steps) {
                         let _ = on_event.call1(&JsValue::NULL, &js);
                     }
@@ -185,7 +190,7 @@ impl Nibble {
             js_sys::Reflect::set(
                 &js,
                 &JsValue::from_str("rgb"),
-                &js_sys::Uint8Array::from(out.rgb.as_slice()),
+                &js_sys::Uint8Array::from(rgb.as_slice()),
             )?;
             Ok(js)
         })

@@ -21,6 +21,7 @@ use serde_json::json;
 use super::demo::{cache_root, ensure_folder, DemoArgs};
 use crate::cmd::run::flux::plans_json;
 use crate::cmd::run::wan::generate;
+use crate::output::frames::FrameSink;
 
 /// Runs the video demo: the synthetic folder in `root`, then the pipeline.
 pub fn run(o: &DemoArgs, root: &Path) -> Result<()> {
@@ -56,6 +57,8 @@ pub fn run(o: &DemoArgs, root: &Path) -> Result<()> {
         max_sequence_length: o.max_sequence_length,
         vae_tiling: VaeTiling::Auto,
         vae_tile: None,
+        // Frames go to the MP4 and the PNGs as they are decoded.
+        keep_video: false,
     };
     crate::backends::select(o.backend)?.run(Demo { o, pipe, req })
 }
@@ -70,30 +73,20 @@ impl crate::backends::WithBackend for Demo<'_> {
     type Output = ();
     fn call<B: Backend + 'static>(self, backend: B, label: &str) -> Result<()> {
         let Demo { o, pipe, req } = self;
-        let t0 = Instant::now();
-        let g = generate(&pipe, &req, backend, label, o.json, &o.memory())?;
-        let total_secs = t0.elapsed().as_secs_f64();
         std::fs::create_dir_all(&o.out_dir)
             .with_context(|| format!("creating {}", o.out_dir.display()))?;
-        let (out, p) = (&g.out, &g.progress);
         let video = o.out_dir.join("video.mp4");
-        let mp4 = crate::output::mp4::write_mp4(
-            &video,
-            &out.rgb,
-            out.frames,
-            (out.height, out.width),
-            16.0,
-        )?;
         let frames_dir = o.out_dir.join("frames");
-        std::fs::create_dir_all(&frames_dir)?;
-        for (k, rgb) in out.rgb.chunks_exact(out.height * out.width * 3).enumerate() {
-            crate::cmd::run::flux::write_png(
-                &frames_dir.join(format!("frame_{k:04}.png")),
-                rgb,
-                out.width,
-                out.height,
-            )?;
-        }
+        let mut sink = FrameSink::new(Some(&video), 16.0, Some(&frames_dir));
+        let t0 = Instant::now();
+        let g = generate(&pipe, &req, backend, label, o.json, &o.memory(), &mut sink)?;
+        let written = sink.finish()?;
+        let total_secs = t0.elapsed().as_secs_f64();
+        let (out, p) = (&g.out, &g.progress);
+        let mp4 = written
+            .mp4
+            .map(|(_, m)| m)
+            .context("the demo wrote its MP4")?;
         let (_, plan) = g
             .plans
             .iter()

@@ -48,6 +48,10 @@ pub struct SynthArgs {
     /// Output folder.
     #[arg(short, long)]
     pub out: PathBuf,
+    /// A Wan folder's VAE base_dim [default: 96, Wan 2.1's] (smaller: a cheaper decoder of the
+    /// same layout, for benchmarks).
+    #[arg(long, value_name = "N")]
+    pub vae_base_dim: Option<u64>,
     /// Seed of the weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -57,6 +61,7 @@ pub struct SynthArgs {
 pub fn run(a: &SynthArgs) -> Result<()> {
     let arch = match (a.arch, a.size) {
         (SynthArch::Wan, _) => return wan(a),
+        _ if a.vae_base_dim.is_some() => anyhow::bail!("--vae-base-dim is for --arch wan"),
         (_, None) => anyhow::bail!("--shape is for --arch wan; give --size"),
         (SynthArch::Llama, Some(s)) => (Arch::Llama, s),
         (SynthArch::Dit, Some(s)) => (Arch::Dit, s),
@@ -98,6 +103,16 @@ fn wan(a: &SynthArgs) -> Result<()> {
         (None, Some(s)) => WanSynthShape::scaled(s),
         (None, None) => anyhow::bail!("give --size or --shape"),
     };
+    let shape = WanSynthShape {
+        vae_base_dim: a.vae_base_dim.unwrap_or(shape.vae_base_dim),
+        ..shape
+    };
+    if shape.vae_base_dim == 0 || shape.vae_base_dim % 2 != 0 {
+        anyhow::bail!(
+            "--vae-base-dim {}: an even number above 0",
+            shape.vae_base_dim
+        );
+    }
     eprintln!(
         "writing a Wan folder to {}: transformer {} blocks of {}, umT5 {} layers, VAE base {}; \
          {} of tensors",

@@ -6,7 +6,7 @@
 //! ship, BSD-licensed and maintained). The container is written by the `mp4` crate (pure Rust,
 //! the most used MP4 muxer on crates.io). The RGB to YCbCr conversion is nibble's own, in plain
 //! f32 arithmetic, so the bytes handed to the encoder do not depend on the CPU's instruction set;
-//! the encoder runs on one thread.
+//! the encoder runs on one thread at a constant QP of 26.
 
 use anyhow::{anyhow, bail, Context, Result};
 use openh264::encoder::{
@@ -91,63 +91,87 @@ pub fn check_fps(fps: f64) -> Result<()> {
     Ok(())
 }
 
-/// Writes `frames` RGB frames (`frames x h x w x 3` bytes) as an H.264 MP4 at `fps`.
-pub fn write_mp4(
-    path: &std::path::Path,
-    rgb: &[u8],
-    frames: usize,
-    (h, w): (usize, usize),
-    fps: f64,
-) -> Result<Mp4Written> {
-    if frames == 0 || rgb.len() != frames * h * w * 3 {
-        bail!(
-            "{} bytes are not {frames} RGB frames of {w} x {h}",
-            rgb.len()
-        );
-    }
-    if h % 2 != 0 || w % 2 != 0 || h > u16::MAX as usize || w > u16::MAX as usize {
-        bail!("an H.264 4:2:0 video needs even sizes up to 65535, not {w} x {h}");
-    }
-    check_fps(fps)?;
-    // Near-transparent quality: OpenH264's buffer-based rate control kept within QP 4 to 18
-    // (43 dB or more per plane on the fixture's noise-like frames) and a bitrate it never
-    // reaches; no frame is ever skipped (its quality mode warns unless skipping is allowed).
-    let bps = ((w * h) as f64 * fps * 2.0).clamp(2e6, 2e9) as u32;
-    let config = EncoderConfig::new()
-        .usage_type(UsageType::CameraVideoRealTime)
-        .rate_control_mode(RateControlMode::Bufferbased)
-        .bitrate(BitRate::from_bps(bps))
-        .max_frame_rate(FrameRate::from_hz(fps as f32))
-        .qp(QpRange::new(4, 18))
-        .skip_frames(false)
-        .scene_change_detect(false)
-        .background_detection(false)
-        .adaptive_quantization(false)
-        .complexity(Complexity::High)
-        .intra_frame_period(IntraFramePeriod::from_num_frames(fps.ceil() as u32 * 2))
-        .num_threads(1)
-        .vui(VuiConfig::bt709());
-    let mut encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
-        .map_err(|e| anyhow!("starting the H.264 encoder: {e}"))?;
+/// Track timescale (ticks per second).
+const TIMESCALE: u32 = 90_000;
 
-    let file = std::fs::File::create(path).with_context(|| path.display().to_string())?;
-    let mp4_config = mp4::Mp4Config {
-        major_brand: "isom".parse().map_err(|e| anyhow!("{e}"))?,
-        minor_version: 512,
-        compatible_brands: ["isom", "iso2", "avc1", "mp41"]
-            .iter()
-            .map(|b| b.parse().map_err(|e| anyhow!("{e}")))
-            .collect::<Result<_>>()?,
-        timescale: 1000,
-    };
-    let mut mux = mp4::Mp4Writer::write_start(std::io::BufWriter::new(file), &mp4_config)?;
-    const TIMESCALE: u32 = 90_000;
-    let tick = |k: usize| ((k as f64) * TIMESCALE as f64 / fps).round() as u64;
-    let frame_bytes = h * w * 3;
-    let mut track = false;
-    for k in 0..frames {
-        let yuv = rgb_to_i420(&rgb[k * frame_bytes..(k + 1) * frame_bytes], w, h);
-        let stream = encoder
+/// An MP4 being written frame by frame, as the frames are decoded: only the encoder's state and
+/// the sample table are kept, never the video.
+pub struct Mp4Sink {
+    path: std::path::PathBuf,
+    size: (usize, usize),
+    fps: f64,
+    encoder: Encoder,
+    mux: mp4::Mp4Writer<std::io::BufWriter<std::fs::File>>,
+    frames: usize,
+}
+
+impl Mp4Sink {
+    /// Creates `path` for frames of `h x w` at `fps`.
+    pub fn create(path: &std::path::Path, (h, w): (usize, usize), fps: f64) -> Result<Self> {
+        if h == 0 || w == 0 || h % 2 != 0 || w % 2 != 0 || h > u16::MAX as usize {
+            bail!("an H.264 4:2:0 video needs even sizes up to 65535, not {w} x {h}");
+        }
+        if w > u16::MAX as usize {
+            bail!("an H.264 4:2:0 video needs even sizes up to 65535, not {w} x {h}");
+        }
+        check_fps(fps)?;
+        // OpenH264 with its rate control off: a constant QP of 26 (35 dB or more per plane on
+        // the fixture's noise-like frames; real footage fares better). Lower QPs overflow its
+        // 400-byte macroblock budget on the colour noise a random-weight model decodes (a
+        // buffer-based rate control within QP 4 to 18 failed on 480p noise at the third frame),
+        // and no frame may be skipped.
+        let bps = ((w * h) as f64 * fps * 2.0).clamp(2e6, 2e9) as u32;
+        let config = EncoderConfig::new()
+            .usage_type(UsageType::CameraVideoRealTime)
+            .rate_control_mode(RateControlMode::Off)
+            .bitrate(BitRate::from_bps(bps))
+            .max_frame_rate(FrameRate::from_hz(fps as f32))
+            .qp(QpRange::new(4, 51))
+            .skip_frames(false)
+            .scene_change_detect(false)
+            .background_detection(false)
+            .adaptive_quantization(false)
+            .complexity(Complexity::High)
+            .intra_frame_period(IntraFramePeriod::from_num_frames(fps.ceil() as u32 * 2))
+            .num_threads(1)
+            .vui(VuiConfig::bt709());
+        let encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
+            .map_err(|e| anyhow!("starting the H.264 encoder: {e}"))?;
+        let file = std::fs::File::create(path).with_context(|| path.display().to_string())?;
+        let mp4_config = mp4::Mp4Config {
+            major_brand: "isom".parse().map_err(|e| anyhow!("{e}"))?,
+            minor_version: 512,
+            compatible_brands: ["isom", "iso2", "avc1", "mp41"]
+                .iter()
+                .map(|b| b.parse().map_err(|e| anyhow!("{e}")))
+                .collect::<Result<_>>()?,
+            timescale: 1000,
+        };
+        let mux = mp4::Mp4Writer::write_start(std::io::BufWriter::new(file), &mp4_config)?;
+        Ok(Mp4Sink {
+            path: path.to_path_buf(),
+            size: (h, w),
+            fps,
+            encoder,
+            mux,
+            frames: 0,
+        })
+    }
+
+    /// Encodes and writes the next frame (`h x w x 3` RGB bytes).
+    pub fn push(&mut self, rgb: &[u8]) -> Result<()> {
+        let (h, w) = self.size;
+        let k = self.frames;
+        if rgb.len() != h * w * 3 {
+            bail!(
+                "frame {k}: {} bytes, not an RGB frame of {w} x {h}",
+                rgb.len()
+            );
+        }
+        let tick = |k: usize| ((k as f64) * TIMESCALE as f64 / self.fps).round() as u64;
+        let yuv = rgb_to_i420(rgb, w, h);
+        let stream = self
+            .encoder
             .encode(&YUVBuffer::from_vec(yuv, w, h))
             .map_err(|e| anyhow!("encoding frame {k}: {e}"))?
             .to_vec();
@@ -164,11 +188,11 @@ pub fn write_mp4(
                 None => {}
             }
         }
-        if !track {
+        if k == 0 {
             let (Some(sps), Some(pps)) = (sps, pps) else {
                 bail!("the H.264 encoder's first frame carried no SPS/PPS");
             };
-            mux.add_track(&mp4::TrackConfig {
+            self.mux.add_track(&mp4::TrackConfig {
                 track_type: mp4::TrackType::Video,
                 timescale: TIMESCALE,
                 language: "und".into(),
@@ -179,12 +203,11 @@ pub fn write_mp4(
                     pic_param_set: pps,
                 }),
             })?;
-            track = true;
         }
         if sample.is_empty() {
             bail!("the H.264 encoder skipped frame {k}");
         }
-        mux.write_sample(
+        self.mux.write_sample(
             1,
             &mp4::Mp4Sample {
                 start_time: tick(k),
@@ -194,18 +217,61 @@ pub fn write_mp4(
                 bytes: sample.into(),
             },
         )?;
+        self.frames += 1;
+        Ok(())
     }
-    mux.write_end()?;
-    use std::io::Write;
-    let mut file = mux.into_writer();
-    file.flush()?;
-    let bytes = std::fs::metadata(path)?.len();
-    Ok(Mp4Written { frames, bytes })
+
+    /// Writes the sample table and closes the file.
+    pub fn finish(mut self) -> Result<Mp4Written> {
+        if self.frames == 0 {
+            bail!("{}: no frame to write", self.path.display());
+        }
+        self.mux.write_end()?;
+        use std::io::Write;
+        let mut file = self.mux.into_writer();
+        file.flush()?;
+        let bytes = std::fs::metadata(&self.path)?.len();
+        Ok(Mp4Written {
+            frames: self.frames,
+            bytes,
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random-weight models decode colour noise, the hardest input an encoder gets: 480p noise
+    /// frames (the first ones smooth, then noise) all encode.
+    #[test]
+    fn noise_frames_at_480p_encode() {
+        let (h, w) = (480, 832);
+        let dir = std::env::temp_dir().join(format!("nibble-mp4-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("noise.mp4");
+        let mut sink = Mp4Sink::create(&path, (h, w), 16.0).expect("sink");
+        let mut x = 12345u64;
+        for k in 0..12 {
+            let frame: Vec<u8> = (0..h * w * 3)
+                .map(|i| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    if k < 2 {
+                        (i % 251) as u8
+                    } else {
+                        (x >> 56) as u8
+                    }
+                })
+                .collect();
+            sink.push(&frame)
+                .unwrap_or_else(|e| panic!("frame {k}: {e:#}"));
+        }
+        let done = sink.finish().expect("finish");
+        assert_eq!(done.frames, 12);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn nal_units_split_three_and_four_byte_start_codes() {

@@ -138,6 +138,10 @@ pub struct WanRequest {
     pub vae_tiling: VaeTiling,
     /// The tiles (diffusers' defaults if none).
     pub vae_tile: Option<WanTiling>,
+    /// Keep the whole decoded video in the output (`rgb`, `video_f32`); without it the frames
+    /// reach the caller only as [`Event::Frames`] while they are decoded, and memory does not
+    /// grow with the video's length.
+    pub keep_video: bool,
 }
 
 impl Default for WanRequest {
@@ -154,6 +158,7 @@ impl Default for WanRequest {
             max_sequence_length: 512,
             vae_tiling: VaeTiling::Auto,
             vae_tile: None,
+            keep_video: true,
         }
     }
 }
@@ -179,6 +184,8 @@ pub struct WanPrepared {
     pub tile: WanTiling,
     /// The VAE's tiling, once [`Pipeline::plans`] has settled it.
     pub tiling: Option<WanTiling>,
+    /// Whether the output keeps the whole video.
+    pub keep_video: bool,
 }
 
 /// The video and the tensors diffusers names along the way.
@@ -190,7 +197,8 @@ pub struct WanOutput {
     pub height: usize,
     /// Pixels wide.
     pub width: usize,
-    /// 8-bit RGB frames `[frames, height, width, 3]`.
+    /// 8-bit RGB frames `[frames, height, width, 3]` (empty unless the request kept the video:
+    /// then they came as [`Event::Frames`]).
     pub rgb: Vec<u8>,
     /// `input_ids`, `prompt_embeds`, `negative_prompt_embeds`, `initial_latents`, `sigmas`,
     /// `latents_step{k}`, `final_latents`, `vae_input`, `video_f32`: shape and float32 values.
@@ -339,9 +347,10 @@ impl WanPipeline {
 
     /// Decodes the latent video `z` (`[z_dim, f, h, w]`, de-normalized: the VAE's own input)
     /// latent frame by latent frame, whole or in `tiling`'s tiles: the video
-    /// `[out_channels, frames, 8h, 8w]` clamped to [-1, 1], the backend (its device memory
-    /// released) and the weight bytes streamed. `on` gets the 8-bit frames as they are decoded
-    /// ([`Event::Frames`]): each latent frame's, or, tiled, the whole video's at the end.
+    /// `[out_channels, frames, 8h, 8w]` clamped to [-1, 1] (with `keep`; a tiled decode always
+    /// holds it), the backend (its device memory released) and the weight bytes streamed. `on`
+    /// gets the 8-bit frames as they are decoded ([`Event::Frames`]): each latent frame's, or,
+    /// tiled, the whole video's at the end.
     #[allow(clippy::too_many_arguments)]
     pub async fn decode_latents<B: Backend>(
         &self,
@@ -351,8 +360,9 @@ impl WanPipeline {
         backend: B,
         opts: ExecOptions,
         drive: &Drive<'_>,
+        keep: bool,
         on: &mut dyn FnMut(Event<'_>),
-    ) -> Result<(Vec<f32>, B, u64)> {
+    ) -> Result<(Option<Vec<f32>>, B, u64)> {
         let s = self.vae_config.spatial_scale();
         let (oc, total, oh, ow) = (
             self.vae_config.out_channels,
@@ -360,25 +370,14 @@ impl WanPipeline {
             h * s,
             w * s,
         );
-        let mut emit = |first: usize, chunk: &[f32], layout_ct: bool| -> Result<()> {
-            // `chunk`: [t, oc, oh, ow] as decoded, or [oc, t, oh, ow] (`layout_ct`).
+        // `chunk`: [t, oc, oh, ow] as decoded, or the clamped video [oc, t, oh, ow] (`whole`).
+        let mut emit = |first: usize, chunk: &[f32], whole: bool| -> Result<()> {
             let t = chunk.len() / (oc * oh * ow);
-            let ct: Vec<f32>;
-            let video = if layout_ct {
-                chunk
+            let rgb = if whole {
+                vae::frames_u8(chunk, (oc, t, oh, ow))?
             } else {
-                ct = (0..oc)
-                    .flat_map(|c| {
-                        (0..t).flat_map(move |k| {
-                            chunk[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow]
-                                .iter()
-                                .map(|v| v.clamp(-1.0, 1.0))
-                        })
-                    })
-                    .collect();
-                &ct
+                vae::chunk_u8(chunk, (t, oc, oh, ow))?
             };
-            let rgb = vae::frames_u8(video, (oc, t, oh, ow))?;
             on(Event::Frames {
                 first,
                 total,
@@ -392,12 +391,12 @@ impl WanPipeline {
             let (video, backend, bytes) =
                 tiled_decode(&self.vae, backend, z, (f, h, w), t, opts, drive).await?;
             emit(0, &video, true)?;
-            return Ok((video, backend, bytes));
+            return Ok((keep.then_some(video), backend, bytes));
         }
         let mut dec = WanVaeDecoder::open(&self.vae, backend, (h, w), opts, drive).await?;
         let mut failed = None;
         let mut video = dec
-            .decode_each(z, &mut |first, chunk| {
+            .decode_each(z, keep, &mut |first, chunk| {
                 if failed.is_none() {
                     failed = emit(first, chunk, false).err();
                 }
@@ -406,7 +405,7 @@ impl WanPipeline {
         if let Some(e) = failed {
             return Err(e);
         }
-        for v in &mut video {
+        for v in video.iter_mut().flatten() {
             *v = v.clamp(-1.0, 1.0);
         }
         let bytes = dec.bytes_streamed();
@@ -464,6 +463,7 @@ impl Pipeline for WanPipeline {
             tiling_choice: req.vae_tiling,
             tile,
             tiling: None,
+            keep_video: req.keep_video,
         })
     }
 
@@ -620,14 +620,29 @@ impl Pipeline for WanPipeline {
         let z = self.vae_config.decoder_input(&latents);
         tensors.insert("vae_input".into(), (vec![1, zc, f, h, w], z.clone()));
         let (video, backend, bytes) = self
-            .decode_latents(&z, p.dims, p.tiling, backend, opts, drive, &mut on)
+            .decode_latents(
+                &z,
+                p.dims,
+                p.tiling,
+                backend,
+                opts,
+                drive,
+                p.keep_video,
+                &mut on,
+            )
             .await?;
         done(&mut on, "VAE", t0, bytes);
         let s = self.vae_config.spatial_scale();
         let (frames, oh, ow) = (self.vae_config.frames(f), h * s, w * s);
         let oc = self.vae_config.out_channels;
-        let rgb = vae::frames_u8(&video, (oc, frames, oh, ow))?;
-        tensors.insert("video_f32".into(), (vec![1, oc, frames, oh, ow], video));
+        let rgb = match video {
+            Some(video) => {
+                let rgb = vae::frames_u8(&video, (oc, frames, oh, ow))?;
+                tensors.insert("video_f32".into(), (vec![1, oc, frames, oh, ow], video));
+                rgb
+            }
+            None => Vec::new(),
+        };
         Ok((
             WanOutput {
                 frames,

@@ -663,16 +663,20 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
 
     /// [`WanVaeDecoder::decode_async`] without the clamp (a tiled decode blends the tiles first).
     pub async fn decode_unclamped(&mut self, z: &[f32]) -> Result<Vec<f32>> {
-        self.decode_each(z, &mut |_, _| {}).await
+        let video = self.decode_each(z, true, &mut |_, _| {}).await?;
+        Ok(video.unwrap_or_default())
     }
 
     /// [`WanVaeDecoder::decode_unclamped`], handing each latent frame's video frames to `on`
-    /// as they are decoded (the first one's index and `[t, out, 8h, 8w]`, not clamped).
+    /// as they are decoded (the first one's index and `[t, out, 8h, 8w]`, not clamped); the
+    /// whole video is kept and returned only with `keep` (without it, memory does not grow with
+    /// the video's length).
     pub async fn decode_each(
         &mut self,
         z: &[f32],
+        keep: bool,
         on: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Option<Vec<f32>>> {
         let (h, w) = self.dims;
         let plane = h * w;
         let zc = self.cfg.z_dim;
@@ -690,7 +694,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
         let s = self.cfg.spatial_scale();
         let (oh, ow, oc) = (h * s, w * s, self.cfg.out_channels);
         let total = self.cfg.frames(frames);
-        let mut video = vec![0f32; oc * total * oh * ow];
+        let mut video = keep.then(|| vec![0f32; oc * total * oh * ow]);
         let mut at = 0;
         for f in 0..frames {
             let frame: Vec<f32> = (0..zc)
@@ -702,11 +706,13 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
             let (out, _) = self.decode_frame_async(&frame).await?;
             let t = out.len() / (oc * oh * ow);
             on(at, &out);
-            for k in 0..t {
-                for c in 0..oc {
-                    let src = &out[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow];
-                    let dst = (c * total + at + k) * oh * ow;
-                    video[dst..dst + oh * ow].copy_from_slice(src);
+            if let Some(video) = &mut video {
+                for k in 0..t {
+                    for c in 0..oc {
+                        let src = &out[(k * oc + c) * oh * ow..(k * oc + c + 1) * oh * ow];
+                        let dst = (c * total + at + k) * oh * ow;
+                        video[dst..dst + oh * ow].copy_from_slice(src);
+                    }
                 }
             }
             at += t;
@@ -729,8 +735,34 @@ pub fn frames_u8(video: &[f32], (c, t, h, w): (usize, usize, usize, usize)) -> R
     for ch in 0..c {
         for f in 0..t {
             for i in 0..h * w {
-                let v = (video[(ch * t + f) * h * w + i] * 0.5 + 0.5).clamp(0.0, 1.0);
-                out[(f * h * w + i) * c + ch] = (v * 255.0).round_ties_even() as u8;
+                out[(f * h * w + i) * c + ch] = pixel_u8(video[(ch * t + f) * h * w + i]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One decoded value (clamped to [-1, 1] first, as `decode` returns it) as an 8-bit pixel:
+/// `clamp(v · 0.5 + 0.5, 0, 1) · 255` rounded half to even.
+fn pixel_u8(v: f32) -> u8 {
+    let v = (v.clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0.0, 1.0);
+    (v * 255.0).round_ties_even() as u8
+}
+
+/// The 8-bit frames `[t, h, w, c]` of decoded frames as the decoder gives them (`[t, c, h, w]`,
+/// not clamped): [`frames_u8`] of the clamped video, without a float copy.
+pub fn chunk_u8(chunk: &[f32], (t, c, h, w): (usize, usize, usize, usize)) -> Result<Vec<u8>> {
+    if chunk.len() != t * c * h * w {
+        return Err(Error::Invalid(format!(
+            "{} frame values for {t} x {c} x {h} x {w}",
+            chunk.len()
+        )));
+    }
+    let mut out = vec![0u8; chunk.len()];
+    for f in 0..t {
+        for ch in 0..c {
+            for i in 0..h * w {
+                out[(f * h * w + i) * c + ch] = pixel_u8(chunk[(f * c + ch) * h * w + i]);
             }
         }
     }

@@ -12,12 +12,13 @@ use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::pipeline::{Event, Pipeline, VaeTiling};
 use nibble_core::models::wan::pipeline::{WanPipeline, WanRequest};
-use nibble_core::models::wan::{vae, WanTiling};
+use nibble_core::models::wan::WanTiling;
 use nibble_core::plan::MemoryPlan;
 use serde_json::json;
 
 use super::options::{RunArgs, TilingArg};
 use super::progress::Progress;
+use crate::output::frames::FrameSink;
 
 /// Wan 2.1's frame rate (its `sample_fps`; diffusers' examples write `export_to_video(output,
 /// fps=16)`).
@@ -107,6 +108,9 @@ pub fn run(o: &RunArgs) -> Result<()> {
         max_sequence_length: d.max_sequence_length,
         vae_tiling: tiling,
         vae_tile: Some(tile),
+        // The frames go to their files as they are decoded; the whole video is kept only for
+        // `--intermediates` (`video_f32`).
+        keep_video: d.intermediates.is_some(),
     };
     crate::backends::select(o.backend)?.run(Run { o, pipe, req })
 }
@@ -148,15 +152,23 @@ impl crate::backends::WithBackend for Run<'_> {
             let mut prepared = pipe.prepare(&req)?;
             return super::plan::print_pipeline(o, label, &pipe, &mut prepared, &mut backend);
         }
-        let g = generate(&pipe, &req, backend, label, o.json, &o.memory)?;
+        let mut sink = sink_of(o);
+        let g = generate(&pipe, &req, backend, label, o.json, &o.memory, &mut sink)?;
         let video = Video {
-            rgb: &g.out.rgb,
             frames: g.out.frames,
             height: g.out.height,
             width: g.out.width,
             tiling: g.prepared.tiling,
         };
-        write(o, label, &video, &g.out.tensors, &g.plans, &g.progress)
+        write(
+            o,
+            label,
+            &video,
+            sink,
+            &g.out.tensors,
+            &g.plans,
+            &g.progress,
+        )
     }
 }
 
@@ -174,9 +186,18 @@ pub struct Generated {
     pub opts: ExecOptions,
 }
 
+/// Where `--out` and `--frames-dir` ask the frames to go.
+fn sink_of(o: &RunArgs) -> FrameSink {
+    FrameSink::new(
+        o.dit.out.as_deref(),
+        o.dit.fps.unwrap_or(WAN_FPS),
+        o.dit.frames_dir.as_deref(),
+    )
+}
+
 /// Runs `req` on `pipe`: budgets decided for `memory`, every phase planned (and printed unless
-/// `quiet`) before any weight byte is read, progress per step; `nibble run` and `nibble demo
-/// --video` both run a Wan folder through here.
+/// `quiet`) before any weight byte is read, progress per step, the frames into `sink` as they
+/// are decoded; `nibble run` and `nibble demo --video` both run a Wan folder through here.
 pub fn generate<B: Backend + 'static>(
     pipe: &WanPipeline,
     req: &WanRequest,
@@ -184,6 +205,7 @@ pub fn generate<B: Backend + 'static>(
     label: &str,
     quiet: bool,
     memory: &crate::args::MemoryArgs,
+    sink: &mut FrameSink,
 ) -> Result<Generated> {
     let mut prepared = pipe.prepare(req)?;
     let opts = super::flux::pipeline_options(memory, pipe, &prepared, &mut backend, quiet)?;
@@ -210,7 +232,10 @@ pub fn generate<B: Backend + 'static>(
         print_plans(&plans);
     }
     let mut progress = Progress::start(quiet);
-    let out = pipe.run(&prepared, backend, opts, |e| progress.on(e))?;
+    let out = pipe.run(&prepared, backend, opts, |e| {
+        to_sink(sink, &e);
+        progress.on(e)
+    })?;
     Ok(Generated {
         out,
         prepared,
@@ -289,6 +314,7 @@ impl crate::backends::WithBackend for Decode<'_> {
         let mut progress = Progress::start(quiet);
         progress.on(Event::PhaseStart { phase: "VAE" });
         let t0 = std::time::Instant::now();
+        let mut sink = sink_of(o);
         let (video, _, bytes) = nibble_core::io::folder::block_on(pipe.decode_latents(
             &z,
             (f, h, w),
@@ -296,7 +322,11 @@ impl crate::backends::WithBackend for Decode<'_> {
             backend,
             opts,
             &nibble_core::models::Drive::Blocking,
-            &mut |e| progress.on(e),
+            o.dit.intermediates.is_some(),
+            &mut |e| {
+                to_sink(&mut sink, &e);
+                progress.on(e)
+            },
         ))?;
         progress.on(Event::PhaseDone {
             phase: "VAE",
@@ -304,20 +334,34 @@ impl crate::backends::WithBackend for Decode<'_> {
             bytes_streamed: bytes,
         });
         let (oc, frames) = (pipe.vae_config.out_channels, pipe.vae_config.frames(f));
-        let rgb = vae::frames_u8(&video, (oc, frames, h * s, w * s))?;
         let mut tensors = BTreeMap::new();
-        tensors.insert(
-            "video_f32".to_string(),
-            (vec![1, oc, frames, h * s, w * s], video),
-        );
+        if let Some(video) = video {
+            tensors.insert(
+                "video_f32".to_string(),
+                (vec![1, oc, frames, h * s, w * s], video),
+            );
+        }
         let out = Video {
-            rgb: &rgb,
             frames,
             height: h * s,
             width: w * s,
             tiling: settled,
         };
-        write(o, label, &out, &tensors, &plans, &progress)
+        write(o, label, &out, sink, &tensors, &plans, &progress)
+    }
+}
+
+/// Hands decoded frames to `sink`.
+fn to_sink(sink: &mut FrameSink, e: &Event<'_>) {
+    if let Event::Frames {
+        first,
+        width,
+        height,
+        rgb,
+        ..
+    } = e
+    {
+        sink.take(*first, (*height, *width), rgb);
     }
 }
 
@@ -328,61 +372,46 @@ fn print_plans(plans: &[(&'static str, MemoryPlan)]) {
     }
 }
 
-/// A decoded video's 8-bit frames.
-struct Video<'a> {
-    /// `[frames, height, width, 3]`.
-    rgb: &'a [u8],
+/// A decoded video's size.
+struct Video {
     frames: usize,
     height: usize,
     width: usize,
     tiling: Option<WanTiling>,
 }
 
-/// Writes what the flags ask for: PNG frames, the MP4, the intermediates, the JSON report.
+/// Closes the frames' files (written as they were decoded) and writes the rest the flags ask
+/// for: the intermediates, the JSON report.
 fn write(
     o: &RunArgs,
     label: &str,
-    v: &Video<'_>,
+    v: &Video,
+    sink: FrameSink,
     tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
     plans: &[(&'static str, MemoryPlan)],
     progress: &Progress,
 ) -> Result<()> {
     let quiet = o.json;
-    let mut written = Vec::new();
-    if let Some(dir) = &o.dit.frames_dir {
-        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
-        let per = v.height * v.width * 3;
-        for (k, rgb) in v.rgb.chunks_exact(per).enumerate() {
-            let path = dir.join(format!("frame_{k:04}.png"));
-            super::flux::write_png(&path, rgb, v.width, v.height)?;
-            written.push(path.display().to_string());
-        }
-        if !quiet {
-            eprintln!(
-                "wrote {} frames ({} x {}) into {}",
-                v.frames,
-                v.width,
-                v.height,
-                dir.display()
-            );
-        }
+    let done = sink.finish()?;
+    if let (Some(dir), false) = (&o.dit.frames_dir, quiet) {
+        eprintln!(
+            "wrote {} frames ({} x {}) into {}",
+            done.pngs.len(),
+            v.width,
+            v.height,
+            dir.display()
+        );
     }
-    let mut video = None;
-    if let Some(path) = &o.dit.out {
-        let fps = o.dit.fps.unwrap_or(WAN_FPS);
-        let mp4 = crate::output::mp4::write_mp4(path, v.rgb, v.frames, (v.height, v.width), fps)
-            .with_context(|| format!("writing the video {}", path.display()))?;
-        if !quiet {
-            eprintln!(
-                "wrote {} ({} frames of {} x {} at {fps} fps, H.264, {:.1} KiB)",
-                path.display(),
-                mp4.frames,
-                v.width,
-                v.height,
-                mp4.bytes as f64 / 1024.0
-            );
-        }
-        video = Some(path.display().to_string());
+    if let (Some((path, mp4)), false) = (&done.mp4, quiet) {
+        eprintln!(
+            "wrote {} ({} frames of {} x {} at {} fps, H.264, {:.1} KiB)",
+            path.display(),
+            mp4.frames,
+            v.width,
+            v.height,
+            o.dit.fps.unwrap_or(WAN_FPS),
+            mp4.bytes as f64 / 1024.0
+        );
     }
     if let Some(path) = &o.dit.intermediates {
         crate::output::write_f32_tensors(path, tensors)?;
@@ -397,8 +426,8 @@ fn write(
                 "baseline_rss_bytes": progress.baseline, "peak_rss_bytes": progress.peak,
                 "vae_tiling": v.tiling.map(|t| json!({"tile": [t.tile.0, t.tile.1],
                     "stride": [t.stride.0, t.stride.1]})),
-                "frame_files": written,
-                "video": video,
+                "frame_files": done.pngs,
+                "video": done.mp4.as_ref().map(|(p, _)| p.display().to_string()),
                 "intermediates": o.dit.intermediates.as_ref().map(|p| p.display().to_string()),
             })
             .to_string()
