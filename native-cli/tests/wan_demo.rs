@@ -182,3 +182,121 @@ fn synthetic_wan_folders_have_diffusers_tensor_names() {
         .expect("plan");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// The steps a Wan checkpoint in `dir` says are done.
+fn wan_steps_done(dir: &Path) -> Option<usize> {
+    let h = nibble_core::io::model::read_header(&dir.join("wan-checkpoint.safetensors")).ok()?;
+    h.metadata.get("steps_done")?.parse().ok()
+}
+
+fn final_latents(path: &Path) -> Vec<u8> {
+    let m = ModelIndex::open(path).expect("intermediates");
+    m.read_bytes(m.require("final_latents").expect("final_latents"))
+        .expect("read")
+}
+
+/// A guided Wan run killed mid-way and resumed from its checkpoint (the latent and UniPC's
+/// history) ends on the uninterrupted run's final latents bit for bit; a checkpoint is refused
+/// for another prompt.
+#[test]
+fn a_killed_wan_run_resumes_to_the_same_latents() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = tmp.path().join("wan");
+    let o = nibble()
+        .args(["synth", "--arch", "wan", "--size", "384MiB", "--out"])
+        .arg(&dir)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run = |prompt: &str, extra: &[&std::ffi::OsStr]| {
+        let mut c = nibble();
+        c.args(["run", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt", prompt, "--frames", "5", "--height", "48", "--width", "64",
+            ])
+            .args([
+                "--steps",
+                "8",
+                "--max-sequence-length",
+                "16",
+                "--backend",
+                "cpu",
+            ])
+            .args(extra);
+        c
+    };
+    let os = |p: &Path| p.as_os_str().to_owned();
+    let (reference, resumed, ck) = (
+        tmp.path().join("ref.safetensors"),
+        tmp.path().join("res.safetensors"),
+        tmp.path().join("ck"),
+    );
+    let flag = |s: &str| std::ffi::OsString::from(s);
+    let o = run("a fox", &[&flag("--intermediates"), &os(&reference)])
+        .output()
+        .expect("reference run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let killed_mp4 = os(&tmp.path().join("killed.mp4"));
+    let mut child = run(
+        "a fox",
+        &[&flag("--checkpoint"), &os(&ck), &flag("--out"), &killed_mp4],
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .expect("spawn");
+    let killed_at = loop {
+        if let Some(n) = wan_steps_done(&ck) {
+            if n >= 2 {
+                child.kill().expect("kill");
+                break n;
+            }
+        }
+        if let Some(st) = child.try_wait().expect("wait") {
+            panic!("the run ended ({st}) before it could be killed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    let _ = child.wait();
+    let last = wan_steps_done(&ck).expect("a complete checkpoint survives the kill");
+    assert!(
+        last >= killed_at && last < 8,
+        "killed after {last} of 8 steps"
+    );
+    let wrong = run(
+        "a cat",
+        &[
+            &flag("--resume"),
+            &os(&ck),
+            &flag("--out"),
+            &os(&tmp.path().join("x.mp4")),
+        ],
+    )
+    .output()
+    .expect("wrong resume");
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        !wrong.status.success() && err.contains("another prompt"),
+        "{err}"
+    );
+    let o = run(
+        "a fox",
+        &[
+            &flag("--resume"),
+            &os(&ck),
+            &flag("--checkpoint"),
+            &os(&ck),
+            &flag("--intermediates"),
+            &os(&resumed),
+        ],
+    )
+    .output()
+    .expect("resumed run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(wan_steps_done(&ck), Some(8));
+    assert!(
+        final_latents(&resumed) == final_latents(&reference),
+        "resumed after {last} steps: the final latents differ from the uninterrupted run's"
+    );
+}

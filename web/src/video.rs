@@ -91,6 +91,8 @@ fn request_from(v: &Value) -> Result<WanRequest, JsValue> {
         vae_tile,
         // The page keeps the 8-bit frames it is handed (`Event::Frames`), not the float video.
         keep_video: false,
+        checkpoint: None,
+        resume: None,
     })
 }
 

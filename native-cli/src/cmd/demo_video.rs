@@ -59,6 +59,8 @@ pub fn run(o: &DemoArgs, root: &Path) -> Result<()> {
         vae_tile: None,
         // Frames go to the MP4 and the PNGs as they are decoded.
         keep_video: false,
+        checkpoint: None,
+        resume: None,
     };
     crate::backends::select(o.backend)?.run(Demo { o, pipe, req })
 }

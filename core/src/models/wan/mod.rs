@@ -5,6 +5,7 @@
 //! ([`crate::models::t5::UmT5Encoder`]) and its sampler UniPC
 //! ([`crate::models::scheduler::UniPc`]).
 
+pub mod checkpoint;
 mod config;
 mod graph;
 #[cfg(feature = "text")]
@@ -15,6 +16,7 @@ pub mod tiling;
 mod transformer;
 pub mod vae;
 
+pub use checkpoint::WanCheckpoint;
 pub use config::WanConfig;
 pub use graph::{build, WanGraph};
 pub use tiling::WanTiling;

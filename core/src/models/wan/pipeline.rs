@@ -24,6 +24,7 @@ use crate::models::scheduler::{Euler, FlowSampler, SchedulerConfig, UniPc, UniPc
 use crate::models::t5::{self, UmT5Encoder};
 use crate::models::Drive;
 
+use super::checkpoint::WanCheckpoint;
 use super::text::prompt_ids;
 use super::tiling::{tiled_decode, WanTiling};
 use super::vae::{self, WanVaeConfig, WanVaeDecoder};
@@ -142,6 +143,10 @@ pub struct WanRequest {
     /// reach the caller only as [`Event::Frames`] while they are decoded, and memory does not
     /// grow with the video's length.
     pub keep_video: bool,
+    /// Write a checkpoint into this folder after every denoising step (native only).
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// Continue from this checkpoint (made by the same request).
+    pub resume: Option<WanCheckpoint>,
 }
 
 impl Default for WanRequest {
@@ -159,6 +164,8 @@ impl Default for WanRequest {
             vae_tiling: VaeTiling::Auto,
             vae_tile: None,
             keep_video: true,
+            checkpoint: None,
+            resume: None,
         }
     }
 }
@@ -186,6 +193,10 @@ pub struct WanPrepared {
     pub tiling: Option<WanTiling>,
     /// Whether the output keeps the whole video.
     pub keep_video: bool,
+    /// Where checkpoints go.
+    pub checkpoint: Option<std::path::PathBuf>,
+    /// The checkpoint to continue from.
+    pub resume: Option<WanCheckpoint>,
 }
 
 /// The video and the tensors diffusers names along the way.
@@ -298,6 +309,27 @@ impl WanPipeline {
             )));
         }
         Ok((f, req.height / s, req.width / s))
+    }
+}
+
+impl WanPrepared {
+    /// The request's fingerprint a checkpoint must match: the prompts' ids and lengths, the
+    /// latent's size and the guidance.
+    pub fn key(&self) -> Vec<f32> {
+        let mut k: Vec<f32> = self.ids.0.iter().map(|&i| i as f32).collect();
+        k.push(self.ids.1 as f32);
+        if let Some((ids, len)) = &self.negative {
+            k.push(-1.0);
+            k.extend(ids.iter().map(|&i| i as f32));
+            k.push(*len as f32);
+        }
+        k.extend([
+            self.dims.0 as f32,
+            self.dims.1 as f32,
+            self.dims.2 as f32,
+            self.guidance,
+        ]);
+        k
     }
 }
 
@@ -464,6 +496,8 @@ impl Pipeline for WanPipeline {
             tile,
             tiling: None,
             keep_video: req.keep_video,
+            checkpoint: req.checkpoint.clone(),
+            resume: req.resume.clone(),
         })
     }
 
@@ -575,7 +609,8 @@ impl Pipeline for WanPipeline {
         let (gf, gh, gw) = patch_grid(&self.config, p.dims)?;
         let wg = super::build(&self.transformer, gf * gh * gw, t, sides)?;
         let mut ex = open_executor(wg.graph, &self.transformer, backend, opts, drive).await?;
-        ex.limit_stream_passes(p.steps as u64);
+        let resumed = p.resume.as_ref().map_or(0, |c| c.done);
+        ex.limit_stream_passes(p.steps.saturating_sub(resumed) as u64);
         let guidance = p.negative.as_ref().map(|_| p.guidance);
         let model = WanTransformer::new(ex, wg.config, p.dims, text, guidance)?;
         let sampler = self.scheduler.sampler(p.steps)?;
@@ -587,6 +622,11 @@ impl Pipeline for WanPipeline {
             ),
         );
         let mut run = DenoiseLoop::new(model, sampler, p.latents.clone());
+        let key = p.key();
+        if let Some(c) = &p.resume {
+            c.check(run.sampler().sigmas(), &p.latents, &key)?;
+            run.resume(c.done, c.latent.clone(), &c.sampler)?;
+        }
         let mut streamed = 0;
         loop {
             let s = match drive {
@@ -595,6 +635,24 @@ impl Pipeline for WanPipeline {
             };
             let Some(s) = s else { break };
             streamed += s.stats.stream.bytes;
+            if let Some(dir) = &p.checkpoint {
+                let c = WanCheckpoint {
+                    done: run.done(),
+                    latent: run.latent().to_vec(),
+                    sampler: run.sampler().state(),
+                    sigmas: run.sampler().sigmas().to_vec(),
+                    x0: p.latents.clone(),
+                    key: key.clone(),
+                };
+                #[cfg(feature = "native")]
+                c.save(dir)?;
+                #[cfg(not(feature = "native"))]
+                return Err(Error::Invalid(format!(
+                    "checkpoints are written natively only ({}, {} steps done)",
+                    dir.display(),
+                    c.done
+                )));
+            }
             tensors.insert(
                 format!("latents_step{}", s.step - 1),
                 (vec![1, zc, f, h, w], run.latent().to_vec()),

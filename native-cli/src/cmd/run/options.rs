@@ -176,11 +176,13 @@ pub struct DitArgs {
     /// PNG of the final latent's first three channels.
     #[arg(long, value_name = "FILE")]
     pub preview: Option<PathBuf>,
-    /// Write the latent and step index into this folder after every step (atomically).
+    /// Write the latent and step index (a Wan folder: and UniPC's history) into this folder
+    /// after every step (atomically).
     #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
-    /// Continue from the last complete checkpoint in this folder (its inputs and schedule; the
-    /// final latent equals an uninterrupted run's).
+    /// Continue from the last complete checkpoint in this folder (a lone DiT: its inputs and
+    /// schedule; a Wan folder: the same request, checked; the final latent equals an
+    /// uninterrupted run's).
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
 }

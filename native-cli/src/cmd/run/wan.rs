@@ -12,7 +12,7 @@ use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
 use nibble_core::models::pipeline::{Event, Pipeline, VaeTiling};
 use nibble_core::models::wan::pipeline::{WanPipeline, WanRequest};
-use nibble_core::models::wan::WanTiling;
+use nibble_core::models::wan::{WanCheckpoint, WanTiling};
 use nibble_core::plan::MemoryPlan;
 use serde_json::json;
 
@@ -30,16 +30,14 @@ pub fn run(o: &RunArgs) -> Result<()> {
         .with_context(|| format!("opening the Wan pipeline {}", o.model))?;
     let d = &o.dit;
     if d.inputs.is_some()
-        || d.checkpoint.is_some()
-        || d.resume.is_some()
         || d.preview.is_some()
         || d.dynamic_shift
         || d.latents.is_some()
         || d.embed_cache.is_some()
     {
         bail!(
-            "--inputs, --checkpoint, --resume, --preview, --dynamic-shift, --latents and \
-             --embed-cache are not taken by a Wan folder"
+            "--inputs, --preview, --dynamic-shift, --latents and --embed-cache are not taken by \
+             a Wan folder"
         );
     }
     if d.out.is_none() && d.frames_dir.is_none() && d.intermediates.is_none() && !o.plan_only {
@@ -73,10 +71,11 @@ pub fn run(o: &RunArgs) -> Result<()> {
             || d.height.is_some()
             || d.width.is_some()
             || d.guidance.is_some();
-        if given {
+        if given || d.checkpoint.is_some() || d.resume.is_some() {
             bail!(
                 "--vae-decode decodes the latents as they are: --prompt, --negative-prompt, \
-                 --frames, --steps, --height, --width and --guidance do not apply"
+                 --frames, --steps, --height, --width, --guidance, --checkpoint and --resume do \
+                 not apply"
             );
         }
         let (z, dims) = read_video_latents(path, pipe.vae_config.z_dim)?;
@@ -96,6 +95,22 @@ pub fn run(o: &RunArgs) -> Result<()> {
     let Some(prompt) = o.text.prompt.clone() else {
         bail!("a Wan folder needs --prompt TEXT (or --vae-decode LATENTS.safetensors)");
     };
+    let resume = match &d.resume {
+        Some(dir) => {
+            let c = WanCheckpoint::load(dir)?.with_context(|| {
+                format!(
+                    "--resume {}: no Wan checkpoint there ({})",
+                    dir.display(),
+                    nibble_core::models::wan::checkpoint::WAN_CHECKPOINT_FILE
+                )
+            })?;
+            if !o.json {
+                eprintln!("resuming from {} after {} steps", dir.display(), c.done);
+            }
+            Some(c)
+        }
+        None => None,
+    };
     let req = WanRequest {
         prompt,
         negative_prompt: d.negative_prompt.clone(),
@@ -111,6 +126,8 @@ pub fn run(o: &RunArgs) -> Result<()> {
         // The frames go to their files as they are decoded; the whole video is kept only for
         // `--intermediates` (`video_f32`).
         keep_video: d.intermediates.is_some(),
+        checkpoint: d.checkpoint.clone(),
+        resume,
     };
     crate::backends::select(o.backend)?.run(Run { o, pipe, req })
 }
