@@ -162,6 +162,82 @@ pub(crate) fn event_js(
     to_js(&v)
 }
 
+/// What [`run_planned`] gives: the output, its plans (JSON), the phase and step rows, the weight
+/// bytes fetched and the plans' prediction of them.
+pub(crate) struct Ran<O> {
+    pub(crate) out: O,
+    pub(crate) plans: Vec<Value>,
+    pub(crate) phases: Vec<Value>,
+    pub(crate) steps: Vec<Value>,
+    pub(crate) weight_bytes: u64,
+    pub(crate) predicted: u64,
+}
+
+/// A prepared pipeline request on the page's backend, for every pipeline family: the budgets
+/// decided for `s` (`resident`: every weight on the device by default) from the graphs that
+/// size them, what they decide settled, `{ type: "plans" }` sent to `on_event` before the first
+/// weight byte is read; then every phase with its weights fetched by Range requests, each event
+/// handed to `on` and, as JSON, to `on_event`. The backend goes back to the page either way.
+/// `predicted` gives the weight bytes the plans read.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_planned<P: Pipeline>(
+    pipe: &P,
+    prepared: &mut P::Prepared,
+    state: &Rc<std::cell::RefCell<crate::api::State>>,
+    traffic: &crate::fetch::SharedTraffic,
+    (s, resident): (Settings, bool),
+    on_event: &js_sys::Function,
+    predicted: impl FnOnce(&P::Prepared, &[(&'static str, nibble_core::plan::MemoryPlan)]) -> u64,
+    mut on: impl FnMut(&Event<'_>),
+) -> Result<Ran<P::Output>, JsValue> {
+    let mut backend = backend_of(state).await?;
+    let planned = (|| {
+        // "min": every group of every phase streamed (as `load`'s "min").
+        let phases = pipe.budget_graphs(prepared).map_err(js_err)?;
+        let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
+        let d = decide(s, resident, &graphs, &mut backend)?;
+        drop(graphs);
+        drop(phases);
+        let opts = ExecOptions::decided(&d, 1);
+        let plans = pipe.plans(prepared, &mut backend, opts).map_err(js_err)?;
+        Ok::<_, JsValue>((opts, plans))
+    })();
+    let (opts, plans) = match planned {
+        Ok(x) => x,
+        Err(e) => {
+            state.borrow_mut().backend = Some(backend);
+            return Err(e);
+        }
+    };
+    let plans_v: Vec<Value> = plans.iter().map(|(phase, p)| p.phase_json(phase)).collect();
+    let predicted = predicted(prepared, &plans);
+    if let Ok(js) = to_js(&json!({"type": "plans", "plans": plans_v})) {
+        let _ = on_event.call1(&JsValue::NULL, &js);
+    }
+    let before = traffic_bytes(traffic, "weights");
+    let t = traffic.clone();
+    let maker = move |m: &ModelIndex| -> SourceMaker { Box::new(FetchSource::maker(m, &t)) };
+    let (mut phases, mut steps) = (Vec::new(), Vec::new());
+    let out = pipe
+        .run_with(prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
+            on(&e);
+            if let Ok(js) = event_js(e, &mut phases, &mut steps) {
+                let _ = on_event.call1(&JsValue::NULL, &js);
+            }
+        })
+        .await;
+    let (out, backend) = out.map_err(js_err)?;
+    state.borrow_mut().backend = Some(backend);
+    Ok(Ran {
+        out,
+        plans: plans_v,
+        phases,
+        steps,
+        weight_bytes: traffic_bytes(traffic, "weights") - before,
+        predicted,
+    })
+}
+
 #[wasm_bindgen]
 impl Nibble {
     /// Opens the diffusers Flux pipeline folder at `url` (its `model_index.json`, scheduler
@@ -274,70 +350,38 @@ impl Nibble {
             let resident = resident && opts_v.get("deviceBudget").is_none_or(Value::is_null);
             let req = request_from(&opts_v)?;
             let mut prepared = pipe.prepare(&req).map_err(js_err)?;
-            let mut backend = backend_of(&state).await?;
-            let planned = (|| {
-                // "min": every group of every phase streamed (as `load`'s "min").
-                let phases = pipe.budget_graphs(&prepared).map_err(js_err)?;
-                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-                let d = decide(s, resident, &graphs, &mut backend)?;
-                drop(graphs);
-                drop(phases);
-                let opts = ExecOptions::decided(&d, 1);
-                let plans = pipe
-                    .plans(&mut prepared, &mut backend, opts)
-                    .map_err(js_err)?;
-                Ok::<_, JsValue>((opts, plans))
-            })();
-            let (opts, plans) = match planned {
-                Ok(x) => x,
-                Err(e) => {
-                    state.borrow_mut().backend = Some(backend);
-                    return Err(e);
-                }
-            };
-            let plans_v: Vec<Value> = plans.iter().map(|(phase, p)| p.phase_json(phase)).collect();
-            let predicted: u64 = plans
-                .iter()
-                .map(|(phase, p)| {
-                    let passes = if *phase == "transformer" {
-                        req.steps as u64
-                    } else {
-                        1
-                    };
-                    if prepared.embeds.is_some() && (*phase == "CLIP" || *phase == "T5") {
-                        0
-                    } else {
-                        p.read_bytes(passes)
-                    }
-                })
-                .sum();
-            if let Ok(js) = to_js(&json!({"type": "plans", "plans": plans_v})) {
-                let _ = on_event.call1(&JsValue::NULL, &js);
-            }
-            let before = traffic_bytes(&traffic, "weights");
-            let t = traffic.clone();
-            let maker =
-                move |m: &ModelIndex| -> SourceMaker { Box::new(FetchSource::maker(m, &t)) };
-            let (mut phases, mut steps) = (Vec::new(), Vec::new());
-            let out = pipe
-                .run_with(&prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
-                    if let Ok(js) = event_js(e, &mut phases, &mut steps) {
-                        let _ = on_event.call1(&JsValue::NULL, &js);
-                    }
-                })
-                .await;
-            let (out, backend) = out.map_err(js_err)?;
-            state.borrow_mut().backend = Some(backend);
+            let steps = req.steps as u64;
+            let r = run_planned(
+                &*pipe,
+                &mut prepared,
+                &state,
+                &traffic,
+                (s, resident),
+                &on_event,
+                |prepared, plans| {
+                    plans
+                        .iter()
+                        .map(|(phase, p)| match *phase {
+                            "transformer" => p.read_bytes(steps),
+                            "CLIP" | "T5" if prepared.embeds.is_some() => 0,
+                            _ => p.read_bytes(1),
+                        })
+                        .sum()
+                },
+                |_| {},
+            )
+            .await?;
+            let out = r.out;
             let v = json!({
                 "width": out.width,
                 "height": out.height,
-                "plans": plans_v,
-                "phases": phases,
-                "steps": steps,
+                "plans": r.plans,
+                "phases": r.phases,
+                "steps": r.steps,
                 "mu": prepared.mu,
-                "weight_bytes": traffic_bytes(&traffic, "weights") - before,
+                "weight_bytes": r.weight_bytes,
                 // A tiled decode opens one decoder per tile shape: predicted only untiled.
-                "predicted_weight_bytes": if prepared.tiling.is_some() { None } else { Some(predicted) },
+                "predicted_weight_bytes": if prepared.tiling.is_some() { None } else { Some(r.predicted) },
                 "vae_tile": prepared.tiling.map(|t| t.latent_tile),
             });
             let js = to_js(&v)?;

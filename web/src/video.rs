@@ -4,21 +4,15 @@
 //! weights fetched by Range requests; the frames reach `onEvent` as the VAE decodes them, and the
 //! promise resolves to the whole video's 8-bit frames.
 
-use nibble_core::exec::ExecOptions;
-use nibble_core::io::model::ModelIndex;
-use nibble_core::models::pipeline::{Pipeline, VaeTiling};
+use nibble_core::models::pipeline::{Event, Pipeline, VaeTiling};
 use nibble_core::models::wan::pipeline::WanRequest;
 use nibble_core::models::wan::WanTiling;
-use nibble_core::models::{Drive, SourceMaker};
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 
-use crate::api::{
-    backend_of, decide, from_js, js_err, settings_from, to_js, traffic_bytes, BusyGuard, Nibble,
-};
-use crate::fetch::FetchSource;
-use crate::pipeline::event_js;
+use crate::api::{from_js, js_err, settings_from, to_js, BusyGuard, Nibble};
+use crate::pipeline::run_planned;
 
 /// A whole number option, `d` when absent.
 fn size(v: &Value, k: &str, d: usize) -> Result<usize, JsValue> {
@@ -89,7 +83,6 @@ fn request_from(v: &Value) -> Result<WanRequest, JsValue> {
         max_sequence_length: size(v, "maxSequenceLength", d.max_sequence_length)?,
         vae_tiling,
         vae_tile,
-        // The page keeps the 8-bit frames it is handed (`Event::Frames`), not the float video.
         keep_video: false,
         checkpoint: None,
         resume: None,
@@ -125,68 +118,46 @@ impl Nibble {
             let resident = resident && opts_v.get("deviceBudget").is_none_or(Value::is_null);
             let req = request_from(&opts_v)?;
             let mut prepared = pipe.prepare(&req).map_err(js_err)?;
-            let mut backend = backend_of(&state).await?;
-            let planned = (|| {
-                let phases = pipe.budget_graphs(&prepared).map_err(js_err)?;
-                let graphs: Vec<_> = phases.iter().map(|(_, g, m)| (g, *m)).collect();
-                let d = decide(s, resident, &graphs, &mut backend)?;
-                drop(graphs);
-                drop(phases);
-                let opts = ExecOptions::decided(&d, 1);
-                let plans = pipe
-                    .plans(&mut prepared, &mut backend, opts)
-                    .map_err(js_err)?;
-                Ok::<_, JsValue>((opts, plans))
-            })();
-            let (opts, plans) = match planned {
-                Ok(x) => x,
-                Err(e) => {
-                    state.borrow_mut().backend = Some(backend);
-                    return Err(e);
-                }
-            };
-            let plans_v: Vec<Value> = plans.iter().map(|(phase, p)| p.phase_json(phase)).collect();
-            // The text encoder runs once per prompt (twice guided), the transformer once per
-            // step for both, the VAE once per latent frame.
-            let sides = 1 + u64::from(prepared.negative.is_some());
-            let predicted: u64 = plans
-                .iter()
-                .map(|(phase, p)| match *phase {
-                    "text encoder" => p.read_bytes(sides),
-                    "transformer" => p.read_bytes(req.steps as u64),
-                    _ => p.read_bytes(prepared.dims.0 as u64),
-                })
-                .sum();
-            if let Ok(js) = to_js(&json!({"type": "plans", "plans": plans_v})) {
-                let _ = on_event.call1(&JsValue::NULL, &js);
-            }
-            let before = traffic_bytes(&traffic, "weights");
-            let t = traffic.clone();
-            let maker =
-                move |m: &ModelIndex| -> SourceMaker { Box::new(FetchSource::maker(m, &t)) };
-            let (mut phases, mut steps, mut rgb) = (Vec::new(), Vec::new(), Vec::new());
-            let out = pipe
-                .run_with(&prepared, backend, opts, &Drive::EventLoop(&maker), |e| {
-                    if let nibble_core::models::pipeline::Event::Frames { rgb: f, .. } = &e {
+            let steps = req.steps as u64;
+            let mut rgb = Vec::new();
+            let r = run_planned(
+                &*pipe,
+                &mut prepared,
+                &state,
+                &traffic,
+                (s, resident),
+                &on_event,
+                |prepared, plans| {
+                    // The text encoder runs once per prompt (twice guided), the transformer once
+                    // per step for both, the VAE once per latent frame.
+                    let sides = 1 + u64::from(prepared.negative.is_some());
+                    plans
+                        .iter()
+                        .map(|(phase, p)| match *phase {
+                            "text encoder" => p.read_bytes(sides),
+                            "transformer" => p.read_bytes(steps),
+                            _ => p.read_bytes(prepared.dims.0 as u64),
+                        })
+                        .sum()
+                },
+                // The page keeps the 8-bit frames it is handed, not the float video.
+                |e| {
+                    if let Event::Frames { rgb: f, .. } = e {
                         rgb.extend_from_slice(f);
                     }
-                    if let Ok(js) = event_js(e, &mut phases, &mut steps) {
-                        let _ = on_event.call1(&JsValue::NULL, &js);
-                    }
-                })
-                .await;
-            let (out, backend) = out.map_err(js_err)?;
-            state.borrow_mut().backend = Some(backend);
+                },
+            )
+            .await?;
             let v = json!({
-                "frames": out.frames,
-                "width": out.width,
-                "height": out.height,
-                "plans": plans_v,
-                "phases": phases,
-                "steps": steps,
-                "weight_bytes": traffic_bytes(&traffic, "weights") - before,
+                "frames": r.out.frames,
+                "width": r.out.width,
+                "height": r.out.height,
+                "plans": r.plans,
+                "phases": r.phases,
+                "steps": r.steps,
+                "weight_bytes": r.weight_bytes,
                 // A tiled decode opens one decoder per tile shape: predicted only untiled.
-                "predicted_weight_bytes": if prepared.tiling.is_some() { None } else { Some(predicted) },
+                "predicted_weight_bytes": if prepared.tiling.is_some() { None } else { Some(r.predicted) },
             });
             let js = to_js(&v)?;
             js_sys::Reflect::set(

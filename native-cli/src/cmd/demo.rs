@@ -107,6 +107,91 @@ impl DemoArgs {
     }
 }
 
+/// What both demos chart and sum up from the transformer's steps (rows as `run --json` has
+/// them): RSS per step, its growth from step 2, the mean step time after the first, the chart.
+pub(super) struct StepFigures {
+    pub(super) rss: Vec<u64>,
+    pub(super) growth: i64,
+    pub(super) mean_ms: f64,
+    pub(super) svg: PathBuf,
+    pub(super) png: PathBuf,
+}
+
+impl StepFigures {
+    /// The figures of `steps`, and their chart (`out_dir/chart.{svg,png}`, titled `title`, the
+    /// series `name`, with the plan's `plan_bytes` as the reference line).
+    pub(super) fn chart(
+        steps: &[serde_json::Value],
+        out_dir: &Path,
+        title: &str,
+        name: String,
+        plan_bytes: u64,
+    ) -> Result<Self> {
+        let col = |key: &str, scale: f64| -> Vec<(f64, f64)> {
+            steps
+                .iter()
+                .map(|r| {
+                    (
+                        r["step"].as_f64().unwrap_or(0.0),
+                        r[key].as_f64().unwrap_or(0.0) / scale,
+                    )
+                })
+                .collect()
+        };
+        let (times, rss_mib) = (col("wall_ms", 1.0), col("rss_bytes", (1 << 20) as f64));
+        let (svg, png) = crate::output::chart::write(
+            &out_dir.join("chart"),
+            title,
+            &[crate::output::chart::Series {
+                name,
+                rss_mib,
+                step_ms: times.clone(),
+            }],
+            Some(&crate::output::chart::Reference {
+                name: "plan: baseline + host + device".into(),
+                mib: plan_bytes as f64 / (1 << 20) as f64,
+            }),
+        )?;
+        let rss: Vec<u64> = steps
+            .iter()
+            .filter_map(|r| r["rss_bytes"].as_u64())
+            .collect();
+        let growth = match (rss.get(1).or(rss.first()), rss.last()) {
+            (Some(a), Some(b)) => *b as i64 - *a as i64,
+            _ => 0,
+        };
+        // The first step warms caches up: leave it out when there are others.
+        let skip = usize::from(times.len() > 1);
+        let mean_ms =
+            times.iter().skip(skip).map(|t| t.1).sum::<f64>() / (times.len() - skip).max(1) as f64;
+        Ok(StepFigures {
+            rss,
+            growth,
+            mean_ms,
+            svg,
+            png,
+        })
+    }
+}
+
+/// Writes `steps.json` (the steps and the summary) into the output folder and, with `--json`,
+/// prints the same object; whether it printed.
+pub(super) fn write_report(
+    o: &DemoArgs,
+    steps: &[serde_json::Value],
+    summary: &serde_json::Value,
+) -> Result<bool> {
+    let report = json!({"steps": steps, "summary": summary});
+    std::fs::write(
+        o.out_dir.join("steps.json"),
+        serde_json::to_vec_pretty(&report)?,
+    )?;
+    if o.json {
+        crate::output::write_stdout(&format!("{report}\n"))?;
+    }
+    Ok(o.json)
+}
+
 pub(super) fn cache_root(o: &DemoArgs) -> PathBuf {
     o.cache_dir
         .clone()
@@ -195,28 +280,9 @@ impl crate::backends::WithBackend for Demo<'_> {
             .iter()
             .find(|(p, _)| *p == "transformer")
             .context("the pipeline has a transformer phase")?;
-        let rss: Vec<(f64, f64)> = g
-            .steps
-            .iter()
-            .map(|r| {
-                (
-                    r["step"].as_f64().unwrap_or(0.0),
-                    r["rss_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64,
-                )
-            })
-            .collect();
-        let times: Vec<(f64, f64)> = g
-            .steps
-            .iter()
-            .map(|r| {
-                (
-                    r["step"].as_f64().unwrap_or(0.0),
-                    r["wall_ms"].as_f64().unwrap_or(0.0),
-                )
-            })
-            .collect();
-        let (svg, png) = crate::output::chart::write(
-            &o.out_dir.join("chart"),
+        let f = StepFigures::chart(
+            &g.steps,
+            &o.out_dir,
             &format!(
                 "nibble demo: {} NF4 Flux transformer, device budget {}, ring {} x {}",
                 fmt_bytes(pipe.transformer.file_bytes()),
@@ -224,30 +290,10 @@ impl crate::backends::WithBackend for Demo<'_> {
                 opts.budgets.ring_slots,
                 fmt_bytes(opts.budgets.slot_bytes)
             ),
-            &[crate::output::chart::Series {
-                name: format!("{dit_phase} ({label})"),
-                rss_mib: rss.clone(),
-                step_ms: times.clone(),
-            }],
-            Some(&crate::output::chart::Reference {
-                name: "plan: baseline + host + device".into(),
-                mib: (g.baseline + plan.peak_host_bytes + plan.peak_device_bytes) as f64
-                    / (1 << 20) as f64,
-            }),
+            format!("{dit_phase} ({label})"),
+            g.baseline + plan.peak_host_bytes + plan.peak_device_bytes,
         )?;
-        let rss_b: Vec<u64> = g
-            .steps
-            .iter()
-            .filter_map(|r| r["rss_bytes"].as_u64())
-            .collect();
-        let growth = match (rss_b.get(1).or(rss_b.first()), rss_b.last()) {
-            (Some(a), Some(b)) => *b as i64 - *a as i64,
-            _ => 0,
-        };
-        // The first step warms caches up: leave it out when there are others.
-        let skip = usize::from(times.len() > 1);
-        let mean_ms =
-            times.iter().skip(skip).map(|t| t.1).sum::<f64>() / (times.len() - skip).max(1) as f64;
+        let (rss_b, growth, mean_ms, svg, png) = (&f.rss, f.growth, f.mean_ms, &f.svg, &f.png);
         let phase = |name: &str| g.phases.iter().find(|p| p["phase"] == name);
         let phase_peak = |name: &str| phase(name).and_then(|p| p["peak_rss_bytes"].as_u64());
         let largest_plan = g
@@ -284,16 +330,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             "image": image, "chart_svg": svg, "chart_png": png,
             "note": "random weights give a noise picture; a real Flux folder gives a real one",
         });
-        std::fs::write(
-            o.out_dir.join("steps.json"),
-            serde_json::to_vec_pretty(&json!({"steps": g.steps, "summary": summary}))?,
-        )?;
-        if o.json {
-            crate::output::write_stdout(&format!(
-                "{}\n",
-                json!({"steps": g.steps, "summary": summary})
-            ))?;
-        } else {
+        if !write_report(o, &g.steps, &summary)? {
             eprintln!(
                 "done: {} x {} image in {:.1} s; {} steps, {:.0} ms/step after the first, {} \
                  streamed per step; RSS {} at step 2, {} at the end ({:+} bytes); peak RSS {} \

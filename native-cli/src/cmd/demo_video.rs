@@ -18,7 +18,7 @@ use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth_wan::{write_pipeline, WanSynthShape};
 use serde_json::json;
 
-use super::demo::{cache_root, ensure_folder, DemoArgs};
+use super::demo::{cache_root, ensure_folder, write_report, DemoArgs, StepFigures};
 use crate::cmd::run::flux::plans_json;
 use crate::cmd::run::wan::generate;
 use crate::output::frames::FrameSink;
@@ -94,20 +94,9 @@ impl crate::backends::WithBackend for Demo<'_> {
             .iter()
             .find(|(n, _)| *n == "transformer")
             .context("the pipeline has a transformer phase")?;
-        let col = |key: &str, scale: f64| -> Vec<(f64, f64)> {
-            p.steps
-                .iter()
-                .map(|r| {
-                    (
-                        r["step"].as_f64().unwrap_or(0.0),
-                        r[key].as_f64().unwrap_or(0.0) / scale,
-                    )
-                })
-                .collect()
-        };
-        let (times, rss) = (col("wall_ms", 1.0), col("rss_bytes", (1 << 20) as f64));
-        let (svg, png) = crate::output::chart::write(
-            &o.out_dir.join("chart"),
+        let f = StepFigures::chart(
+            &p.steps,
+            &o.out_dir,
             &format!(
                 "nibble demo --video: {} NF4 Wan transformer, device budget {}, ring {} x {}",
                 fmt_bytes(pipe.transformer.file_bytes()),
@@ -115,34 +104,15 @@ impl crate::backends::WithBackend for Demo<'_> {
                 g.opts.budgets.ring_slots,
                 fmt_bytes(g.opts.budgets.slot_bytes)
             ),
-            &[crate::output::chart::Series {
-                name: format!("transformer ({label})"),
-                rss_mib: rss,
-                step_ms: times.clone(),
-            }],
-            Some(&crate::output::chart::Reference {
-                name: "plan: baseline + host + device".into(),
-                mib: (p.baseline + plan.peak_host_bytes + plan.peak_device_bytes) as f64
-                    / (1 << 20) as f64,
-            }),
+            format!("transformer ({label})"),
+            p.baseline + plan.peak_host_bytes + plan.peak_device_bytes,
         )?;
-        let rss_b: Vec<u64> = p
-            .steps
-            .iter()
-            .filter_map(|r| r["rss_bytes"].as_u64())
-            .collect();
-        let growth = match (rss_b.get(1).or(rss_b.first()), rss_b.last()) {
-            (Some(a), Some(b)) => *b as i64 - *a as i64,
-            _ => 0,
-        };
+        let (rss_b, growth, mean_ms, svg, png) = (&f.rss, f.growth, f.mean_ms, &f.svg, &f.png);
         let bytes: Vec<u64> = p
             .steps
             .iter()
             .filter_map(|r| r["bytes_streamed"].as_u64())
             .collect();
-        let skip = usize::from(times.len() > 1);
-        let mean_ms =
-            times.iter().skip(skip).map(|t| t.1).sum::<f64>() / (times.len() - skip).max(1) as f64;
         let phase = |name: &str| p.phases.iter().find(|x| x["phase"] == name);
         let largest_plan = g
             .plans
@@ -178,16 +148,7 @@ impl crate::backends::WithBackend for Demo<'_> {
             "chart_svg": svg, "chart_png": png,
             "note": "random weights give a noise video; a real Wan folder gives a real one",
         });
-        std::fs::write(
-            o.out_dir.join("steps.json"),
-            serde_json::to_vec_pretty(&json!({"steps": p.steps, "summary": summary}))?,
-        )?;
-        if o.json {
-            crate::output::write_stdout(&format!(
-                "{}\n",
-                json!({"steps": p.steps, "summary": summary})
-            ))?;
-        } else {
+        if !write_report(o, &p.steps, &summary)? {
             eprintln!(
                 "done: {} frames of {} x {} in {:.1} s; {} guided steps, {:.0} ms/step after the \
                  first, {} streamed per step (one pass for both sequences); RSS {} at step 2, {} \
