@@ -179,3 +179,60 @@ fn a_shard_that_is_a_fifo_is_refused_not_waited_on() {
         assert!(err.contains("regular file"), "{args:?}: {err}");
     }
 }
+
+/// Image and video outputs report their write and flush errors (hardening round two, fault
+/// 11): onto a full device (`/dev/full`: every write fails with ENOSPC) a PNG, the PNG frames'
+/// folder's files and an MP4 fail with the error, never "wrote ..." and exit 0.
+#[test]
+fn a_full_disk_is_an_error_for_images_and_videos() {
+    let flux = fixture("tiny-flux-pipeline/pipeline");
+    let o = nibble(&[
+        "run",
+        "--model",
+        s(&flux),
+        "--prompt",
+        "a fox",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "1",
+        "--max-sequence-length",
+        "16",
+        "--out",
+        "/dev/full",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("No space left on device") && !err.contains("wrote /dev/full"),
+        "{err}"
+    );
+    let wan = fixture("tiny-wan-pipeline/pipeline");
+    let o = nibble(&[
+        "run",
+        "--model",
+        s(&wan),
+        "--prompt",
+        "a fox",
+        "--height",
+        "48",
+        "--width",
+        "64",
+        "--frames",
+        "5",
+        "--steps",
+        "1",
+        "--max-sequence-length",
+        "16",
+        "--out",
+        "/dev/full",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("No space left on device") && !err.contains("wrote /dev/full"),
+        "{err}"
+    );
+}

@@ -2,7 +2,6 @@
 
 pub mod bench;
 pub mod demo;
-mod demo_video;
 pub mod inspect;
 pub mod quant;
 pub mod run;

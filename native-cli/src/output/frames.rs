@@ -80,7 +80,7 @@ impl FrameSink {
         for frame in rgb.chunks_exact(h * w * 3) {
             if let Some(dir) = &self.dir {
                 let path = dir.join(format!("frame_{:04}.png", self.frames));
-                crate::cmd::run::flux::write_png(&path, frame, w, h)?;
+                super::write_png(&path, frame, w, h)?;
                 self.pngs.push(path.display().to_string());
             }
             if let (Some(path), Some(sink)) = (&self.mp4_path, &mut self.mp4) {

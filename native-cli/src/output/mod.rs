@@ -50,3 +50,26 @@ pub fn write_f32_tensors(
     nibble_core::format::writer::write_safetensors(path, &tensors, &Default::default())?;
     Ok(())
 }
+
+/// 8-bit RGB `[h, w, 3]` as a PNG; every write and the final flush report their errors (a full
+/// disk is an error, not a truncated file and "wrote").
+pub fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
+    let mut out = std::io::BufWriter::new(f);
+    let mut enc = png::Encoder::new(&mut out, w as u32, h as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut writer = enc
+        .write_header()
+        .with_context(|| path.display().to_string())?;
+    writer
+        .write_image_data(rgb)
+        .with_context(|| path.display().to_string())?;
+    writer
+        .finish()
+        .with_context(|| path.display().to_string())?;
+    out.flush().with_context(|| path.display().to_string())?;
+    Ok(())
+}

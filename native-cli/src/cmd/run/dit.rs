@@ -50,12 +50,7 @@ pub fn write_preview(
             }
         }
     }
-    let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(f), pw as u32, ph as u32);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header()?.write_image_data(&rgb)?;
-    Ok(())
+    crate::output::write_png(path, &rgb, pw, ph)
 }
 
 /// Writes a latent `[1, n, c]` as `latent` (float32).

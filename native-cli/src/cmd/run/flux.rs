@@ -243,7 +243,7 @@ impl crate::backends::WithBackend for Run<'_> {
         )?;
         let out = &g.out;
         if let Some(path) = &o.dit.out {
-            write_png(path, &out.rgb, out.width, out.height)?;
+            crate::output::write_png(path, &out.rgb, out.width, out.height)?;
             if !quiet {
                 eprintln!("wrote {} ({} x {})", path.display(), out.width, out.height);
             }
@@ -318,14 +318,4 @@ fn write_embeds(
         let _ = std::fs::remove_file(&tmp);
     }
     r
-}
-
-/// 8-bit RGB `[h, w, 3]` as a PNG.
-pub fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> Result<()> {
-    let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(f), w as u32, h as u32);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header()?.write_image_data(rgb)?;
-    Ok(())
 }

@@ -11,6 +11,8 @@
 //! It runs through the same code as `nibble run --model PIPELINE` ([`crate::cmd::run::flux`]).
 //! Random weights give a noise picture; a real Flux folder gives a real one.
 
+mod video;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -26,7 +28,8 @@ use serde_json::json;
 use crate::args::{
     budget, count_or_auto, size, size_or_auto, BackendArg, Budget, MemoryArgs, OrAuto,
 };
-use crate::cmd::run::flux::{generate, pipeline_options, plans_json, write_png};
+use crate::cmd::run::flux::{generate, pipeline_options, plans_json};
+use crate::output::write_png;
 
 /// Options of `nibble demo`.
 #[derive(Debug, Clone, Args)]
@@ -365,7 +368,7 @@ pub fn run(o: &DemoArgs) -> Result<()> {
     let root = cache_root(o);
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
     if o.video {
-        return super::demo_video::run(o, &root);
+        return video::run(o, &root);
     }
     let shape = FluxSynthShape {
         dit_bytes: o.dit_size.unwrap_or(1800 << 20),

@@ -18,7 +18,7 @@ use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth_wan::{write_pipeline, WanSynthShape};
 use serde_json::json;
 
-use super::demo::{cache_root, ensure_folder, write_report, DemoArgs, StepFigures};
+use super::{cache_root, ensure_folder, write_report, DemoArgs, StepFigures};
 use crate::cmd::run::flux::plans_json;
 use crate::cmd::run::wan::generate;
 use crate::output::frames::FrameSink;
