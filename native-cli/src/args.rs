@@ -161,6 +161,17 @@ pub fn value_name<T: ValueEnum>(v: T) -> String {
         .unwrap_or_default()
 }
 
+/// Denoising steps: 1 to the schedulers' limit (100,000), for every subcommand that denoises.
+pub fn steps(s: &str) -> Result<usize, String> {
+    let max = nibble_core::models::scheduler::MAX_STEPS;
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{s}: denoising steps are a whole number from 1 to {max}"
+        )),
+    }
+}
+
 /// A finite number (NaN and infinities are refused where the value is read).
 pub fn finite(s: &str) -> Result<f64, String> {
     let v: f64 = s.trim().parse().map_err(|e| format!("{s}: {e}"))?;

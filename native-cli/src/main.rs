@@ -61,18 +61,46 @@ enum Command {
 }
 
 /// Mesa's Vulkan drivers complain on stderr when XDG_RUNTIME_DIR is unset (headless machines):
-/// give them a private one, before any thread starts.
-fn quiet_mesa() {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        let dir = std::env::temp_dir().join(format!("nibble-xdg-{}", std::process::id()));
-        if std::fs::create_dir_all(&dir).is_ok() {
-            #[cfg(unix)]
-            {
-                use std::os::unix::fs::PermissionsExt;
-                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
-            }
-            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+/// give them a private one, before any thread starts. The folder is new (created, never
+/// reused: another user cannot have made it first), private (0700), and removed when the
+/// returned guard drops at the end of `main`.
+fn quiet_mesa() -> Option<XdgDir> {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+        return None;
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    for k in 0..16u32 {
+        let dir = std::env::temp_dir().join(format!(
+            "nibble-xdg-{}-{:08x}",
+            std::process::id(),
+            nanos.wrapping_add(k.wrapping_mul(0x9e37_79b9))
+        ));
+        let mut b = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            b.mode(0o700);
         }
+        match b.create(&dir) {
+            Ok(()) => {
+                std::env::set_var("XDG_RUNTIME_DIR", &dir);
+                return Some(XdgDir(dir));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// The private XDG_RUNTIME_DIR of this process, removed on drop.
+struct XdgDir(std::path::PathBuf);
+
+impl Drop for XdgDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -86,7 +114,7 @@ fn probe_wgpu() -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    quiet_mesa();
+    let _xdg = quiet_mesa();
     // A wrong argument is an error like any other (exit 1, one message); --help and --version
     // print and succeed.
     let cli = match Cli::try_parse() {

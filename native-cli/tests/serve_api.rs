@@ -357,8 +357,35 @@ fn bad_requests_get_their_status_and_an_error_object() {
     }
     let (status, _) = s.post("/v1/embeddings", &json!({"input": "x"}));
     assert_eq!(status, 400, "a decoder has no embeddings");
-    let (status, _, _) = s.request("GET", "/v1/nothing", &[], b"");
+    // An unknown path is a 404 without OpenAI's `model_not_found` code; an unknown model has it;
+    // a wrong method is a 405 with an error object (hardening round two, fault 5).
+    let (status, _, b) = s.request("GET", "/v1/nothing", &[], b"");
     assert_eq!(status, 404);
+    let v: Value = serde_json::from_slice(&b).expect("404 json");
+    assert!(
+        v["error"]["code"].is_null() && v["error"]["message"].is_string(),
+        "{v}"
+    );
+    let (status, v) = s.post(
+        chat_path,
+        &json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("model_not_found")),
+        "{v}"
+    );
+    for (method, path) in [
+        ("GET", chat_path),
+        ("POST", "/v1/models"),
+        ("DELETE", "/v1/plan"),
+    ] {
+        let (status, _, b) = s.request(method, path, &[], b"");
+        assert_eq!(status, 405, "{method} {path}");
+        let v: Value = serde_json::from_slice(&b)
+            .unwrap_or_else(|_| panic!("{method} {path}: {}", String::from_utf8_lossy(&b)));
+        assert!(v["error"]["message"].is_string(), "{method} {path}: {v}");
+    }
     let (status, v) = s.post(chat_path, &chat("Hi", 3, false));
     assert_eq!(status, 200, "a good request after the bad ones: {v}");
     let (status, _, plan) = s.request("GET", "/v1/plan", &[], b"");
@@ -372,6 +399,25 @@ fn bad_requests_get_their_status_and_an_error_object() {
     assert_eq!(status, 200);
     let models: Value = serde_json::from_slice(&models).expect("models json");
     assert_eq!(models["data"][0]["id"], "smollm2-135m-nf4");
+}
+
+/// An API key no client can send is refused at start (hardening round two, fault 7).
+#[test]
+fn an_empty_api_key_is_refused_at_start() {
+    for key in ["", " ", "a b"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(["serve", "--model"])
+            .arg(smollm2())
+            .args(["--api-key", key])
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{key:?}: {err}");
+        assert!(
+            err.contains("an API key is one or more visible characters"),
+            "{err}"
+        );
+    }
 }
 
 #[test]

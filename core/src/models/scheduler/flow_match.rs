@@ -208,10 +208,11 @@ impl SchedulerConfig {
     /// The `steps + 1` sigmas `FluxPipeline` samples with (the last is 0), for `steps` from 1,
     /// shifted by `mu` when the config shifts dynamically.
     pub fn pipeline_sigmas(&self, steps: usize, mu: f64) -> Result<Vec<f32>> {
-        if steps == 0 {
-            return Err(Error::Invalid(
-                "at least one denoising step is needed".into(),
-            ));
+        if steps == 0 || steps > super::MAX_STEPS {
+            return Err(Error::Invalid(format!(
+                "{steps} denoising steps: between 1 and {}",
+                super::MAX_STEPS
+            )));
         }
         if self.use_dynamic_shifting && self.time_shift == TimeShift::Linear && mu <= 0.0 {
             return Err(Error::Invalid(format!("mu {mu} must be positive")));

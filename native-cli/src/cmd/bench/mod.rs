@@ -58,8 +58,8 @@ pub struct OffloadArgs {
     /// DiT folder or URL.
     #[arg(long)]
     pub model: String,
-    /// Steps per mode.
-    #[arg(long, default_value_t = 10)]
+    /// Steps per mode (1 to 100000).
+    #[arg(long, default_value_t = 10, value_parser = crate::args::steps)]
     pub steps: usize,
     /// Device budget of the streamed and naive modes: a size, or `auto` (as `nibble run`).
     #[arg(long, value_parser = budget, default_value = "512MiB", value_name = "SIZE|auto")]

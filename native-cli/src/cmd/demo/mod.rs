@@ -42,7 +42,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 9)]
     pub frames: usize,
     /// Denoising steps [default: 50; 8 with --video].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::steps)]
     pub steps: Option<usize>,
     /// Image height in pixels (a multiple of 16).
     #[arg(long, default_value_t = 128)]

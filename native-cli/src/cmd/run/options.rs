@@ -92,7 +92,7 @@ pub struct LlmArgs {
 #[command(next_help_heading = "DiTs, Flux pipelines and Wan video")]
 pub struct DitArgs {
     /// Denoising steps [default: 28; 50 for a Wan folder].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::steps)]
     pub steps: Option<usize>,
     /// A Wan folder's frames (4k + 1) [default: 81].
     #[arg(long)]

@@ -74,13 +74,14 @@ struct App {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// An OpenAI error response.
-fn error(status: StatusCode, kind: &str, msg: impl Into<String>) -> Response {
-    let code = match status {
-        StatusCode::UNAUTHORIZED => json!("invalid_api_key"),
-        StatusCode::NOT_FOUND => json!("model_not_found"),
-        _ => Value::Null,
-    };
+/// An OpenAI error response (`code`: OpenAI's, where it names one: `invalid_api_key`,
+/// `model_not_found`).
+fn error_with(
+    status: StatusCode,
+    kind: &str,
+    code: Option<&str>,
+    msg: impl Into<String>,
+) -> Response {
     let body = json!({"error": {"message": msg.into(), "type": kind, "param": null, "code": code}});
     (
         status,
@@ -93,6 +94,11 @@ fn error(status: StatusCode, kind: &str, msg: impl Into<String>) -> Response {
 /// A 200 JSON response.
 fn ok_json(v: Value) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+/// An OpenAI error response without a code.
+fn error(status: StatusCode, kind: &str, msg: impl Into<String>) -> Response {
+    error_with(status, kind, None, msg)
 }
 
 fn bad(msg: impl Into<String>) -> Response {
@@ -333,6 +339,14 @@ fn router(app: Arc<App>) -> Router {
                 "no such endpoint",
             )
         })
+        .method_not_allowed_fallback(|| async {
+            error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this endpoint does not take that method (GET /v1/models, /v1/plan; POST \
+                 /v1/chat/completions, /v1/completions, /v1/embeddings)",
+            )
+        })
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
 }
@@ -351,9 +365,10 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             if given == Some(key.as_str()) {
                 next.run(req).await
             } else {
-                error(
+                error_with(
                     StatusCode::UNAUTHORIZED,
                     "invalid_request_error",
+                    Some("invalid_api_key"),
                     "a missing or wrong API key: send Authorization: Bearer KEY",
                 )
             }
@@ -449,9 +464,10 @@ fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Response> {
 
 fn check_model(app: &App, model: &Option<String>) -> Result<(), Response> {
     match model {
-        Some(m) if *m != app.model_id => Err(error(
+        Some(m) if *m != app.model_id => Err(error_with(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
+            Some("model_not_found"),
             format!(
                 "the model '{m}' does not exist: this server serves '{}'",
                 app.model_id

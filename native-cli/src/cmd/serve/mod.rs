@@ -63,12 +63,25 @@ pub struct ServeArgs {
     pub api: ApiArgs,
 }
 
+/// An API key a client can send in `Authorization: Bearer KEY`: not empty, no spaces or
+/// control characters.
+fn api_key(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "{s:?}: an API key is one or more visible characters, no spaces (clients send it as \
+             'Authorization: Bearer KEY')"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 /// Options of the API server (`--model`).
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "API server (--model)")]
 pub struct ApiArgs {
-    /// Require `Authorization: Bearer KEY` on every /v1 request.
-    #[arg(long, value_name = "KEY")]
+    /// Require `Authorization: Bearer KEY` on every /v1 request (a key of visible characters:
+    /// an empty one could never be sent).
+    #[arg(long, value_name = "KEY", value_parser = api_key)]
     pub api_key: Option<String>,
     /// The model's id in the API (default: the model folder's or file's name).
     #[arg(long, value_name = "ID")]

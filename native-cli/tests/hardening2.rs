@@ -1,0 +1,87 @@
+//! The second hardening round (#32): each test covers one fault class by its mechanism.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn nibble(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nibble"))
+        .args(args)
+        .output()
+        .expect("run nibble")
+}
+
+fn fixture(rel: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures")
+        .join(rel);
+    assert!(p.exists(), "shared fixture missing at {}", p.display());
+    p
+}
+
+/// Fault 17: `--steps` is bounded by one parser (1 to 100,000) for every subcommand that
+/// denoises, so a Flux pipeline's `run`, `plan` and `demo` refuse 2^64 - 1 and 2^32 with one
+/// line instead of a capacity-overflow panic or an abort; the schedule itself refuses them too.
+#[test]
+fn denoising_steps_are_bounded_everywhere() {
+    let flux = fixture("tiny-flux-pipeline/pipeline");
+    let flux = flux.to_str().expect("utf-8");
+    for steps in ["18446744073709551615", "4294967296", "0", "100001"] {
+        for cmd in ["run", "plan"] {
+            let o = nibble(&[
+                cmd,
+                "--model",
+                flux,
+                "--prompt",
+                "a fox",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--steps",
+                steps,
+                "--out",
+                "/tmp/never-written.png",
+            ]);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{cmd} --steps {steps}: {err}");
+            assert!(
+                err.contains("from 1 to 100000") && !err.contains("panicked"),
+                "{cmd} --steps {steps}: {err}"
+            );
+        }
+        let o = nibble(&["demo", "--steps", steps, "--cache-dir", "/nonexistent"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "demo --steps {steps}: {err}");
+        assert!(
+            err.contains("from 1 to 100000"),
+            "demo --steps {steps}: {err}"
+        );
+    }
+    let e = nibble_core::models::scheduler::SchedulerConfig::default()
+        .pipeline_sigmas(1 << 32, 0.0)
+        .expect_err("2^32 steps");
+    assert!(e.to_string().contains("between 1 and 100000"), "{e}");
+}
+
+/// Fault 16: without XDG_RUNTIME_DIR every run used to leave an empty `nibble-xdg-PID` folder
+/// in the temporary directory at a predictable path; the private folder is now new (never
+/// reused), 0700, and removed when the run ends.
+#[test]
+fn no_runtime_folder_is_left_behind() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = fixture("tiny-llama-nf4/model");
+    for _ in 0..3 {
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(["inspect", model.to_str().expect("utf-8")])
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("TMPDIR", tmp.path())
+            .output()
+            .expect("run nibble");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .expect("read")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
