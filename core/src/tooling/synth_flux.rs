@@ -483,6 +483,22 @@ pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
         .map_err(|e| Error::io(path.display().to_string(), e))
 }
 
+/// A T5 (or umT5) tokenizer folder as transformers writes it: `tokenizer.json` (`tokenizer`),
+/// `tokenizer_config.json` and `special_tokens_map.json`.
+pub(crate) fn write_t5_tokenizer(dir: &Path, tokenizer: &serde_json::Value) -> Result<()> {
+    write_json(&dir.join("tokenizer.json"), tokenizer)?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({"clean_up_tokenization_spaces": true, "eos_token": "</s>", "extra_ids": 0,
+                "legacy": true, "model_max_length": 512, "pad_token": "<pad>",
+                "tokenizer_class": "T5Tokenizer", "unk_token": "<unk>"}),
+    )?;
+    write_json(
+        &dir.join("special_tokens_map.json"),
+        &json!({"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}),
+    )
+}
+
 /// Writes the whole pipeline folder into `dir`, calling `progress(component, done, total)` as
 /// the models' bytes are written.
 pub fn write_pipeline(
@@ -545,20 +561,7 @@ pub fn write_pipeline(
         &json!({"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
                 "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}),
     )?;
-    write_json(
-        &dir.join("tokenizer_2/tokenizer.json"),
-        &t5_tokenizer_json(),
-    )?;
-    write_json(
-        &dir.join("tokenizer_2/tokenizer_config.json"),
-        &json!({"clean_up_tokenization_spaces": true, "eos_token": "</s>", "extra_ids": 0,
-                "legacy": true, "model_max_length": 512, "pad_token": "<pad>",
-                "tokenizer_class": "T5Tokenizer", "unk_token": "<unk>"}),
-    )?;
-    write_json(
-        &dir.join("tokenizer_2/special_tokens_map.json"),
-        &json!({"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}),
-    )?;
+    write_t5_tokenizer(&dir.join("tokenizer_2"), &t5_tokenizer_json())?;
     for (name, model) in components(shape, seed) {
         model.write(&dir.join(name), |done, total| progress(name, done, total))?;
     }

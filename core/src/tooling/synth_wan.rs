@@ -15,7 +15,7 @@ use std::path::Path;
 use serde_json::json;
 
 use super::synth::{quantization_config, Kind, SynthModel};
-use super::synth_flux::{linear, norm, t5, t5_tokenizer_json, write_json};
+use super::synth_flux::{linear, norm, t5, t5_tokenizer_json, write_json, write_t5_tokenizer};
 use crate::error::Result;
 
 /// The shapes of a synthetic Wan folder.
@@ -369,20 +369,7 @@ pub fn write_pipeline(
             "use_exponential_sigmas": false, "use_flow_sigmas": true, "use_karras_sigmas": false,
         }),
     )?;
-    write_json(
-        &dir.join("tokenizer/tokenizer.json"),
-        &tokenizer(s.text_vocab),
-    )?;
-    write_json(
-        &dir.join("tokenizer/tokenizer_config.json"),
-        &json!({"clean_up_tokenization_spaces": true, "eos_token": "</s>", "extra_ids": 0,
-                "legacy": true, "model_max_length": 512, "pad_token": "<pad>",
-                "tokenizer_class": "T5Tokenizer", "unk_token": "<unk>"}),
-    )?;
-    write_json(
-        &dir.join("tokenizer/special_tokens_map.json"),
-        &json!({"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}),
-    )?;
+    write_t5_tokenizer(&dir.join("tokenizer"), &tokenizer(s.text_vocab))?;
     for (name, model) in components(s, seed) {
         model.write(&dir.join(name), |done, total| progress(name, done, total))?;
     }

@@ -39,6 +39,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use super::engine::{Client, Engine, Event, Job, Shared};
 use super::metrics::Metrics;
+use super::reply::{bad, error, error_with, ok_json};
 use super::request::{
     ChatRequest, Common, CompletionRequest, Content, EmbeddingRequest, OneOrMany, Prompt,
 };
@@ -72,37 +73,6 @@ struct App {
     api_key: Option<String>,
     max_body: usize,
     next_id: std::sync::atomic::AtomicU64,
-}
-
-/// An OpenAI error response (`code`: OpenAI's, where it names one: `invalid_api_key`,
-/// `model_not_found`).
-fn error_with(
-    status: StatusCode,
-    kind: &str,
-    code: Option<&str>,
-    msg: impl Into<String>,
-) -> Response {
-    let body = json!({"error": {"message": msg.into(), "type": kind, "param": null, "code": code}});
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
-}
-
-/// A 200 JSON response.
-fn ok_json(v: Value) -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
-}
-
-/// An OpenAI error response without a code.
-fn error(status: StatusCode, kind: &str, msg: impl Into<String>) -> Response {
-    error_with(status, kind, None, msg)
-}
-
-fn bad(msg: impl Into<String>) -> Response {
-    error(StatusCode::BAD_REQUEST, "invalid_request_error", msg)
 }
 
 /// Serves `model` until interrupted.

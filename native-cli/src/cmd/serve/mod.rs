@@ -14,6 +14,7 @@ mod conn;
 mod engine;
 mod files;
 mod metrics;
+mod reply;
 mod request;
 
 use std::net::SocketAddr;
