@@ -677,6 +677,8 @@ impl Pipeline for WanPipeline {
         let t0 = web_time::Instant::now();
         let z = self.vae_config.decoder_input(&latents);
         tensors.insert("vae_input".into(), (vec![1, zc, f, h, w], z.clone()));
+        // A kept video's 8-bit frames are the ones handed out as they were decoded.
+        let mut rgb = Vec::new();
         let (video, backend, bytes) = self
             .decode_latents(
                 &z,
@@ -686,21 +688,21 @@ impl Pipeline for WanPipeline {
                 opts,
                 drive,
                 p.keep_video,
-                &mut on,
+                &mut |e| {
+                    if let (true, Event::Frames { rgb: f, .. }) = (p.keep_video, &e) {
+                        rgb.extend_from_slice(f);
+                    }
+                    on(e)
+                },
             )
             .await?;
         done(&mut on, "VAE", t0, bytes);
         let s = self.vae_config.spatial_scale();
         let (frames, oh, ow) = (self.vae_config.frames(f), h * s, w * s);
         let oc = self.vae_config.out_channels;
-        let rgb = match video {
-            Some(video) => {
-                let rgb = vae::frames_u8(&video, (oc, frames, oh, ow))?;
-                tensors.insert("video_f32".into(), (vec![1, oc, frames, oh, ow], video));
-                rgb
-            }
-            None => Vec::new(),
-        };
+        if let Some(video) = video {
+            tensors.insert("video_f32".into(), (vec![1, oc, frames, oh, ow], video));
+        }
         Ok((
             WanOutput {
                 frames,
