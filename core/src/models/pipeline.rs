@@ -64,6 +64,18 @@ pub enum Event<'a> {
     },
 }
 
+/// Whether `graph` on `model` can be planned within `opts`' device budget (and the backend's
+/// limits): what a VAE's `auto` tiling asks of the whole image's or frame's decoder.
+pub(crate) fn fits_device<B: Backend>(
+    graph: &Graph,
+    model: &ModelIndex,
+    backend: &mut B,
+    opts: ExecOptions,
+) -> bool {
+    crate::plan::plan_graph(graph, model, backend, opts.budgets, opts.stream_all)
+        .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes)
+}
+
 /// Whether a pipeline's VAE decodes in spatial tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum VaeTiling {

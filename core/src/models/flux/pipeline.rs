@@ -190,9 +190,7 @@ impl FluxPipeline {
             VaeTiling::On => larger.then_some(tiling),
             VaeTiling::Auto => {
                 let (g, _) = vae::build(&self.vae, p.grid.0, p.grid.1)?;
-                let fits =
-                    crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
-                        .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
+                let fits = crate::models::pipeline::fits_device(&g, &self.vae, backend, opts);
                 (larger && !fits).then_some(tiling)
             }
         })

@@ -369,9 +369,7 @@ impl WanPipeline {
             VaeTiling::On => larger.then_some(tile),
             VaeTiling::Auto => {
                 let g = self.vae_graph(dims, None)?;
-                let fits =
-                    crate::plan::plan_graph(&g, &self.vae, backend, opts.budgets, opts.stream_all)
-                        .is_ok_and(|plan| plan.peak_device_bytes <= opts.budgets.device_bytes);
+                let fits = crate::models::pipeline::fits_device(&g, &self.vae, backend, opts);
                 (larger && !fits).then_some(tile)
             }
         })
