@@ -367,3 +367,42 @@ fn slow_and_idle_clients_cannot_stop_the_service() {
     assert!(t0.elapsed().as_secs() < 20, "took {:?}", t0.elapsed());
     drop(idle);
 }
+
+/// #32 fault 9: clients that stop reading hold their connection (and its open file) until the
+/// idle timeout; with every slot taken, a stalled one makes room for a waiting client, so a
+/// normal request is answered at once, with the default timeouts and under `ulimit -n 64`.
+#[test]
+fn stalled_readers_make_room_for_new_clients() {
+    let (root, _outside) = fixture();
+    std::fs::write(root.path().join("big.bin"), vec![7u8; 32 << 20]).expect("w");
+    let bin = env!("CARGO_BIN_EXE_nibble");
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        &format!(
+            "ulimit -n 64 && exec '{bin}' serve '{}' --addr 127.0.0.1:0",
+            root.path().display()
+        ),
+    ]);
+    let srv = Server::start(cmd);
+    let readers: Vec<TcpStream> = (0..80)
+        .filter_map(|_| {
+            let mut s = TcpStream::connect(&srv.addr).ok()?;
+            s.write_all(b"GET /big.bin HTTP/1.1\r\nHost: x\r\n\r\n")
+                .ok()?;
+            Some(s)
+        })
+        .collect();
+    assert!(readers.len() >= 60, "only {} sockets opened", readers.len());
+    // Long enough for every served reader's socket buffers to fill and the connection to stall.
+    std::thread::sleep(std::time::Duration::from_secs(6));
+    let t0 = std::time::Instant::now();
+    let (status, body) = raw(&srv.addr, "/sub/inner.txt");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(5),
+        "answered after {:?}",
+        t0.elapsed()
+    );
+    drop(readers);
+}

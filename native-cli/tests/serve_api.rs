@@ -10,7 +10,7 @@
 //! - embeddings (float and base64) equal `nibble run`'s;
 //! - the `openai` Python package as the client (scripts/test.sh installs it).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -49,84 +49,6 @@ impl Server {
             .args(extra)
             .stderr(Stdio::null());
         Server(Served::start(cmd))
-    }
-
-    /// (status, headers, body) of one request.
-    fn request(
-        &self,
-        method: &str,
-        path: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> (u16, String, Vec<u8>) {
-        let mut s = TcpStream::connect(&self.addr).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(300)))
-            .expect("timeout");
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n",
-            self.addr,
-            body.len()
-        );
-        for (k, v) in headers {
-            req.push_str(&format!("{k}: {v}\r\n"));
-        }
-        req.push_str("\r\n");
-        s.write_all(req.as_bytes()).expect("write");
-        // A server that refuses a body (413) may answer and close before it is all sent.
-        let _ = s.write_all(body);
-        let mut raw = Vec::new();
-        if let Err(e) = s.read_to_end(&mut raw) {
-            assert!(!raw.is_empty(), "read: {e}");
-        }
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a response head");
-        let head = String::from_utf8_lossy(&raw[..split]).to_string();
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("status");
-        (status, head, raw[split + 4..].to_vec())
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, _, b) = self.request(
-            "POST",
-            path,
-            &[("Content-Type", "application/json")],
-            body.to_string().as_bytes(),
-        );
-        (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
-    }
-
-    /// The `data:` events of a streamed response (the chunked framing's size lines skipped).
-    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let (status, _, b) = self.request(
-            "POST",
-            path,
-            &[("Content-Type", "application/json")],
-            body.to_string().as_bytes(),
-        );
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
-        String::from_utf8_lossy(&b)
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let (_, _, b) = self.request("GET", "/metrics", &[], b"");
-        String::from_utf8_lossy(&b)
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(&format!("nibble_{name} "))
-                    .map(str::to_string)
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no metric {name}"))
     }
 }
 

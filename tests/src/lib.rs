@@ -6,6 +6,7 @@ pub mod build;
 pub mod gguf;
 pub mod http_server;
 pub mod process;
+pub mod text;
 pub mod video;
 
 use std::path::{Path, PathBuf};

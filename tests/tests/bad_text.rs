@@ -1,9 +1,13 @@
 //! Chat templates are code from the model folder (fault class 16): they run on a budget of
 //! instructions and of output, so that a template that loops without end or prints without
 //! end is an error in bounded time and memory, while real templates render as before.
+//! Generated text comes out whole (#32 faults 1-2): the detokenizer that `nibble run`, the API
+//! server and the browser share releases only complete characters, and what it releases adds up
+//! to the decode of every token, with SentencePiece's byte-fallback tokens too.
 
-use nibble_core::models::text::{Message, TextTokenizer};
+use nibble_core::models::text::{Message, TextStream, TextTokenizer};
 use nibble_tests::fixture;
+use nibble_tests::text::{byte_fallback_tokenizer, byte_id, byte_ids, WORD_A};
 
 fn tokenizer(template: &str) -> TextTokenizer {
     let json = std::fs::read(fixture("minilm-nf4/model/tokenizer.json")).expect("tokenizer.json");
@@ -56,4 +60,73 @@ fn real_templates_render_within_the_budget() {
     let out = r.expect("a 1 MB message renders");
     assert!(out.starts_with("<|im_start|>user\nword word"));
     assert!(out.ends_with("<|im_end|>\n<|im_start|>assistant\n"));
+}
+
+fn byte_fallback() -> TextTokenizer {
+    let json = byte_fallback_tokenizer(300).to_string();
+    TextTokenizer::from_parts(json.as_bytes(), None, None).expect("tokenizer")
+}
+
+/// Streams `ids`; returns the pieces, checked to add up to the decode of all of them.
+fn stream(tok: &TextTokenizer, ids: &[u32]) -> Vec<String> {
+    let mut s = TextStream::default();
+    let mut pieces: Vec<String> = ids
+        .iter()
+        .map(|&id| s.push(tok, id).expect("push"))
+        .collect();
+    pieces.push(s.finish(tok).expect("finish"));
+    assert_eq!(
+        pieces.concat(),
+        tok.decode(ids, true).expect("decode"),
+        "{ids:?}"
+    );
+    pieces
+}
+
+#[test]
+fn byte_fallback_characters_come_out_whole_and_equal_the_decode() {
+    let tok = byte_fallback();
+    let (a, b) = (WORD_A, WORD_A + 1);
+    // A 4-byte character as byte tokens, then a 3-byte one, then words.
+    let mut ids = byte_ids("\u{1f600}");
+    ids.extend(byte_ids("\u{20ac}"));
+    ids.extend([a, b, a]);
+    let pieces = stream(&tok, &ids);
+    assert!(pieces.iter().all(|p| !p.contains('\u{fffd}')), "{pieces:?}");
+    assert_eq!(pieces.concat(), "\u{1f600}\u{20ac} ab a");
+    // The euro sign alone: sent whole when the stream ends.
+    assert_eq!(stream(&tok, &byte_ids("\u{20ac}")).concat(), "\u{20ac}");
+    // Word, character, word: the leading-space rule applies to the first token only.
+    let mut ids = vec![a];
+    ids.extend(byte_ids("\u{20ac}"));
+    ids.extend([a, b]);
+    assert_eq!(stream(&tok, &ids).concat(), "a\u{20ac} ab");
+    // A byte run that turns out invalid is U+FFFD per byte, as the decoder makes it, and
+    // nothing valid-looking was sent before it.
+    let mut ids = byte_ids("\u{20ac}");
+    ids.extend([byte_id(0xE2), a]);
+    assert_eq!(stream(&tok, &ids).concat(), "\u{fffd}".repeat(4) + " a");
+    // Ending inside a character.
+    let ids = [a, byte_id(0xE2), byte_id(0x82)];
+    assert_eq!(stream(&tok, &ids).concat(), "a\u{fffd}\u{fffd}");
+    // Every sequence of these tokens up to length 4 adds up to its decode.
+    let alphabet = [
+        a,
+        b,
+        WORD_A + 2,
+        byte_id(0xE2),
+        byte_id(0x82),
+        byte_id(0xAC),
+        byte_id(b'x'),
+    ];
+    let mut seqs: Vec<Vec<u32>> = vec![vec![]];
+    for _ in 0..4 {
+        seqs = seqs
+            .iter()
+            .flat_map(|s| alphabet.iter().map(move |&t| [s.clone(), vec![t]].concat()))
+            .collect();
+        for s in &seqs {
+            stream(&tok, s);
+        }
+    }
 }

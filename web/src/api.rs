@@ -370,8 +370,9 @@ impl Nibble {
     /// { maxTokens: 16, stopAtEos: true, chat, temperature: 0, topK: 0, topP: 1, seed: 0 }`
     /// (greedy by default; a sampling and seed give the tokens `nibble run` gives with them)
     /// plus any memory setting; `on_token(id, index, text)` is called as each token is chosen (`text`: the newly complete text, when the model
-    /// has a tokenizer). Resolves to `{ tokens, plan, prefill_tok_s, decode_tok_s, passes,
-    /// weight_bytes, predicted_weight_bytes }`.
+    /// has a tokenizer). Resolves to `{ tokens, text_tail, plan, prefill_tok_s, decode_tok_s,
+    /// passes, weight_bytes, predicted_weight_bytes }` (`text_tail`: text held back to the end, a
+    /// character the last tokens left incomplete, to append to the pieces).
     pub fn generate(
         &self,
         prompt: JsValue,
@@ -460,6 +461,11 @@ impl Nibble {
                 Ok::<_, JsValue>(())
             };
             let r = run.await;
+            // The text held back at the end (a character the last tokens left incomplete).
+            let tail = match &text {
+                Some(t) => JsValue::from(stream.finish(t).unwrap_or_default()),
+                None => JsValue::UNDEFINED,
+            };
             let tokens = gen.tokens().to_vec();
             let passes = tokens.len() as u64;
             let (backend, _ring) = gen.into_decoder().into_parts();
@@ -468,6 +474,7 @@ impl Nibble {
             let decoded = tokens.len().saturating_sub(1);
             let v = json!({
                 "tokens": tokens,
+                "text_tail": tail.as_string(),
                 "plan": plan.to_json(),
                 "prefill_tok_s": prompt.len() as f64 / prefill_s.max(1e-9),
                 "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },

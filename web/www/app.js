@@ -132,6 +132,7 @@ export async function runLlm(promptIds, opts = {}) {
   };
   try {
     const r = await nb.generate(Uint32Array.from(promptIds), { ...opts, maxTokens }, onToken);
+    if (typeof r.text_tail === "string" && r.text_tail) $("output").textContent = text + r.text_tail;
     $("runStatus").textContent =
       `${r.tokens.length} tokens; prompt ${r.prefill_tok_s.toFixed(1)} tok/s, decode ${r.decode_tok_s.toFixed(2)} tok/s; ` +
       `streamed ${fmt(r.weight_bytes)} (plan: ${fmt(r.predicted_weight_bytes)})`;

@@ -165,6 +165,16 @@ impl TextTokenizer {
             .map_err(|e| err("tokenizer", e))
     }
 
+    /// Whether `id` is a byte-fallback token (`<0xNN>`, SentencePiece's spelling of one byte).
+    pub fn is_byte_token(&self, id: u32) -> bool {
+        self.tok.id_to_token(id).is_some_and(|t| {
+            t.len() == 6
+                && t.starts_with("<0x")
+                && t.ends_with('>')
+                && u8::from_str_radix(&t[3..5], 16).is_ok()
+        })
+    }
+
     /// The id of a token's text, if it is in the vocabulary.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.tok.token_to_id(token)
@@ -269,24 +279,59 @@ impl std::io::Write for Limited {
     }
 }
 
-/// Prints text as tokens arrive: decodes everything generated so far and returns what is new,
-/// holding back an incomplete UTF-8 sequence (a byte-level token can end mid-character).
+/// Turns generated tokens into text as they arrive, the one detokenizer of `nibble run`, the
+/// API server and the browser. Each call returns only text that is final: a character still
+/// incomplete (a byte-level BPE token, or SentencePiece's `<0xNN>` byte-fallback tokens, which
+/// decode to one U+FFFD per byte until the character is whole) is held back until a later token
+/// completes it or [`TextStream::finish`] ends the stream. A run of `<0xNN>` tokens is held
+/// until a token of another kind closes it, because the ByteFallback decoder turns the whole run
+/// into U+FFFD when any byte of it is invalid: a character sent early could be wrong later. So
+/// the text released, put together, equals the decode of every token. Like text-generation-inference, it
+/// decodes a short window (from the token before the last text it released), so a step costs the
+/// same at token 5 and at token 5,000 and SentencePiece's leading-space rule sees the same first
+/// token in both decodes.
 #[derive(Debug, Default)]
 pub struct TextStream {
     ids: Vec<u32>,
-    printed: usize,
+    /// Where the window decoded for each token starts.
+    prefix: usize,
+    /// Tokens whose text has been released.
+    read: usize,
 }
 
 impl TextStream {
-    /// Adds a token; returns the newly complete text.
+    /// Adds a token; returns the text it completes (often empty).
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = tok.decode(&self.ids, true)?;
-        if text.ends_with('\u{fffd}') || text.len() < self.printed {
+        self.release(tok, false)
+    }
+
+    /// Ends the stream: returns whatever was held back (an incomplete character decodes to
+    /// U+FFFD, as the whole token list would).
+    pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String> {
+        self.release(tok, true)
+    }
+
+    fn release(&mut self, tok: &TextTokenizer, last: bool) -> Result<String> {
+        if self.read == self.ids.len() {
             return Ok(String::new());
         }
-        let new = text.get(self.printed..).unwrap_or("").to_string();
-        self.printed = text.len();
+        let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tok.decode(&self.ids[self.prefix..], true)?;
+        let open_bytes = self.ids.last().is_some_and(|&id| tok.is_byte_token(id));
+        if !last && (now.len() <= before.len() || now.ends_with('\u{fffd}') || open_bytes) {
+            return Ok(String::new());
+        }
+        // `now` extends `before`, except where a later token changed how earlier ones decode (a
+        // byte group that turned out invalid): what was sent stays, and the text goes on from
+        // the same length, at a character boundary.
+        let mut from = before.len();
+        while from < now.len() && !now.is_char_boundary(from) {
+            from += 1;
+        }
+        let new = now.get(from..).unwrap_or("").to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
         Ok(new)
     }
 }

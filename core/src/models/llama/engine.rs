@@ -22,7 +22,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::exec::ExecStats;
 use crate::models::llama::{BatchDecoder, Sampler, Sampling};
-use crate::models::text::TextTokenizer;
+use crate::models::text::{TextStream, TextTokenizer};
 
 /// Where a job's events go (a server's channel to its client).
 pub trait EventSink: Send {
@@ -160,6 +160,12 @@ impl Shared {
     fn ended(&self) {
         self.load.fetch_sub(1, Relaxed);
     }
+
+    /// Gives back a place taken by [`Shared::admit`] for work the engine never sees (the API
+    /// server's embeddings go through the same admission).
+    pub fn release(&self) {
+        self.ended();
+    }
 }
 
 /// A job in a slot.
@@ -172,7 +178,10 @@ struct Seq {
     /// The last sampled token, to be fed by the next decode pass.
     next: Option<u32>,
     sampler: Sampler,
-    /// Bytes of the completion's text sent so far.
+    /// The completion's text so far, as the detokenizer released it (whole characters only).
+    text: String,
+    detok: TextStream,
+    /// Bytes of `text` sent so far.
     sent: usize,
 }
 
@@ -290,6 +299,8 @@ impl<B: Backend> Engine<B> {
                 fed: 0,
                 tokens: Vec::new(),
                 next: None,
+                text: String::new(),
+                detok: TextStream::default(),
                 sent: 0,
             });
         }
@@ -451,17 +462,30 @@ impl<B: Backend> Engine<B> {
         }
         let generated = seq.tokens.len() + usize::from(eos);
         let last = eos || generated >= seq.job.max_tokens;
-        let text = match self.tok.decode(&seq.tokens, true) {
-            Ok(t) => t,
-            Err(e) => return self.fail(slot, e.to_string()),
+        let piece = if eos {
+            Ok(String::new())
+        } else {
+            seq.detok.push(&self.tok, id)
         };
+        let tail = if last {
+            seq.detok.finish(&self.tok)
+        } else {
+            Ok(String::new())
+        };
+        match (piece, tail) {
+            (Ok(p), Ok(t)) => {
+                seq.text.push_str(&p);
+                seq.text.push_str(&t);
+            }
+            (Err(e), _) | (_, Err(e)) => return self.fail(slot, e.to_string()),
+        }
         // The last piece includes what was held back for a stop string that did not come.
-        let (upto, stopped) = sendable(&text, seq.sent, &seq.job.stop, last);
+        let (upto, stopped) = sendable(&seq.text, seq.sent, &seq.job.stop, last);
         if upto > seq.sent {
             let _ = seq
                 .job
                 .events
-                .send(Event::Text(text[seq.sent..upto].to_string()));
+                .send(Event::Text(seq.text[seq.sent..upto].to_string()));
             seq.sent = upto;
         }
         let finish = if stopped || eos {
@@ -494,8 +518,8 @@ impl<B: Backend> Engine<B> {
 
 /// How far `text` may be sent (a byte offset at a character boundary, at least `sent`), and
 /// whether a stop string ended it: up to the first stop string at or after what was sent, else
-/// all but an incomplete UTF-8 character at the end and a tail that may begin a stop string
-/// (all of it when `last`).
+/// all but a tail that may begin a stop string (all of it when `last`). `text` holds whole
+/// characters only ([`TextStream`] holds back the rest).
 fn sendable(text: &str, sent: usize, stop: &[String], last: bool) -> (usize, bool) {
     let sent = sent.min(text.len());
     let longest = stop.iter().map(String::len).max().unwrap_or(0);
@@ -512,9 +536,6 @@ fn sendable(text: &str, sent: usize, stop: &[String], last: bool) -> (usize, boo
         return (at.max(sent), true);
     }
     let mut end = text.len();
-    if text.ends_with('\u{fffd}') && !last {
-        end -= '\u{fffd}'.len_utf8();
-    }
     if !last {
         // The longest tail of text[..end] that is a proper prefix of a stop string.
         let hold = stop
@@ -547,8 +568,11 @@ mod tests {
         assert_eq!(sendable("Hello EN", 0, &stop, false), (6, false));
         assert_eq!(sendable("Hello EN", 0, &stop, true), (8, false));
         assert_eq!(sendable("a END b", 0, &stop, false), (2, true));
-        // An incomplete UTF-8 character is not sent until it is complete.
-        assert_eq!(sendable("ab\u{fffd}", 0, &[], false), (2, false));
         assert_eq!(sendable("ab", 0, &[], false), (2, false));
+        // A stop string that begins inside a multi-byte character's text.
+        assert_eq!(
+            sendable("x\u{20ac}y", 1, &["\u{20ac}".into()], false),
+            (1, true)
+        );
     }
 }

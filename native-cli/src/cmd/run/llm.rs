@@ -134,6 +134,11 @@ pub(super) fn run<B: Backend>(
             let _ = out.flush();
         }
     }
+    if let (false, Some(tok)) = (o.json, &tokenizer) {
+        // A character the last tokens left incomplete.
+        let _ = out.write_all(stream.finish(tok)?.as_bytes());
+        let _ = out.flush();
+    }
     let generated = gen.tokens().to_vec();
     let prefill_tok_s = prompt_ids.len() as f64 / prefill_s.max(1e-9);
     let decode_tok_s = decode_steps as f64 / decode_s.max(1e-9);

@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -37,43 +37,13 @@ use nibble_core::models::ModelKind;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
+use super::app::{check_model, one_prompt, read, App, EmbedJob, Work};
 use super::engine::{Client, Engine, Event, Job, Shared};
 use super::metrics::Metrics;
-use super::reply::{bad, error, error_with, ok_json};
-use super::request::{
-    ChatRequest, Common, CompletionRequest, Content, EmbeddingRequest, OneOrMany, Prompt,
-};
+use super::reply::{bad, error, error_with, ok_json, unavailable};
+use super::request::{ChatRequest, Common, CompletionRequest, Content, OneOrMany};
 use super::ServeArgs;
 use crate::cmd::run::exec_options;
-
-/// What the handlers hand the model thread.
-enum Work {
-    Generate(std::sync::mpsc::Sender<Job>),
-    Embed(std::sync::mpsc::Sender<EmbedJob>),
-}
-
-/// Inputs to embed, and where their vectors go.
-struct EmbedJob {
-    inputs: Vec<Vec<u32>>,
-    reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, String>>,
-}
-
-/// The server's state.
-struct App {
-    model_id: String,
-    work: Work,
-    tok: Arc<TextTokenizer>,
-    /// Tokens a sequence may hold (decoder), or the longest input (encoder).
-    context: usize,
-    /// Token ids the model embeds.
-    vocab: usize,
-    shared: Arc<Shared>,
-    metrics: Metrics,
-    plan: Value,
-    api_key: Option<String>,
-    max_body: usize,
-    next_id: std::sync::atomic::AtomicU64,
-}
 
 /// Serves `model` until interrupted.
 pub(super) fn run(a: &ServeArgs, model: &str, addr: SocketAddr) -> Result<()> {
@@ -165,7 +135,7 @@ impl crate::backends::WithBackend for Serve<'_> {
                 let app = self.app(
                     Work::Generate(jobs),
                     tok.clone(),
-                    (context, cfg.vocab),
+                    (context, cfg.vocab, 0),
                     &shared,
                     plan,
                 );
@@ -201,36 +171,12 @@ impl crate::backends::WithBackend for Serve<'_> {
                 let app = self.app(
                     Work::Embed(jobs),
                     Arc::new(tok),
-                    (context, cfg.vocab),
+                    (context, cfg.vocab, cfg.hidden),
                     &shared,
                     plan,
                 );
                 let server = spawn_server(self.a, self.addr, app)?;
-                while let Ok(job) = rx.recv() {
-                    let mut out = Vec::with_capacity(job.inputs.len());
-                    let mut failed = None;
-                    for ids in &job.inputs {
-                        let t0 = Instant::now();
-                        match enc.embed(ids, &pooling) {
-                            Ok((v, stats)) => {
-                                shared.counters.pass(
-                                    t0.elapsed().as_secs_f64(),
-                                    stats.source_bytes,
-                                    stats.host_bytes,
-                                );
-                                out.push(v);
-                            }
-                            Err(e) => {
-                                failed = Some(e.to_string());
-                                break;
-                            }
-                        }
-                    }
-                    let _ = job.reply.send(match failed {
-                        Some(e) => Err(e),
-                        None => Ok(out),
-                    });
-                }
+                super::embed::serve_jobs(&mut enc, &pooling, &rx, &shared);
                 join(server)
             }
             ModelKind::Dit => bail!("a DiT has no OpenAI API here"),
@@ -243,7 +189,7 @@ impl Serve<'_> {
         &self,
         work: Work,
         tok: Arc<TextTokenizer>,
-        (context, vocab): (usize, usize),
+        (context, vocab, dims): (usize, usize, usize),
         shared: &Arc<Shared>,
         plan: Value,
     ) -> App {
@@ -253,11 +199,13 @@ impl Serve<'_> {
             tok,
             context,
             vocab,
+            dims,
             shared: shared.clone(),
             metrics: Metrics::default(),
             plan,
             api_key: self.a.api.api_key.clone(),
             max_body: self.a.api.max_body.min(usize::MAX as u64) as usize,
+            body_timeout: std::time::Duration::from_secs(self.a.body_timeout),
             next_id: Default::default(),
         }
     }
@@ -301,7 +249,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/v1/plan", get(plan))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/embeddings", post(super::embed::embeddings))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
@@ -382,69 +330,6 @@ fn model_object(app: &App) -> Value {
 
 async fn plan(State(app): State<Arc<App>>) -> Response {
     ok_json(app.plan.clone()).into_response()
-}
-
-/// The body, at most `--max-body` bytes (else 413).
-async fn body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, Response> {
-    let too_large = || {
-        error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("the request body is over {} bytes", app.max_body),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > app.max_body as u64) {
-        return Err(too_large());
-    }
-    axum::body::to_bytes(body, app.max_body).await.map_err(|e| {
-        let length = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if length {
-            too_large()
-        } else {
-            bad(format!("reading the request body: {e}"))
-        }
-    })
-}
-
-/// The body (at most `--max-body` bytes) as `T`, or the error response.
-async fn read<T: serde::de::DeserializeOwned>(
-    app: &App,
-    headers: &HeaderMap,
-    b: Body,
-) -> Result<T, Response> {
-    parse(&body(app, headers, b).await?)
-}
-
-/// The request as `T`, or a 400 naming what is wrong (path and reason).
-fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Response> {
-    let mut de = serde_json::Deserializer::from_slice(b);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        bad(format!(
-            "the request body is not valid: {} at '{}'",
-            e.inner(),
-            e.path()
-        ))
-    })
-}
-
-fn check_model(app: &App, model: &Option<String>) -> Result<(), Response> {
-    match model {
-        Some(m) if *m != app.model_id => Err(error_with(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            Some("model_not_found"),
-            format!(
-                "the model '{m}' does not exist: this server serves '{}'",
-                app.model_id
-            ),
-        )),
-        _ => Ok(()),
-    }
 }
 
 fn generator(app: &App) -> Result<&std::sync::mpsc::Sender<Job>, Response> {
@@ -552,23 +437,13 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Respo
     if r.messages.is_empty() {
         return bad("messages: at least one message");
     }
-    let msgs: Vec<Message> = r
-        .messages
-        .iter()
-        .map(|m| {
-            let text = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(p)) => p
-                    .iter()
-                    .filter(|p| p.kind == "text")
-                    .filter_map(|p| p.text.clone())
-                    .collect::<Vec<_>>()
-                    .join(""),
-            };
-            Message::new(&m.role, &text)
-        })
-        .collect();
+    let mut msgs = Vec::with_capacity(r.messages.len());
+    for (i, m) in r.messages.iter().enumerate() {
+        match message_text(m) {
+            Ok(text) => msgs.push(Message::new(&m.role, &text)),
+            Err(e) => return bad(format!("messages[{i}].{e}")),
+        }
+    }
     let prompt = match app
         .tok
         .apply_chat_template(&msgs, true)
@@ -580,6 +455,32 @@ async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Respo
     match ask(&app, r.common, prompt) {
         Ok(a) => generate(app, a, Shape::Chat).await,
         Err(r) => r,
+    }
+}
+
+/// A message's text: its string, or its parts, which must all be text (a model that reads text
+/// only cannot answer about an image it was never shown).
+fn message_text(m: &super::request::ChatMessage) -> Result<String, String> {
+    match &m.content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(format!("content[{j}]: a text part without text"))
+                    }
+                    (k, _) => {
+                        return Err(format!(
+                        "content[{j}]: '{k}' parts are not supported: this model reads text only"
+                    ))
+                    }
+                }
+            }
+            Ok(text)
+        }
     }
 }
 
@@ -601,39 +502,13 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -
     }
 }
 
-/// The token ids of a prompt that is one text or one list of ids.
-fn one_prompt(app: &App, p: Prompt, special: bool) -> Result<Vec<u32>, Response> {
-    let mut all = prompts(app, p, special)?;
-    if all.len() != 1 {
-        return Err(bad("prompt: one prompt per request"));
-    }
-    Ok(all.remove(0))
-}
-
-fn prompts(app: &App, p: Prompt, special: bool) -> Result<Vec<Vec<u32>>, Response> {
-    let enc = |t: &str| app.tok.encode(t, special).map_err(|e| bad(e.to_string()));
-    Ok(match p {
-        Prompt::Text(t) => vec![enc(&t)?],
-        Prompt::Ids(ids) => vec![ids],
-        Prompt::Texts(ts) => ts.iter().map(|t| enc(t)).collect::<Result<_, _>>()?,
-        Prompt::IdLists(l) => l,
-    })
-}
-
 /// Submits the generation and answers with the whole completion or a stream of events.
 async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
     let Ok(jobs) = generator(&app) else {
         return bad("not a decoder");
     };
     if !app.shared.admit() {
-        let mut r = error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "every sequence slot and queue place is taken: retry later",
-        );
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return r;
+        return unavailable();
     }
     let (tx, mut rx) = unbounded_channel();
     let prompt_tokens = a.prompt.len();
@@ -796,88 +671,4 @@ async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
 fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion,
         "total_tokens": prompt + completion})
-}
-
-async fn embeddings(State(app): State<Arc<App>>, headers: HeaderMap, b: Body) -> Response {
-    let r: EmbeddingRequest = match read(&app, &headers, b).await {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    if let Err(r) = check_model(&app, &r.model) {
-        return r;
-    }
-    let Work::Embed(jobs) = &app.work else {
-        return bad(format!(
-            "'{}' is a decoder: /v1/embeddings needs an encoder model",
-            app.model_id
-        ));
-    };
-    let base64 = match r.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(f) => return bad(format!("encoding_format '{f}': float or base64")),
-    };
-    let inputs = match prompts(&app, r.input, true) {
-        Ok(i) => i,
-        Err(r) => return r,
-    };
-    if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
-        return bad("input: every input needs at least one token");
-    }
-    let vocab = app.vocab;
-    for ids in &inputs {
-        if ids.len() > app.context {
-            return bad(format!(
-                "an input of {} tokens: this model takes at most {}",
-                ids.len(),
-                app.context
-            ));
-        }
-        if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
-        }
-    }
-    let tokens: usize = inputs.iter().map(Vec::len).sum();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    if jobs.send(EmbedJob { inputs, reply: tx }).is_err() {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "the model thread has stopped",
-        );
-    }
-    let vectors = match rx.await {
-        Ok(Ok(v)) => v,
-        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e),
-        Err(_) => {
-            return error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "no answer from the model thread",
-            )
-        }
-    };
-    app.shared
-        .counters
-        .prompt_tokens
-        .fetch_add(tokens as u64, std::sync::atomic::Ordering::Relaxed);
-    let data: Vec<Value> = vectors
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let e = if base64 {
-                use base64::Engine as _;
-                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-            } else {
-                json!(v)
-            };
-            json!({"object": "embedding", "index": i, "embedding": e})
-        })
-        .collect();
-    ok_json(
-        json!({"object": "list", "data": data, "model": app.model_id,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
-    )
-    .into_response()
 }

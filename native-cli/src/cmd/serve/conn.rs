@@ -1,7 +1,9 @@
 //! Connections of `nibble serve`, served by hyper directly: a client gets `--header-timeout`
-//! seconds to send a request's headers, a connection with no byte read or written for
-//! `--idle-timeout` seconds is closed, and at most `--max-connections` (capped by the open-file
-//! limit) are served at once; further ones wait in the listen queue.
+//! seconds to send a request's headers (and the API server `--body-timeout` seconds to send its
+//! body), a connection with no byte read or written for `--idle-timeout` seconds is closed
+//! (while its request is still being sent too), and at most `--max-connections` (capped by the
+//! open-file limit) are served at once; further ones wait in the listen queue, and when one is
+//! waiting the connection that has moved no byte for longest (2 s or more) is closed for it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -65,21 +67,24 @@ struct Idle<S> {
     idle: Duration,
     timer: Pin<Box<tokio::time::Sleep>>,
     busy: Option<Arc<AtomicUsize>>,
+    tracked: Arc<Tracked>,
 }
 
 impl<S> Idle<S> {
-    fn new(inner: S, idle: Duration, busy: Option<Arc<AtomicUsize>>) -> Self {
+    fn new(inner: S, idle: Duration, tracked: Arc<Tracked>) -> Self {
         Idle {
             inner,
             idle,
             timer: Box::pin(tokio::time::sleep(idle)),
-            busy,
+            busy: tracked.busy.clone(),
+            tracked,
         }
     }
 
     fn progress(&mut self) {
         let at = tokio::time::Instant::now() + self.idle;
         self.timer.as_mut().reset(at);
+        self.tracked.moved();
     }
 
     /// After the inner stream said `Pending`: an error if the connection has been idle too long.
@@ -166,9 +171,127 @@ impl Drop for Busy {
     }
 }
 
+/// Where a request's [`Busy`] mark is held: set once its body has been read whole, kept by the
+/// response's body until that is done.
+type Mark = Arc<std::sync::Mutex<Option<Busy>>>;
+
+/// A request body that marks its connection busy once it has been read to the end: until then
+/// the client is sending, and the idle timer applies to it like to any other client.
+struct MarkWhenRead {
+    inner: hyper::body::Incoming,
+    count: Arc<AtomicUsize>,
+    mark: Mark,
+}
+
+impl MarkWhenRead {
+    fn mark_busy(&self) {
+        let mut m = self.mark.lock().unwrap_or_else(|e| e.into_inner());
+        if m.is_none() {
+            *m = Some(Busy::new(&self.count));
+        }
+    }
+}
+
+impl hyper::body::Body for MarkWhenRead {
+    type Data = hyper::body::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.mark_busy();
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Milliseconds since the first call: the connections' clock.
+fn now_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+}
+
+/// What the accept loop knows of an open connection: when it last moved a byte, whether a
+/// response is being produced on it, and how to close it.
+struct Tracked {
+    last: std::sync::atomic::AtomicU64,
+    busy: Option<Arc<AtomicUsize>>,
+    close: tokio::sync::Notify,
+}
+
+impl Tracked {
+    fn moved(&self) {
+        self.last.store(now_ms(), Ordering::Relaxed);
+    }
+
+    fn stalled_ms(&self) -> u64 {
+        now_ms().saturating_sub(self.last.load(Ordering::Relaxed))
+    }
+
+    fn is_busy(&self) -> bool {
+        self.busy
+            .as_ref()
+            .is_some_and(|b| b.load(Ordering::Relaxed) > 0)
+    }
+}
+
+/// How long a connection must have moved no byte before a new client may take its place when
+/// every connection slot is taken.
+const STALLED: Duration = Duration::from_secs(2);
+
+/// The open connections, for making room: when all `--max-connections` are taken and another
+/// client is waiting, the one stalled longest (at least [`STALLED`], and not producing a
+/// response) is closed for it. Without this, clients that stop reading or sending (a slow-read
+/// attack, or simply many stuck clients) hold every slot until the idle timeout, and nobody
+/// else is answered meanwhile.
+#[derive(Default)]
+struct Open(std::sync::Mutex<Vec<std::sync::Weak<Tracked>>>);
+
+impl Open {
+    fn add(&self, t: &Arc<Tracked>) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|w| w.strong_count() > 0);
+        v.push(Arc::downgrade(t));
+    }
+
+    /// Closes the connection stalled longest, if one has been stalled [`STALLED`] or more.
+    fn close_stalled(&self) -> bool {
+        let v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let worst = v
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter(|t| !t.is_busy() && t.stalled_ms() >= STALLED.as_millis() as u64)
+            .max_by_key(|t| t.stalled_ms());
+        match worst {
+            Some(t) => {
+                // Not chosen twice while it closes.
+                t.moved();
+                t.close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// Accepts connections while fewer than `cap` are open and serves each with hyper's HTTP/1
 /// server under the header-read and idle timeouts; with `busy_is_not_idle` a connection whose
-/// response is being produced (computed, or its body still streaming) is not idle.
+/// response is being produced (computed, or its body still streaming) is not idle. When all
+/// `cap` are open and a client waits, a stalled connection makes room ([`Open`]).
 pub(super) async fn serve_connections(
     listener: tokio::net::TcpListener,
     app: Router,
@@ -178,46 +301,99 @@ pub(super) async fn serve_connections(
     busy_is_not_idle: bool,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(cap));
-    loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
+    let open = Arc::new(Open::default());
+    let accept = || async {
+        match listener.accept().await {
+            Ok((s, _)) => Some(s),
             Err(_) => {
-                // Out of descriptors or a connection reset before accept: wait, retry.
+                // Out of descriptors (the open connections' files count too) or a connection
+                // reset before accept: make room if a connection is stalled, wait, retry.
+                open.close_stalled();
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
+                None
+            }
+        }
+    };
+    loop {
+        let (permit, stream) = match slots.clone().try_acquire_owned() {
+            Ok(permit) => match accept().await {
+                Some(s) => (permit, s),
+                None => continue,
+            },
+            Err(tokio::sync::TryAcquireError::Closed) => return,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                // Full: a slot frees, or a client arrives and a stalled connection makes room.
+                let stream = tokio::select! {
+                    p = slots.clone().acquire_owned() => {
+                        drop(p);
+                        continue;
+                    }
+                    s = accept() => match s {
+                        Some(s) => s,
+                        None => continue,
+                    },
+                };
+                let permit = loop {
+                    open.close_stalled();
+                    let wait = slots.clone().acquire_owned();
+                    match tokio::time::timeout(Duration::from_millis(250), wait).await {
+                        Ok(Ok(p)) => break p,
+                        Ok(Err(_)) => return,
+                        Err(_) => continue,
+                    }
+                };
+                (permit, stream)
             }
         };
+        let tracked = Arc::new(Tracked {
+            last: now_ms().into(),
+            busy: busy_is_not_idle.then(|| Arc::new(AtomicUsize::new(0))),
+            close: tokio::sync::Notify::new(),
+        });
+        open.add(&tracked);
         let app = app.clone();
         tokio::spawn(async move {
-            let busy = busy_is_not_idle.then(|| Arc::new(AtomicUsize::new(0)));
-            let io = hyper_util::rt::TokioIo::new(Idle::new(stream, idle_timeout, busy.clone()));
+            let busy = tracked.busy.clone();
+            let io = hyper_util::rt::TokioIo::new(Idle::new(stream, idle_timeout, tracked.clone()));
             let svc = hyper::service::service_fn(move |mut req| {
                 collapse_slashes(&mut req);
                 let mut app = app.clone();
-                let guard = busy.as_ref().map(Busy::new);
+                let mark: Mark = Default::default();
+                let req = match &busy {
+                    Some(count) => req.map(|inner| {
+                        axum::body::Body::new(MarkWhenRead {
+                            inner,
+                            count: count.clone(),
+                            mark: mark.clone(),
+                        })
+                    }),
+                    None => req.map(axum::body::Body::new),
+                };
+                let counted = busy.is_some();
                 async move {
                     let resp = tower::Service::call(&mut app, req).await?;
-                    let Some(guard) = guard else {
+                    if !counted {
                         return Ok(resp);
-                    };
-                    // Busy until the body is done or dropped.
+                    }
+                    // Busy until the response's body is done or dropped.
                     Ok::<_, std::convert::Infallible>(resp.map(|b| {
                         use http_body_util::BodyExt;
                         axum::body::Body::new(b.map_frame(move |f| {
-                            let _held = &guard;
+                            let _held = &mark;
                             f
                         }))
                     }))
                 }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .serve_connection(io, svc)
-                .await;
+                .serve_connection(io, svc);
+            // Closed by the accept loop to make room: dropping the connection closes its socket.
+            tokio::select! {
+                _ = conn => {}
+                _ = tracked.close.notified() => {}
+            }
             drop(permit);
         });
     }

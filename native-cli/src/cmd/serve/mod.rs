@@ -10,7 +10,9 @@
 //! on open connections.
 
 mod api;
+mod app;
 mod conn;
+mod embed;
 mod engine;
 mod files;
 mod metrics;
@@ -50,6 +52,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub header_timeout: u64,
+    /// Seconds a client may take to send a request's body, once its headers are in (with
+    /// --model; larger bodies than --max-body are refused at once).
+    #[arg(long, value_name = "SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub body_timeout: u64,
     /// Seconds a connection may go without a byte read or written before it is closed (with
     /// --model, not while its response is being computed or streamed).
     #[arg(long, value_name = "SECS", default_value_t = 60,

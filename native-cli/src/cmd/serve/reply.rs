@@ -1,7 +1,7 @@
 //! The API server's replies: OpenAI error objects (with OpenAI's `code` where it names one)
 //! and JSON bodies.
 
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
@@ -35,4 +35,16 @@ pub(super) fn error(status: StatusCode, kind: &str, msg: impl Into<String>) -> R
 /// A 400 for a request nibble cannot take.
 pub(super) fn bad(msg: impl Into<String>) -> Response {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", msg)
+}
+
+/// A 503 with `Retry-After: 1`: every running place and queue place is taken.
+pub(super) fn unavailable() -> Response {
+    let mut r = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "every sequence slot and queue place is taken: retry later",
+    );
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
 }

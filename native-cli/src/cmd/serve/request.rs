@@ -95,4 +95,5 @@ pub(super) struct EmbeddingRequest {
     pub(super) model: Option<String>,
     pub(super) input: Prompt,
     pub(super) encoding_format: Option<String>,
+    pub(super) dimensions: Option<u64>,
 }
