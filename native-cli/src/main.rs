@@ -115,6 +115,14 @@ fn probe_wgpu() -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let _xdg = quiet_mesa();
+    // A panic inside a third-party parser behind nibble's panic boundary becomes an error that
+    // names the file: the default hook's message would only repeat it.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !nibble_core::models::text::in_guarded_call() {
+            hook(info)
+        }
+    }));
     // A wrong argument is an error like any other (exit 1, one message); --help and --version
     // print and succeed.
     let cli = match Cli::try_parse() {

@@ -85,3 +85,71 @@ fn no_runtime_folder_is_left_behind() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// Copies a fixture folder (files only, one level of subfolders) into `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read_dir").flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).expect("copy");
+        }
+    }
+}
+
+/// A `Precompiled` normalizer whose charsmap claims a trie larger than its bytes (the
+/// tokenizers crate panics parsing it).
+fn broken_charsmap() -> serde_json::Value {
+    let mut bytes = 1_000_000u32.to_le_bytes().to_vec();
+    bytes.extend([0u8; 36]);
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+    serde_json::json!({"type": "Precompiled", "precompiled_charsmap": b64})
+}
+
+/// Fault 18: a third-party parser's panic (the tokenizers crate on a malformed
+/// `precompiled_charsmap`) becomes an error naming the file: `run` and `plan` of an LLM and of a
+/// Flux pipeline exit 1 with one message, no panic.
+#[test]
+fn a_malformed_tokenizer_is_an_error_naming_the_file() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    // A Llama with a SentencePiece-style tokenizer.json that has the broken normalizer.
+    let llm = tmp.path().join("llm");
+    copy_dir(&fixture("tiny-llama-nf4/model"), &llm);
+    let mut tok = nibble_tests::text::byte_fallback_tokenizer(300);
+    tok["normalizer"] = broken_charsmap();
+    std::fs::write(llm.join("tokenizer.json"), tok.to_string()).expect("write");
+    // A Flux pipeline whose T5 tokenizer has it.
+    let flux = tmp.path().join("flux");
+    copy_dir(&fixture("tiny-flux-pipeline/pipeline"), &flux);
+    let p = flux.join("tokenizer_2/tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&p).expect("read")).expect("json");
+    tok["normalizer"] = broken_charsmap();
+    std::fs::write(&p, tok.to_string()).expect("write");
+    let (l, f) = (llm.to_str().expect("utf8"), flux.to_str().expect("utf8"));
+    for (args, file) in [
+        (
+            vec!["run", "--model", l, "--prompt", "hi", "--max-tokens", "1"],
+            "tokenizer.json",
+        ),
+        (vec!["plan", "--model", f], "tokenizer_2/tokenizer.json"),
+        (
+            vec![
+                "run", "--model", f, "--prompt", "a cat", "--steps", "1", "--out", "x.png",
+            ],
+            "tokenizer_2/tokenizer.json",
+        ),
+    ] {
+        let out = nibble(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(file) && err.contains("tokenizer"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked at"), "{args:?}: {err}");
+    }
+}

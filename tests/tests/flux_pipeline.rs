@@ -122,7 +122,11 @@ fn both_prompt_tokenizers_give_the_pipelines_ids() {
         &cfg,
     )
     .expect("clip tokenizer");
-    let t5 = T5Tokenizer::from_json(&read("tokenizer_2/tokenizer.json")).expect("t5");
+    let t5 = T5Tokenizer::from_json(
+        &read("tokenizer_2/tokenizer.json"),
+        "tokenizer_2/tokenizer.json",
+    )
+    .expect("t5");
     let max_seq = m["run"]["max_sequence_length"].as_u64().expect("msl") as usize;
     for (i, p) in m["prompts"].as_array().expect("prompts").iter().enumerate() {
         let text = p["text"].as_str().expect("text");

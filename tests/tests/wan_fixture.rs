@@ -393,6 +393,7 @@ fn prompt_ids_are_the_pipelines() {
     let root = fixture("tiny-wan-pipeline");
     let tok = T5Tokenizer::from_json(
         &std::fs::read(root.join("pipeline/tokenizer/tokenizer.json")).expect("tokenizer"),
+        "tokenizer/tokenizer.json",
     )
     .expect("tokenizer");
     let manifest = read_json(&root.join("manifest.json"));

@@ -48,6 +48,47 @@ fn err(what: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
+/// Runs a call into the `tokenizers` crate behind a panic boundary: the crate panics on some
+/// malformed files (a bad `precompiled_charsmap`, T5's normalizer and many LLMs'), and a file
+/// from a model folder must give an error that names it, not end the process (or the server).
+pub(crate) fn guarded<T>(
+    file: &str,
+    f: impl FnOnce() -> std::result::Result<T, tokenizers::Error>,
+) -> Result<T> {
+    let was = GUARDED.with(|g| g.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(was));
+    match r {
+        Ok(r) => r.map_err(|e| err(file, e)),
+        Err(p) => {
+            let why = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(err(
+                file,
+                format!("the tokenizer library failed on this file (it panicked: {why})"),
+            ))
+        }
+    }
+}
+
+thread_local! {
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a call behind the panic boundary: a panic hook can stay quiet
+/// then (the panic becomes an error that is reported in its place).
+pub fn in_guarded_call() -> bool {
+    GUARDED.with(|g| g.get())
+}
+
+/// `tokenizer.json` parsed behind the panic boundary; `file` names it in errors.
+pub(crate) fn parse_tokenizer(json: &[u8], file: &str) -> Result<tokenizers::Tokenizer> {
+    guarded(file, || tokenizers::Tokenizer::from_bytes(json))
+}
+
 /// A special token as tokenizer_config.json writes it: a string, or `{"content": ...}`.
 fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
@@ -65,8 +106,7 @@ impl TextTokenizer {
         tokenizer_config: Option<&[u8]>,
         chat_template_file: Option<&[u8]>,
     ) -> Result<Self> {
-        let mut tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| err("tokenizer.json", e))?;
+        let mut tok = parse_tokenizer(tokenizer_json, "tokenizer.json")?;
         // Ids are laid out by the caller: no padding (a BERT tokenizer.json often pads every
         // text to a fixed length, which transformers and sentence-transformers override too).
         tok.with_padding(None);
@@ -151,18 +191,13 @@ impl TextTokenizer {
     /// Token ids of `text`; `add_special` lets the tokenizer's post-processor add BOS/EOS the way
     /// `tokenizer(text)` does.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let e = self
-            .tok
-            .encode(text, add_special)
-            .map_err(|e| err("tokenizer", e))?;
+        let e = guarded("tokenizer.json", || self.tok.encode(text, add_special))?;
         Ok(e.get_ids().to_vec())
     }
 
     /// The text of `ids` (special tokens dropped when `skip_special`).
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.tok
-            .decode(ids, skip_special)
-            .map_err(|e| err("tokenizer", e))
+        guarded("tokenizer.json", || self.tok.decode(ids, skip_special))
     }
 
     /// Whether `id` is a byte-fallback token (`<0xNN>`, SentencePiece's spelling of one byte).

@@ -117,7 +117,7 @@ impl FluxPipeline {
             &cfg,
         )?;
         let t5_tokenizer = match top.read_small("tokenizer_2/tokenizer.json", SMALL).await? {
-            Some(b) => T5Tokenizer::from_json(&b)?,
+            Some(b) => T5Tokenizer::from_json(&b, &top.locate("tokenizer_2/tokenizer.json"))?,
             None => {
                 return Err(Error::Model {
                     file: top.locate("tokenizer_2/tokenizer.json"),

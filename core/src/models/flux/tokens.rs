@@ -6,6 +6,7 @@
 //! with its `</s>`, truncated and padded to `max_sequence_length`.
 
 use crate::error::{Error, Result};
+use crate::models::text::guarded;
 
 fn err(file: &str, e: impl std::fmt::Display) -> Error {
     Error::Model {
@@ -111,8 +112,7 @@ impl ClipTokenizer {
                       "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                       "vocab": vocab, "merges": merges}
         });
-        let tok = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes())
-            .map_err(|e| err("tokenizer/", e))?;
+        let tok = crate::models::text::parse_tokenizer(json.to_string().as_bytes(), "tokenizer/")?;
         Ok(ClipTokenizer {
             tok,
             bos,
@@ -125,10 +125,7 @@ impl ClipTokenizer {
     /// The padded ids of `text` (`max_length` of them) and how many tokens the text had before
     /// truncation.
     pub fn encode(&self, text: &str) -> Result<(Vec<u32>, usize)> {
-        let e = self
-            .tok
-            .encode(text.trim(), false)
-            .map_err(|e| err("tokenizer/", e))?;
+        let e = guarded("tokenizer/", || self.tok.encode(text.trim(), false))?;
         let words = e.get_ids();
         let keep = words.len().min(self.max_length - 2);
         let mut ids = Vec::with_capacity(self.max_length);
@@ -148,6 +145,8 @@ impl ClipTokenizer {
 /// T5's tokenizer, truncating and padding to a fixed length.
 pub struct T5Tokenizer {
     tok: tokenizers::Tokenizer,
+    /// The file it came from, named in errors.
+    file: String,
 }
 
 impl std::fmt::Debug for T5Tokenizer {
@@ -159,10 +158,12 @@ impl std::fmt::Debug for T5Tokenizer {
 impl T5Tokenizer {
     /// From the bytes of `tokenizer.json` and the pad id (`tokenizer_config.json`'s pad token,
     /// 0 for T5).
-    pub fn from_json(tokenizer_json: &[u8]) -> Result<Self> {
-        let tok = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| err("tokenizer_2/tokenizer.json", e))?;
-        Ok(T5Tokenizer { tok })
+    pub fn from_json(tokenizer_json: &[u8], file: &str) -> Result<Self> {
+        let tok = crate::models::text::parse_tokenizer(tokenizer_json, file)?;
+        Ok(T5Tokenizer {
+            tok,
+            file: file.to_string(),
+        })
     }
 
     /// The ids of `text` with `</s>`, truncated to `max_len` (the `</s>` kept) and padded with
@@ -174,18 +175,15 @@ impl T5Tokenizer {
             ));
         }
         let mut tok = self.tok.clone();
-        tok.with_truncation(None)
-            .map_err(|e| err("tokenizer_2/tokenizer.json", e))?;
+        tok.with_truncation(None).map_err(|e| err(&self.file, e))?;
         tok.with_padding(None);
-        let full = tok
-            .encode(text, true)
-            .map_err(|e| err("tokenizer_2/tokenizer.json", e))?;
+        let full = guarded(&self.file, || tok.encode(text, true))?;
         let n = full.get_ids().len();
         tok.with_truncation(Some(tokenizers::TruncationParams {
             max_length: max_len,
             ..Default::default()
         }))
-        .map_err(|e| err("tokenizer_2/tokenizer.json", e))?;
+        .map_err(|e| err(&self.file, e))?;
         let pad_id = tok.token_to_id("<pad>").unwrap_or(0);
         tok.with_padding(Some(tokenizers::PaddingParams {
             strategy: tokenizers::PaddingStrategy::Fixed(max_len),
@@ -193,9 +191,7 @@ impl T5Tokenizer {
             pad_token: "<pad>".into(),
             ..Default::default()
         }));
-        let e = tok
-            .encode(text, true)
-            .map_err(|e| err("tokenizer_2/tokenizer.json", e))?;
+        let e = guarded(&self.file, || tok.encode(text, true))?;
         Ok((e.get_ids().to_vec(), n))
     }
 }

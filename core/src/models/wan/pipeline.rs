@@ -253,7 +253,7 @@ impl WanPipeline {
         let sched = "scheduler/scheduler_config.json";
         let scheduler = WanScheduler::from_json(&top.locate(sched), &read_json(top, sched).await?)?;
         let tokenizer = match top.read_small("tokenizer/tokenizer.json", SMALL).await? {
-            Some(b) => T5Tokenizer::from_json(&b)?,
+            Some(b) => T5Tokenizer::from_json(&b, &top.locate("tokenizer/tokenizer.json"))?,
             None => {
                 return Err(Error::Model {
                     file: top.locate("tokenizer/tokenizer.json"),
