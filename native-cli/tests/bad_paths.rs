@@ -20,16 +20,6 @@ fn fixture(rel: &str) -> PathBuf {
     p
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("mkdir");
-    for e in std::fs::read_dir(from).expect("read dir") {
-        let e = e.expect("entry");
-        if e.path().is_file() {
-            std::fs::copy(e.path(), to.join(e.file_name())).expect("copy");
-        }
-    }
-}
-
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf8")
 }
@@ -38,7 +28,7 @@ fn s(p: &Path) -> &str {
 fn outputs_that_resolve_to_inputs_or_into_the_model_folder_are_refused() {
     let tmp = tempfile::tempdir().expect("tmp");
     let m = tmp.path().join("m");
-    copy_dir(&fixture("tiny-llama-nf4/model"), &m);
+    nibble_tests::copy_dir(&fixture("tiny-llama-nf4/model"), &m);
     let weights = m.join("model.safetensors");
     let before = std::fs::read(&weights).expect("read");
     let link = tmp.path().join("link.safetensors");
@@ -93,7 +83,7 @@ fn outputs_that_resolve_to_inputs_or_into_the_model_folder_are_refused() {
 
     // The DiT's outputs against its inputs file and its model folder.
     let d = tmp.path().join("dit");
-    copy_dir(&fixture("tiny-dit-nf4/model"), &d);
+    nibble_tests::copy_dir(&fixture("tiny-dit-nf4/model"), &d);
     let inputs = tmp.path().join("inputs.safetensors");
     std::fs::write(&inputs, b"not read before the check").expect("write");
     for (flag, out) in [
@@ -127,7 +117,7 @@ fn outputs_that_resolve_to_inputs_or_into_the_model_folder_are_refused() {
 fn a_shard_that_is_a_fifo_is_refused_not_waited_on() {
     let tmp = tempfile::tempdir().expect("tmp");
     let m = tmp.path().join("m");
-    copy_dir(&fixture("tiny-llama-nf4/model"), &m);
+    nibble_tests::copy_dir(&fixture("tiny-llama-nf4/model"), &m);
     std::fs::remove_file(m.join("model.safetensors")).expect("rm");
     let fifo = m.join("model.safetensors");
     let ok = Command::new("mkfifo")
@@ -235,4 +225,55 @@ fn a_full_disk_is_an_error_for_images_and_videos() {
         err.contains("No space left on device") && !err.contains("wrote /dev/full"),
         "{err}"
     );
+}
+
+/// #32 fault 10: an output that is a FIFO (or a link to one) is written through, never replaced
+/// by a renamed regular file (as root, `-o /dev/null` replaced by a file broke the machine); a
+/// folder is refused; a regular file is still replaced whole.
+#[test]
+fn outputs_are_written_through_fifos_never_renamed_over_them() {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let model = fixture("tiny-llama-nf4/model");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let fifo = tmp.path().join("out.fifo");
+    let c = std::ffi::CString::new(s(&fifo)).expect("path");
+    // SAFETY: mkfifo on a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let link = tmp.path().join("link.safetensors");
+    std::os::unix::fs::symlink(&fifo, &link).expect("symlink");
+    for target in [&fifo, &link] {
+        let f = fifo.clone();
+        let reader = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            std::fs::File::open(f)
+                .expect("open")
+                .read_to_end(&mut b)
+                .expect("read");
+            b
+        });
+        let o = nibble(&["dequant", s(&model), "--all", "-o", s(target)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got = reader.join().expect("reader");
+        assert!(
+            got.len() > 8 && got[8] == b'{',
+            "a safetensors file came through"
+        );
+        assert!(std::fs::metadata(&fifo)
+            .expect("meta")
+            .file_type()
+            .is_fifo());
+        assert!(std::fs::symlink_metadata(&link)
+            .expect("meta")
+            .file_type()
+            .is_symlink());
+    }
+    let o = nibble(&["dequant", s(&model), "--all", "-o", s(tmp.path())]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is a folder"));
+    let file = tmp.path().join("out.safetensors");
+    std::fs::write(&file, b"old").expect("write");
+    let o = nibble(&["dequant", s(&model), "--all", "-o", s(&file)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read(&file).expect("read").len() > 8);
 }

@@ -86,19 +86,6 @@ fn no_runtime_folder_is_left_behind() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
-/// Copies a fixture folder (files only, one level of subfolders) into `to`.
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("mkdir");
-    for e in std::fs::read_dir(from).expect("read_dir").flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            copy_dir(&p, &to.join(e.file_name()));
-        } else {
-            std::fs::copy(&p, to.join(e.file_name())).expect("copy");
-        }
-    }
-}
-
 /// A `Precompiled` normalizer whose charsmap claims a trie larger than its bytes (the
 /// tokenizers crate panics parsing it).
 fn broken_charsmap() -> serde_json::Value {
@@ -117,13 +104,13 @@ fn a_malformed_tokenizer_is_an_error_naming_the_file() {
     let tmp = tempfile::tempdir().expect("tmp");
     // A Llama with a SentencePiece-style tokenizer.json that has the broken normalizer.
     let llm = tmp.path().join("llm");
-    copy_dir(&fixture("tiny-llama-nf4/model"), &llm);
+    nibble_tests::copy_dir(&fixture("tiny-llama-nf4/model"), &llm);
     let mut tok = nibble_tests::text::byte_fallback_tokenizer(300);
     tok["normalizer"] = broken_charsmap();
     std::fs::write(llm.join("tokenizer.json"), tok.to_string()).expect("write");
     // A Flux pipeline whose T5 tokenizer has it.
     let flux = tmp.path().join("flux");
-    copy_dir(&fixture("tiny-flux-pipeline/pipeline"), &flux);
+    nibble_tests::copy_dir(&fixture("tiny-flux-pipeline/pipeline"), &flux);
     let p = flux.join("tokenizer_2/tokenizer.json");
     let mut tok: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&p).expect("read")).expect("json");

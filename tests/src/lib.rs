@@ -46,6 +46,19 @@ pub fn synth(nibble: &Path, arch: &str, size: &str, seed: u64, out: &Path) {
     );
 }
 
+/// Copies a folder and its subfolders (files only) into `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read dir").flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else if p.is_file() {
+            std::fs::copy(&p, to.join(e.file_name())).expect("copy");
+        }
+    }
+}
+
 /// A fixture path below `fixtures_dir()`.
 pub fn fixture(rel: &str) -> PathBuf {
     fixtures_dir().join(rel)

@@ -1,5 +1,6 @@
-//! Writing safetensors files tensor by tensor (the header first, then each tensor's bytes as it
-//! is produced), atomically: a temporary file in the same folder is renamed into place.
+//! Writing outputs: [`OutputFile`], the one way nibble writes a file it was asked to write, and
+//! safetensors files tensor by tensor (the header first, then each tensor's bytes as it is
+//! produced) through it.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -38,11 +39,132 @@ impl TensorSpec {
     }
 }
 
+/// An output file. A regular file (or a new one) is written to a temporary file beside it,
+/// synced and renamed into place by [`OutputFile::finish`], so that a failed run leaves the old
+/// file or none; a symbolic link is followed and its target replaced, not the link. A character
+/// device or a FIFO (`-o /dev/null`, `-o >(consumer)`) is written through, never replaced:
+/// renaming a file over `/dev/null` as root would break the machine. A folder, a block device or
+/// a socket is refused. Every write, flush, sync and close error is returned.
+#[derive(Debug)]
+pub struct OutputFile {
+    out: BufWriter<File>,
+    /// The temporary file renamed into place at the end (a regular target).
+    tmp: Option<PathBuf>,
+    dest: PathBuf,
+}
+
+impl OutputFile {
+    /// Opens `dest` for writing as described on [`OutputFile`].
+    pub fn create(dest: &Path) -> Result<Self> {
+        let d = dest.display().to_string();
+        let not_regular = |what: &str| {
+            Err(Error::Invalid(format!(
+                "{d} is {what}: nibble writes outputs to files (or through character devices \
+                 and FIFOs)"
+            )))
+        };
+        match std::fs::metadata(dest) {
+            Ok(m) if m.is_dir() => return not_regular("a folder"),
+            Ok(m) if !m.is_file() => {
+                #[cfg(unix)]
+                {
+                    use std::os::unix::fs::FileTypeExt;
+                    let t = m.file_type();
+                    if t.is_block_device() {
+                        return not_regular("a block device");
+                    }
+                    if t.is_socket() {
+                        return not_regular("a socket");
+                    }
+                }
+                // Written through: opened as it is, neither created, truncated nor replaced.
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(dest)
+                    .map_err(|e| Error::io(&d, e))?;
+                return Ok(OutputFile {
+                    out: BufWriter::with_capacity(1 << 20, f),
+                    tmp: None,
+                    dest: dest.to_path_buf(),
+                });
+            }
+            _ => {}
+        }
+        // A link's target is what gets replaced.
+        let real = match std::fs::symlink_metadata(dest) {
+            Ok(m) if m.file_type().is_symlink() => {
+                std::fs::canonicalize(dest).map_err(|e| Error::io(&d, e))?
+            }
+            _ => dest.to_path_buf(),
+        };
+        let tmp = real.with_file_name(format!(
+            ".{}.tmp-{}",
+            real.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+            std::process::id()
+        ));
+        let f = File::create(&tmp).map_err(|e| Error::io(tmp.display().to_string(), e))?;
+        Ok(OutputFile {
+            out: BufWriter::with_capacity(1 << 20, f),
+            tmp: Some(tmp),
+            dest: real,
+        })
+    }
+
+    /// The path written (a link's target).
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    /// Flushes, syncs and renames a regular file into place; flushes a device or FIFO.
+    pub fn finish(mut self) -> Result<()> {
+        let d = self.dest.display().to_string();
+        self.out.flush().map_err(|e| Error::io(&d, e))?;
+        if let Some(tmp) = self.tmp.take() {
+            let r = self
+                .out
+                .get_ref()
+                .sync_all()
+                .and_then(|()| std::fs::rename(&tmp, &self.dest));
+            if let Err(e) = r {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(Error::io(&d, e));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Write for OutputFile {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.out.write(b)
+    }
+    fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.out.write_all(b)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl std::io::Seek for OutputFile {
+    fn seek(&mut self, pos: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.out.seek(pos)
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        // An output dropped before `finish` leaves no half-written file behind.
+        if let Some(tmp) = &self.tmp {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+}
+
 /// Streams tensors into a new safetensors file in the order of the specs it was created with.
 #[derive(Debug)]
 pub struct SafetensorsWriter {
-    out: BufWriter<File>,
-    tmp: PathBuf,
+    out: OutputFile,
     dest: PathBuf,
     specs: Vec<(TensorSpec, u64)>,
     next: usize,
@@ -86,20 +208,13 @@ impl SafetensorsWriter {
             json.push(b' ');
         }
         let dest_s = dest.display().to_string();
-        let tmp = dest.with_file_name(format!(
-            ".{}.tmp-{}",
-            dest.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-            std::process::id()
-        ));
-        let f = File::create(&tmp).map_err(|e| Error::io(tmp.display().to_string(), e))?;
-        let mut out = BufWriter::with_capacity(1 << 20, f);
+        let mut out = OutputFile::create(dest)?;
         let io = |e| Error::io(&dest_s, e);
         out.write_all(&(json.len() as u64).to_le_bytes())
             .map_err(io)?;
         out.write_all(&json).map_err(io)?;
         Ok(SafetensorsWriter {
             out,
-            tmp,
             dest: dest.to_path_buf(),
             specs: sized,
             next: 0,
@@ -127,8 +242,8 @@ impl SafetensorsWriter {
         Ok(())
     }
 
-    /// Flushes, syncs and renames the file into place; fails if a declared tensor is missing.
-    pub fn finish(mut self) -> Result<()> {
+    /// Finishes the file ([`OutputFile::finish`]); fails if a declared tensor is missing.
+    pub fn finish(self) -> Result<()> {
         if self.next != self.specs.len() {
             return Err(Error::Invalid(format!(
                 "{}: {} of {} tensors written",
@@ -137,21 +252,7 @@ impl SafetensorsWriter {
                 self.specs.len()
             )));
         }
-        let d = self.dest.display().to_string();
-        self.out.flush().map_err(|e| Error::io(&d, e))?;
-        self.out
-            .get_ref()
-            .sync_all()
-            .map_err(|e| Error::io(&d, e))?;
-        std::fs::rename(&self.tmp, &self.dest).map_err(|e| Error::io(&d, e))?;
-        Ok(())
-    }
-}
-
-impl Drop for SafetensorsWriter {
-    fn drop(&mut self) {
-        // A writer dropped before `finish` leaves no half-written file behind.
-        let _ = std::fs::remove_file(&self.tmp);
+        self.out.finish()
     }
 }
 

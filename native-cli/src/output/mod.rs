@@ -55,9 +55,7 @@ pub fn write_f32_tensors(
 /// disk is an error, not a truncated file and "wrote").
 pub fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> anyhow::Result<()> {
     use anyhow::Context;
-    use std::io::Write;
-    let f = std::fs::File::create(path).with_context(|| path.display().to_string())?;
-    let mut out = std::io::BufWriter::new(f);
+    let mut out = nibble_core::format::writer::OutputFile::create(path)?;
     let mut enc = png::Encoder::new(&mut out, w as u32, h as u32);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
@@ -70,6 +68,6 @@ pub fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> anyh
     writer
         .finish()
         .with_context(|| path.display().to_string())?;
-    out.flush().with_context(|| path.display().to_string())?;
+    out.finish()?;
     Ok(())
 }

@@ -8,7 +8,8 @@
 //! f32 arithmetic, so the bytes handed to the encoder do not depend on the CPU's instruction set;
 //! the encoder runs on one thread at a constant QP of 26.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
+use nibble_core::format::writer::OutputFile;
 use openh264::encoder::{
     BitRate, Complexity, Encoder, EncoderConfig, FrameRate, IntraFramePeriod, QpRange,
     RateControlMode, UsageType, VuiConfig,
@@ -101,7 +102,7 @@ pub struct Mp4Sink {
     size: (usize, usize),
     fps: f64,
     encoder: Encoder,
-    mux: mp4::Mp4Writer<std::io::BufWriter<std::fs::File>>,
+    mux: mp4::Mp4Writer<OutputFile>,
     frames: usize,
 }
 
@@ -137,7 +138,7 @@ impl Mp4Sink {
             .vui(VuiConfig::bt709());
         let encoder = Encoder::with_api_config(OpenH264API::from_source(), config)
             .map_err(|e| anyhow!("starting the H.264 encoder: {e}"))?;
-        let file = std::fs::File::create(path).with_context(|| path.display().to_string())?;
+        let file = OutputFile::create(path)?;
         let mp4_config = mp4::Mp4Config {
             major_brand: "isom".parse().map_err(|e| anyhow!("{e}"))?,
             minor_version: 512,
@@ -147,7 +148,7 @@ impl Mp4Sink {
                 .collect::<Result<_>>()?,
             timescale: 1000,
         };
-        let mux = mp4::Mp4Writer::write_start(std::io::BufWriter::new(file), &mp4_config)?;
+        let mux = mp4::Mp4Writer::write_start(file, &mp4_config)?;
         Ok(Mp4Sink {
             path: path.to_path_buf(),
             size: (h, w),
@@ -227,10 +228,9 @@ impl Mp4Sink {
             bail!("{}: no frame to write", self.path.display());
         }
         self.mux.write_end()?;
-        use std::io::Write;
         let mut file = self.mux.into_writer();
-        file.flush()?;
-        let bytes = std::fs::metadata(&self.path)?.len();
+        let bytes = std::io::Seek::seek(&mut file, std::io::SeekFrom::End(0))?;
+        file.finish()?;
         Ok(Mp4Written {
             frames: self.frames,
             bytes,
