@@ -140,3 +140,62 @@ fn a_malformed_tokenizer_is_an_error_naming_the_file() {
         assert!(!err.contains("panicked at"), "{args:?}: {err}");
     }
 }
+
+/// Faults 14 and 22: `synth` writes a model only into a new or empty folder or one nibble wrote
+/// before (whose old files it removes first: no stale shard index or config is left beside the
+/// new model), refuses a folder holding someone else's files, and refuses a size larger than
+/// the disk's free space before listing a tensor.
+#[test]
+fn model_outputs_own_their_folder_and_fit_the_disk() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let out = tmp.path().join("m");
+    let o = |args: &[&str]| nibble(&[&["synth", "-o", out.to_str().expect("utf8")], args].concat());
+    let r = o(&["--arch", "llama", "--size", "2MiB"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(out.join("model.safetensors").is_file());
+    // Again, another model: the llama's files are gone, the Wan folder alone is there.
+    let r = o(&["--arch", "wan", "--size", "1MiB", "--vae-base-dim", "8"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(!out.join("model.safetensors").exists() && !out.join("config.json").exists());
+    assert!(out.join("model_index.json").is_file());
+    // Someone else's folder is refused, untouched.
+    let theirs = tmp.path().join("theirs");
+    std::fs::create_dir(&theirs).expect("mkdir");
+    std::fs::write(theirs.join("model.safetensors"), b"keep").expect("write");
+    let r = nibble(&[
+        "synth",
+        "--arch",
+        "llama",
+        "--size",
+        "2MiB",
+        "-o",
+        theirs.to_str().expect("utf8"),
+    ]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("already holds") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(theirs.join("model.safetensors")).expect("read"),
+        b"keep"
+    );
+    // 50 TiB: refused at once for the disk's free space, nothing written.
+    let big = tmp.path().join("big");
+    let t0 = std::time::Instant::now();
+    let r = nibble(&[
+        "synth",
+        "--arch",
+        "llama",
+        "--size",
+        "50TiB",
+        "-o",
+        big.to_str().expect("utf8"),
+    ]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(1), "{err}");
+    assert!(err.contains("free"), "{err}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    assert!(!big.exists());
+}

@@ -245,6 +245,38 @@ fn page_size() -> u64 {
     4096
 }
 
+/// Bytes free to an unprivileged writer on the file system that holds `path` (or its nearest
+/// existing ancestor, for a folder not made yet); `None` where the system does not say.
+pub fn free_disk_bytes(path: &std::path::Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut p = if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            std::env::current_dir().ok()?.join(path)
+        };
+        while !p.exists() {
+            if !p.pop() {
+                return None;
+            }
+        }
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+        // SAFETY: statvfs fills the struct it is given from a NUL-terminated path.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+            return None;
+        }
+        #[allow(clippy::unnecessary_cast)] // the field types differ between unixes
+        Some((s.f_bavail as u64).saturating_mul(s.f_frsize as u64))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,3 +380,4 @@ mod tests {
         assert!(h.source.contains("no cgroup memory limit"));
     }
 }
+

@@ -287,6 +287,7 @@ pub fn convert(a: &ConvertArgs) -> Result<()> {
     for name in OUTPUT_FILES {
         check_output(&out.join(name), "--out", &reads)?;
     }
+    crate::output::folder::prepare(out, "--out")?;
     let dtype = match dtype {
         "bf16" | "bfloat16" => FloatDtype::BF16,
         "f16" | "float16" => FloatDtype::F16,
@@ -316,6 +317,7 @@ pub fn convert(a: &ConvertArgs) -> Result<()> {
         }
     })
     .with_context(|| format!("converting {}", gguf.display()))?;
+    crate::output::folder::seal(out, "nibble convert")?;
     eprintln!(
         "wrote {} ({} tensors, {} linears in {}, {} bytes) and {} in {:.1} s",
         out.join("model.safetensors").display(),

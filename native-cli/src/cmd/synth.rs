@@ -9,6 +9,7 @@ use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth::{Arch, SynthModel};
 
 use crate::args::size;
+use crate::output::folder;
 
 /// Which architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -66,7 +67,11 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         (SynthArch::Llama, Some(s)) => (Arch::Llama, s),
         (SynthArch::Dit, Some(s)) => (Arch::Dit, s),
     };
+    // Checked before the model's tensors are even listed: 50 TiB is refused in no time.
+    folder::check_room(&a.out, arch.1, "--out")?;
+    folder::prepare(&a.out, "--out")?;
     let m = SynthModel::new(arch.0, arch.1, a.seed);
+    folder::check_room(&a.out, m.tensor_bytes(), "--out")?;
     let total = m.tensor_bytes();
     eprintln!(
         "writing {} of tensors to {}",
@@ -86,6 +91,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         }
     })?;
     eprintln!();
+    folder::seal(&a.out, "nibble synth")?;
     eprintln!(
         "wrote config.json and {} file(s): {}",
         files.len(),
@@ -123,6 +129,8 @@ fn wan(a: &SynthArgs) -> Result<()> {
         shape.vae_base_dim,
         fmt_bytes(tensor_bytes(shape))
     );
+    folder::check_room(&a.out, tensor_bytes(shape), "--out")?;
+    folder::prepare(&a.out, "--out")?;
     let mut last = (String::new(), 0u64);
     write_pipeline(&a.out, shape, a.seed, |name, done, total| {
         if name != last.0 || done - last.1 >= 64 << 20 || done == total {
@@ -138,6 +146,7 @@ fn wan(a: &SynthArgs) -> Result<()> {
             last = (name.to_string(), done);
         }
     })?;
+    folder::seal(&a.out, "nibble synth --arch wan")?;
     eprintln!("wrote {}", a.out.display());
     Ok(())
 }

@@ -27,6 +27,7 @@ pub(crate) fn write_stdout(s: &str) -> anyhow::Result<()> {
 }
 
 pub mod chart;
+pub mod folder;
 pub mod frames;
 pub mod mp4;
 pub mod paths;
