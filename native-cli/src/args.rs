@@ -120,23 +120,52 @@ pub fn count_or_auto(s: &str) -> Result<OrAuto, String> {
     if s.eq_ignore_ascii_case("auto") {
         return Ok(OrAuto(None));
     }
+    slot_count(s).map(|n| OrAuto(Some(n as u64)))
+}
+
+/// The largest ring slot a flag may ask for.
+pub const MAX_SLOT_BYTES: u64 = 4 << 30;
+
+/// The most ring slots a flag may ask for.
+pub const MAX_SLOTS: u64 = 4096;
+
+/// A ring slot's size: 4 KiB (the ring's smallest) to 4 GiB.
+pub fn slot_size(s: &str) -> Result<usize, String> {
+    let least = nibble_core::stream::ring::MIN_SLOT_BYTES;
+    match size(s)? {
+        b if b < least => Err(format!("a ring slot takes at least {least} bytes")),
+        b if b > MAX_SLOT_BYTES => Err(format!(
+            "a ring slot takes at most {MAX_SLOT_BYTES} bytes (4 GiB)"
+        )),
+        b => usize::try_from(b).map_err(|_| format!("{s} is more than this machine can address")),
+    }
+}
+
+/// A count of ring slots: 1 to [`MAX_SLOTS`].
+pub fn slot_count(s: &str) -> Result<usize, String> {
     match s.parse::<u64>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(OrAuto(Some(n))),
+        Ok(n) if (1..=MAX_SLOTS).contains(&n) => Ok(n as usize),
+        Ok(_) => Err(format!("{s}: 1 to {MAX_SLOTS} slots")),
         Err(e) => Err(format!("{s}: {e}")),
     }
 }
 
-/// `auto` or a slot size (at least the ring's smallest slot).
+/// Reader threads: 1 to 64.
+pub fn readers(s: &str) -> Result<usize, String> {
+    let most = nibble_core::io::source::MAX_READERS;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=most).contains(&n) => Ok(n),
+        Ok(_) => Err(format!("{s}: 1 to {most} readers")),
+        Err(e) => Err(format!("{s}: {e}")),
+    }
+}
+
+/// `auto` or a slot size ([`slot_size`]).
 pub fn size_or_auto(s: &str) -> Result<OrAuto, String> {
     if s.eq_ignore_ascii_case("auto") {
         return Ok(OrAuto(None));
     }
-    let least = nibble_core::stream::ring::MIN_SLOT_BYTES;
-    match size(s)? {
-        b if b < least => Err(format!("a ring slot takes at least {least} bytes")),
-        b => Ok(OrAuto(Some(b))),
-    }
+    slot_size(s).map(|b| OrAuto(Some(b as u64)))
 }
 
 /// `auto` or a size.
@@ -148,10 +177,12 @@ pub fn budget(s: &str) -> Result<Budget, String> {
     }
 }
 
-/// A size that must fit this machine's address space.
-pub fn size_usize(s: &str) -> Result<usize, String> {
-    let b = size(s)?;
-    usize::try_from(b).map_err(|_| format!("{s} is more than this machine can address"))
+/// A request body limit: 1 KiB to 1 GiB (bodies are held in memory while parsed).
+pub fn body_size(s: &str) -> Result<u64, String> {
+    match size(s)? {
+        b if (1 << 10..=1 << 30).contains(&b) => Ok(b),
+        _ => Err(format!("{s}: a body limit of 1KiB to 1GiB")),
+    }
 }
 
 /// The command-line spelling of a value of a value enum (for a child process's arguments).

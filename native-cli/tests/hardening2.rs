@@ -199,3 +199,50 @@ fn model_outputs_own_their_folder_and_fit_the_disk() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(5));
     assert!(!big.exists());
 }
+
+/// Fault 19: ring and reader flags are bounded by the one set of parsers in `args.rs` for every
+/// subcommand: `bench stream --slot-size 0` no longer loops on empty chunks, `--readers 100000`
+/// no longer panics spawning threads; each is refused with one line naming the range.
+#[test]
+fn ring_and_reader_flags_are_bounded() {
+    let model = fixture("tiny-llama-nf4/model");
+    let m = model.to_str().expect("utf8");
+    for (flag, value, says) in [
+        ("--slot-size", "0", "at least"),
+        ("--slot-size", "8GiB", "at most"),
+        ("--readers", "0", "1 to 64"),
+        ("--readers", "100000", "1 to 64"),
+        ("--readers", "4294967296", "1 to 64"),
+        ("--slots", "0", "1 to 4096"),
+    ] {
+        let t0 = std::time::Instant::now();
+        let o = nibble(&["bench", "stream", "--model", m, flag, value]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {err}");
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+    }
+    // The same parsers behind `run`'s memory flags.
+    for (flag, value) in [
+        ("--slot-size", "0"),
+        ("--slot-size", "1TiB"),
+        ("--slots", "0"),
+    ] {
+        let o = nibble(&["run", "--model", m, "--prompt-ids", "1", flag, value]);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}");
+    }
+    let o = nibble(&[
+        "bench",
+        "stream",
+        "--model",
+        m,
+        "--readers",
+        "64",
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -380,4 +380,3 @@ mod tests {
         assert!(h.source.contains("no cgroup memory limit"));
     }
 }
-

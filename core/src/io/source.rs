@@ -315,14 +315,18 @@ impl std::fmt::Debug for ThreadedSource {
     }
 }
 
+/// The most reader threads a source runs (parallel connections for a URL); more would not read
+/// faster and, unbounded, could exhaust the process's threads.
+pub const MAX_READERS: usize = 64;
+
 impl ThreadedSource {
-    /// Starts `readers` threads (at least 1) reading from `inner`.
+    /// Starts `readers` threads (1 to [`MAX_READERS`]) reading from `inner`.
     pub fn new(inner: Arc<dyn RangeSource>, readers: usize) -> Self {
         let (work_tx, work_rx) = mpsc::channel::<ReadRequest>();
         let (done_tx, done_rx) = mpsc::channel();
         let work_rx = Arc::new(Mutex::new(work_rx));
         let busy = Arc::new(Mutex::new(Busy::default()));
-        let threads = (0..readers.max(1))
+        let threads = (0..readers.clamp(1, MAX_READERS))
             .map(|i| {
                 let (rx, tx, src, busy) = (
                     work_rx.clone(),

@@ -106,11 +106,11 @@ pub struct StreamArgs {
     /// Model path or URL.
     #[arg(long)]
     pub model: String,
-    /// Ring slots.
-    #[arg(long, default_value_t = 4)]
+    /// Ring slots (1 to 4096).
+    #[arg(long, default_value_t = 4, value_parser = crate::args::slot_count)]
     pub slots: usize,
-    /// Bytes per slot.
-    #[arg(long = "slot-size", value_parser = crate::args::size_usize, default_value = "16MiB", value_name = "SIZE")]
+    /// Bytes per slot (4 KiB to 4 GiB).
+    #[arg(long = "slot-size", value_parser = crate::args::slot_size, default_value = "16MiB", value_name = "SIZE")]
     pub slot_bytes: usize,
     /// Passes over all weights (1 to 100000).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100_000))]
@@ -118,8 +118,8 @@ pub struct StreamArgs {
     /// Simulated compute per MiB consumed, in ms (0 to 10000).
     #[arg(long, default_value_t = 0.0, value_parser = consume_ms)]
     pub consume_ms_per_mib: f64,
-    /// Reader threads (parallel connections for a URL).
-    #[arg(long, default_value_t = 2)]
+    /// Reader threads (parallel connections for a URL; 1 to 64).
+    #[arg(long, default_value_t = 2, value_parser = crate::args::readers)]
     pub readers: usize,
     /// How local files are read.
     #[arg(long, value_enum, default_value_t)]

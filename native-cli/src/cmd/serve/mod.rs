@@ -111,8 +111,8 @@ pub struct ApiArgs {
     #[arg(long, value_name = "N", default_value_t = 16,
           value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub prefill_chunk: u64,
-    /// Largest request body in bytes (larger: 413).
-    #[arg(long, value_name = "SIZE", value_parser = crate::args::size, default_value = "4MiB")]
+    /// Largest request body in bytes, 1 KiB to 1 GiB (larger: 413).
+    #[arg(long, value_name = "SIZE", value_parser = crate::args::body_size, default_value = "4MiB")]
     pub max_body: u64,
     /// Backend that runs the ops.
     #[arg(long, value_enum, default_value_t)]
