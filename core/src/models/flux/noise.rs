@@ -8,7 +8,13 @@
 //!
 //! Two builds of torch differ here: its AVX2 kernel computes the transform with the Cephes-style
 //! polynomials of `avx_mathfun.h` and a fused multiply-add, its other kernels with the C
-//! library's `logf`, `cosf` and `sinf`. [`NoiseMath`] selects which to reproduce.
+//! library's `logf`, `cosf` and `sinf`. [`NoiseMath`] selects which to reproduce. No step calls
+//! the machine's math library or leaves a fused multiply-add to the target (#32 fault 25): the
+//! FMA is computed in plain f64 ([`fma_f32`]), glibc's functions are transcribed (`clib`), the
+//! small-tensor path uses the pure-Rust `libm` crate; the same seed gives the same bits on every
+//! CPU and in the browser.
+
+mod clib;
 
 /// torch's CPU generator (`at::mt19937`, 32-bit outputs).
 #[derive(Clone)]
@@ -94,7 +100,8 @@ pub enum NoiseMath {
     #[default]
     AvxMathfun,
     /// torch's other kernels (ARM, or x86 without AVX2): the C library's `logf`, `cosf`,
-    /// `sinf`.
+    /// `sinf`, as glibc (2.28 on) computes them, transcribed ([`clib`]) so that no machine's
+    /// own library decides the bits.
     Libm,
 }
 
@@ -126,10 +133,39 @@ fn normal_double(g: &mut TorchGenerator) -> f64 {
     }
     let u1 = g.uniform_f64();
     let u2 = g.uniform_f64();
-    let r = (-2.0 * (-u2).ln_1p()).sqrt();
+    // The `libm` crate (pure Rust, no dispatch on the CPU) rather than the platform's libm,
+    // whose variants (glibc picks one by CPU features) differ in the last bit.
+    let r = (-2.0 * libm::log1p(-u2)).sqrt();
     let theta = 2.0 * std::f64::consts::PI * u1;
-    g.cached_normal = Some(r * theta.sin());
-    r * theta.cos()
+    g.cached_normal = Some(r * libm::sin(theta));
+    r * libm::cos(theta)
+}
+
+/// `a * b + c` rounded once to f32 in plain f64 arithmetic: the same bits on every machine and
+/// target. `f32::mul_add` gives these bits too, but where the target has no FMA instruction
+/// (x86-64's baseline, wasm32) by calling the platform's `fmaf`, which is not nibble's to pin.
+/// The product of two f32 is exact in f64; TwoSum recovers the sum's rounding error exactly;
+/// rounding the sum to odd with it leaves the final f64 -> f32 rounding a single correct one
+/// (53 >= 24 + 2 bits).
+fn fma_f32(a: f32, b: f32, c: f32) -> f32 {
+    let p = a as f64 * b as f64;
+    let c = c as f64;
+    let s = p + c;
+    if !s.is_finite() {
+        return s as f32;
+    }
+    let bp = s - p;
+    let err = (p - (s - bp)) + (c - bp);
+    if err == 0.0 || s.to_bits() & 1 == 1 {
+        return s as f32;
+    }
+    // s is even and inexact: one f64 ulp toward the exact sum (round to odd); s != 0 here.
+    let bits = if (err > 0.0) == (s > 0.0) {
+        s.to_bits() + 1
+    } else {
+        s.to_bits() - 1
+    };
+    f64::from_bits(bits) as f32
 }
 
 /// The Box-Muller transform of 16 uniforms in place, as torch's `normal_fill_16`.
@@ -140,10 +176,10 @@ fn fill_16(d: &mut [f32], math: NoiseMath) {
             for j in 0..8 {
                 let u1 = 1.0 - d[j];
                 let u2 = d[j + 8];
-                let radius = (-2.0 * u1.ln()).sqrt();
+                let radius = (-2.0 * clib::logf(u1)).sqrt();
                 let theta = (2.0f32 as f64 * std::f64::consts::PI * u2 as f64) as f32;
-                d[j] = radius * theta.cos() * std + mean;
-                d[j + 8] = radius * theta.sin() * std + mean;
+                d[j] = radius * clib::cosf(theta) * std + mean;
+                d[j + 8] = radius * clib::sinf(theta) * std + mean;
             }
         }
         NoiseMath::AvxMathfun => {
@@ -154,8 +190,8 @@ fn fill_16(d: &mut [f32], math: NoiseMath) {
                 let radius = (-2.0 * mathfun::log(u1)).sqrt();
                 let theta = two_pi * u2;
                 let (s, c) = mathfun::sincos(theta);
-                d[j] = (radius * c).mul_add(std, mean);
-                d[j + 8] = (radius * s).mul_add(std, mean);
+                d[j] = fma_f32(radius * c, std, mean);
+                d[j + 8] = fma_f32(radius * s, std, mean);
             }
         }
     }
@@ -170,7 +206,7 @@ mod mathfun {
     /// `a * b + c` in one rounding, as torch's build compiles each multiply that feeds an add
     /// in this header (GCC contracts them into FMAs under AVX2; the fixture's noise shows it).
     fn ma(a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
+        super::fma_f32(a, b, c)
     }
 
     // The constants are the header's C double literals, converted to float as C converts them.
@@ -304,6 +340,111 @@ mod tests {
         assert!(
             mean.abs() < 0.05 && (var - 1.0).abs() < 0.08,
             "{mean} {var}"
+        );
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn hex(s: &str) -> Vec<u32> {
+        s.split_whitespace()
+            .map(|h| u32::from_str_radix(h, 16).expect("hex"))
+            .collect()
+    }
+
+    /// FNV-1a over the bits of each value.
+    fn fnv(h: &mut u64, v: f32) {
+        *h = (*h ^ v.to_bits() as u64).wrapping_mul(0x100000001b3);
+    }
+
+    /// #32 fault 25: the one rounding of a fused multiply-add, in plain f64 arithmetic: these
+    /// are cases where adding the exact f64 product and rounding twice is one ulp off.
+    #[test]
+    fn the_fused_multiply_add_rounds_once_without_the_machine() {
+        for (a, b, c, want) in [
+            (0x40000040u32, 0x3fffff80u32, 0x4cf04b75u32, 0x4cf04b75u32),
+            (0x3f800040, 0x407fff80, 0x4ced9d99, 0x4ced9d99),
+            (0x40fffe00, 0x40800100, 0x4e3f91a1, 0x4e3f91a1),
+            (0x3e000001, 0x3ffffffe, 0x4ae7544d, 0x4ae7544d),
+        ] {
+            let f = f32::from_bits;
+            assert_eq!(
+                fma_f32(f(a), f(b), f(c)).to_bits(),
+                want,
+                "{a:x} {b:x} {c:x}"
+            );
+        }
+        assert_eq!(fma_f32(0.0, 5.0, -0.0).to_bits(), 0.0f32.to_bits());
+        assert!(fma_f32(f32::NAN, 1.0, 1.0).is_nan());
+        assert_eq!(fma_f32(f32::MAX, 2.0, 0.0), f32::INFINITY);
+    }
+
+    /// The transcribed glibc functions give glibc 2.36's bits for every input torch's scalar
+    /// kernel can pass them (all 2^24 uniforms), and avx_mathfun's transcription its bits on a
+    /// sample (recorded from a model of torch's AVX2 kernel that is bit-exact on the fixtures).
+    #[test]
+    fn the_noise_maths_are_pinned_bit_for_bit() {
+        let two_pi = (2.0f32 as f64 * std::f64::consts::PI) as f32;
+        let mut h = 0xcbf29ce484222325u64;
+        for k in 0..1u32 << 24 {
+            let u = (k as f64 / (1u64 << 24) as f64) as f32;
+            let t = (2.0f32 as f64 * std::f64::consts::PI * u as f64) as f32;
+            fnv(&mut h, clib::logf(1.0 - u));
+            fnv(&mut h, clib::sinf(t));
+            fnv(&mut h, clib::cosf(t));
+        }
+        assert_eq!(h, 0x3b37c0ee55974d42, "glibc logf/sinf/cosf");
+        let mut h = 0xcbf29ce484222325u64;
+        for k in (0..1u32 << 24).step_by(257) {
+            let u = (k as f64 / (1u64 << 24) as f64) as f32;
+            let (s, c) = mathfun::sincos(two_pi * u);
+            fnv(&mut h, mathfun::log(1.0 - u));
+            fnv(&mut h, s);
+            fnv(&mut h, c);
+        }
+        assert_eq!(h, 0x17aefab903233304, "avx_mathfun log/sincos");
+        assert_eq!(
+            (clib::logf(1.0), clib::sinf(0.0), clib::cosf(0.0)),
+            (0.0, 0.0, 1.0)
+        );
+    }
+
+    /// Every branch of torch's transform: fewer than 16 values (the double-precision path, its
+    /// cached sine half), a tail past a multiple of 16, both kernels.
+    #[test]
+    fn small_sizes_and_tails_have_torchs_bits() {
+        assert_eq!(
+            bits(&torch_randn(5, 0, NoiseMath::AvxMathfun)),
+            hex("3fc53f5c be963c50 c00b7149 3f1184b6 bf8ad1a1")
+        );
+        assert_eq!(
+            bits(&torch_randn(3, 42, NoiseMath::Libm)),
+            hex("3eac62ae 3e03e69d 3e7016e7")
+        );
+        assert_eq!(
+            bits(&torch_randn(24, 0, NoiseMath::AvxMathfun)),
+            hex(
+                "bf901b85 bf93808a be804bd6 bede255d 3f594515 3f312783 bea1cc6d c0075fc1 \
+                 3eefaa55 be217f5f 3fb8c9db 3e8837a1 3e2a7345 3f5fd77d be12eacf bde4936f \
+                 3f6e8c30 3fa12737 4000519a 3d5c1b3a 3f1e38f6 bed35ad0 bf575006 c0143a08"
+            )
+        );
+        assert_eq!(
+            bits(&torch_randn(24, 0, NoiseMath::Libm)),
+            hex(
+                "bf901b85 bf93808a be804bd6 bede255e 3f594515 3f312784 bea1cc6d c0075fc2 \
+                 3eefaa55 be217f5f 3fb8c9db 3e8837a1 3e2a7344 3f5fd77d be12eae9 bde4936f \
+                 3f6e8c31 3fa12737 4000519a 3d5c1b39 3f1e38f6 bed35ad0 bf575004 c0143a08"
+            )
+        );
+        assert_eq!(
+            bits(&torch_randn(17, 42, NoiseMath::AvxMathfun)),
+            hex(
+                "3ff6a529 be236d85 befeaae4 3ee111d8 bf4214e2 3f8a0650 3f4d0144 3fd71e93 \
+                 3eb63345 3fa5f12f 3f1c4788 3faad8b0 be6d2eed 3d2b0c00 be80ce7a 3f5c1fb0 \
+                 be9e9482"
+            )
         );
     }
 }
