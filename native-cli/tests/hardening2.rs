@@ -246,3 +246,87 @@ fn ring_and_reader_flags_are_bounded() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// `nibble ARGS` under `ulimit -v KB`.
+fn nibble_limited(kb: u64, args: &[&str]) -> Output {
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "ulimit -v {kb} && exec '{}' {}",
+                env!("CARGO_BIN_EXE_nibble"),
+                quoted.join(" ")
+            ),
+        ])
+        .output()
+        .expect("sh")
+}
+
+/// Fault 20: the `auto` host budget is capped by the address-space limit (`ulimit -v`), and
+/// planned allocations are checked and fallible: under a 3 GB limit a ring of 4 x 1 GiB, a DiT's
+/// 1e8 text tokens and `bench stream`'s 2 GiB slots are errors naming what did not fit, never
+/// an abort. Fault 21: `plan` of a lone DiT draws no inputs (2e7 text tokens are planned, and
+/// refused for the memory the run would need, without allocating them).
+#[test]
+fn an_address_space_limit_caps_the_budget_and_planning_allocates_nothing() {
+    let llm = fixture("tiny-llama-nf4/model");
+    let dit = fixture("tiny-dit-nf4/model");
+    let (l, d) = (llm.to_str().expect("utf8"), dit.to_str().expect("utf8"));
+    let plan = nibble_limited(3_000_000, &["plan", "--model", l]);
+    let out =
+        String::from_utf8_lossy(&plan.stdout).to_string() + &String::from_utf8_lossy(&plan.stderr);
+    assert!(plan.status.success(), "{out}");
+    assert!(
+        out.contains("RLIMIT_AS"),
+        "the budget names the limit: {out}"
+    );
+    for args in [
+        vec![
+            "run",
+            "--model",
+            l,
+            "--prompt-ids",
+            "1",
+            "--max-tokens",
+            "1",
+            "--slots",
+            "4",
+            "--slot-size",
+            "1GiB",
+            "--stream-all",
+        ],
+        vec![
+            "run",
+            "--model",
+            d,
+            "--text-len",
+            "100000000",
+            "--steps",
+            "1",
+        ],
+        vec![
+            "bench",
+            "stream",
+            "--model",
+            l,
+            "--slot-size",
+            "2GiB",
+            "--steps",
+            "1",
+        ],
+    ] {
+        let o = nibble_limited(3_000_000, &args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("error:"), "{args:?}: {err}");
+        assert!(!err.contains("memory allocation of"), "{args:?}: {err}");
+    }
+    let o = nibble_limited(1_500_000, &["plan", "--model", d, "--text-len", "20000000"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("needs at least") && !err.contains("inputs for"),
+        "{err}"
+    );
+}

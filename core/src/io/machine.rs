@@ -49,7 +49,7 @@ pub fn reset_peak_rss() -> bool {
 }
 
 /// The memory this process may still use: `MemAvailable`, capped by its cgroup's limit less its
-/// usage (a container's limit), in bytes.
+/// usage (a container's limit) and by its address-space limit less what it maps, in bytes.
 pub fn available_memory_bytes() -> Option<u64> {
     host_memory().map(|h| h.available)
 }
@@ -201,7 +201,67 @@ pub fn host_memory() -> Option<HostMemory> {
             v1.as_deref()
                 .and_then(|p| cgroup_room_of(p, false, &under("/sys/fs/cgroup/memory")))
         });
-    Some(HostMemory::from_parts(mem_available, room))
+    let mut h = HostMemory::from_parts(mem_available, room);
+    if let Some((r, what)) = address_space_room() {
+        h.available = h.available.min(r);
+        h.source.push_str(&format!(
+            ", {what} = {} left",
+            crate::format::size::fmt_bytes(r)
+        ));
+    }
+    Some(h)
+}
+
+/// Room under this process's address-space limit (`ulimit -v`, `RLIMIT_AS`): the limit less the
+/// address space mapped now (`VmSize`), with where it came from; `None` without a limit. A
+/// budget above it would pass every check and then abort on the first allocation it refuses.
+pub fn address_space_room() -> Option<(u64, String)> {
+    #[cfg(all(target_os = "linux", feature = "native"))]
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0
+            || lim.rlim_cur == libc::RLIM_INFINITY
+        {
+            return None;
+        }
+        #[allow(clippy::unnecessary_cast)] // rlim_t is not u64 everywhere
+        let limit = lim.rlim_cur as u64;
+        let pages: u64 = std::fs::read_to_string("/proc/self/statm")
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        let mapped = pages.saturating_mul(page_size());
+        let f = crate::format::size::fmt_bytes;
+        Some((
+            limit.saturating_sub(mapped),
+            format!("RLIMIT_AS {} - VmSize {}", f(limit), f(mapped)),
+        ))
+    }
+    #[cfg(not(all(target_os = "linux", feature = "native")))]
+    {
+        None
+    }
+}
+
+/// `n` zeroed values, or an error naming `what` when the allocation is refused (a planned
+/// allocation must not abort the process: an address-space limit or overcommit policy can
+/// refuse what the budget allowed).
+pub fn zeroed<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::Invalid(format!(
+            "{what}: the allocation of {} bytes was refused",
+            n as u128 * std::mem::size_of::<T>() as u128
+        ))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
 }
 
 impl HostMemory {

@@ -39,8 +39,17 @@ impl HostSlot {
     pub const ALIGN: usize = 4096;
 
     /// Allocates and touches `len` bytes (so they count in RSS from the start, not mid-run).
+    /// Panics if the allocation is refused; [`HostSlot::try_new`] returns the error.
     pub fn new(len: usize) -> Self {
-        let mut raw = vec![0u8; len + Self::ALIGN];
+        Self::try_new(len).expect("allocating a host slot")
+    }
+
+    /// [`HostSlot::new`], or an error when the allocation is refused.
+    pub fn try_new(len: usize) -> crate::error::Result<Self> {
+        let mut raw = crate::io::machine::zeroed::<u8>(
+            len.saturating_add(Self::ALIGN),
+            &format!("a ring slot of {len} bytes"),
+        )?;
         // A zeroed allocation is not resident until written: touch every page now, so that the
         // ring counts in RSS from the start and not in the middle of a run.
         for page in raw.chunks_mut(4096) {
@@ -48,7 +57,7 @@ impl HostSlot {
             unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
         }
         let start = raw.as_ptr().align_offset(Self::ALIGN).min(Self::ALIGN);
-        HostSlot { raw, start, len }
+        Ok(HostSlot { raw, start, len })
     }
 }
 

@@ -33,7 +33,7 @@ pub struct HostAllocator;
 
 impl SlotAllocator for HostAllocator {
     fn allocate(&self, bytes: usize) -> Result<SlotBuffer> {
-        Ok(Box::new(HostSlot::new(bytes)))
+        Ok(Box::new(HostSlot::try_new(bytes)?))
     }
 }
 

@@ -349,7 +349,16 @@ impl<B: Backend> Denoiser<B> {
 
     /// The graph this run would build for `inputs` (to plan it before allocating).
     pub fn graph_for(model: &ModelIndex, inputs: &DitInputs) -> Result<crate::graph::Graph> {
-        Ok(dit::build(model, inputs.image_tokens(), inputs.text_tokens())?.graph)
+        Self::graph_for_tokens(model, inputs.image_tokens(), inputs.text_tokens())
+    }
+
+    /// The graph for `image` latent tokens and `text` tokens, with no inputs drawn (planning).
+    pub fn graph_for_tokens(
+        model: &ModelIndex,
+        image: usize,
+        text: usize,
+    ) -> Result<crate::graph::Graph> {
+        Ok(dit::build(model, image, text)?.graph)
     }
 
     /// Ends the run: releases its device memory, gives back the backend and the ring.

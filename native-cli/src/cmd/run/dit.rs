@@ -98,6 +98,21 @@ pub(super) fn run<B: Backend>(
         })?),
         None => None,
     };
+    if o.plan_only && resumed.is_none() && d.inputs.is_none() {
+        // Planning needs the token counts, not the inputs: nothing is drawn (a --text-len of
+        // 2e7 would draw gigabytes to print the plan of a small model).
+        let (h, w) = (d.height.unwrap_or(4), d.width.unwrap_or(4));
+        let image = h
+            .checked_mul(w)
+            .filter(|&n| n > 0 && n <= nibble_core::graph::MAX_ELEMENTS)
+            .with_context(|| format!("a latent of {h} x {w} tokens"))?;
+        if d.text_len == 0 {
+            bail!("--text-len must be at least 1");
+        }
+        let graph = Denoiser::<B>::graph_for_tokens(model, image, d.text_len)?;
+        super::plan::prelude(o, &mut backend, label, "transformer", &graph, model)?;
+        return Ok(());
+    }
     let inputs = match (&resumed, &d.inputs) {
         (Some(c), _) => c.inputs.clone(),
         (None, Some(p)) => read_inputs(p, &cfg)?,
