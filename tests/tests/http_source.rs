@@ -256,6 +256,28 @@ fn a_body_that_stalls_is_cut_off_by_the_request_deadline() {
     assert!(e.to_string().contains("giving up"), "{e}");
 }
 
+/// #32 fault 24: a small file (config.json) that stalls after its first bytes ends the call
+/// within one deadline for all attempts, sized by the file's Content-Length, not by the 64 MiB
+/// limit for such files (which gave 65 s per attempt at these options, six attempts).
+#[test]
+fn a_small_file_that_stalls_ends_within_one_deadline() {
+    let (srv, _) = server(Fault::StallMidBody);
+    let o = HttpOptions {
+        retries: 5,
+        backoff: Duration::from_millis(5),
+        timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let e = ModelIndex::open_url(&format!("{}/model", srv.base), o).expect_err("stalled");
+    assert!(
+        t0.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(e.to_string().contains("config.json"), "{e}");
+}
+
 #[test]
 fn a_validator_that_vanishes_is_a_change() {
     let (srv, _) = server(Fault::EtagVanishesAfter(2));

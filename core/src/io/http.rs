@@ -221,21 +221,41 @@ impl HttpClient {
         }
     }
 
-    /// GETs a small whole file (config.json, an index JSON); `Ok(None)` on 404.
+    /// GETs a small whole file (config.json, an index JSON); `Ok(None)` on 404. All attempts
+    /// together get one deadline, `timeout + size / min_rate`, the size being what the server's
+    /// `Content-Length` says (1 MiB until it has said): a server that stalls mid-file ends the
+    /// call in about `timeout`, not `limit / min_rate` per attempt.
     pub fn get_small(&self, url: &str, limit: u64) -> Result<Option<Vec<u8>>> {
         let mut attempt = 0;
+        let started = std::time::Instant::now();
+        let mut expect = limit.min(1 << 20);
         loop {
+            let left = self.deadline(expect).saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::Model {
+                    file: url.to_string(),
+                    msg: format!(
+                        "no whole answer within {:.0} s ({attempt} attempts)",
+                        self.deadline(expect).as_secs_f64()
+                    ),
+                });
+            }
             self.requests.fetch_add(1, Ordering::Relaxed);
             let outcome = match self
                 .agent
                 .get(url)
                 .config()
-                .timeout_global(Some(self.deadline(limit)))
+                .timeout_global(Some(left))
                 .build()
                 .call()
             {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
+                    let declared = resp
+                        .headers()
+                        .get("content-length")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.trim().parse::<u64>().ok());
                     if status == 404 {
                         return Ok(None);
                     }
@@ -246,6 +266,18 @@ impl HttpClient {
                             file: url.to_string(),
                             msg: format!("HTTP {status}"),
                         });
+                    } else if declared.is_some_and(|n| n > limit) {
+                        return Err(Error::Model {
+                            file: url.to_string(),
+                            msg: format!(
+                                "{} bytes, larger than the {limit}-byte limit for this file",
+                                declared.unwrap_or(0)
+                            ),
+                        });
+                    } else if let Some(n) = declared.filter(|&n| n > expect) {
+                        // A larger file than guessed: asked again with its own deadline.
+                        expect = n;
+                        continue;
                     } else {
                         let mut body = Vec::new();
                         match resp
@@ -277,7 +309,7 @@ impl HttpClient {
                 Attempt::NotFound => return Ok(None),
                 Attempt::Fatal(e) => return Err(e),
                 Attempt::Retry(why) => {
-                    if attempt >= self.opts.retries {
+                    if attempt >= self.opts.retries || started.elapsed() >= self.deadline(expect) {
                         return Err(Error::Model {
                             file: url.to_string(),
                             msg: format!("giving up after {} attempts: {why}", attempt + 1),
