@@ -330,3 +330,54 @@ fn an_address_space_limit_caps_the_budget_and_planning_allocates_nothing() {
         "{err}"
     );
 }
+
+/// Fault 23: errors say what went wrong. A pipeline URL whose `model_index.json` the server
+/// refuses (403) or fails (5xx) names that file and status, not "no model found ... (HTTP 404)";
+/// `bench offload` on a language model or a pipeline folder says what it was given.
+#[test]
+fn errors_name_the_real_cause() {
+    use nibble_tests::http_server::{files_under, Fault, TestServer};
+    let flux = fixture("tiny-flux-pipeline/pipeline");
+    for (fault, says) in [
+        (Fault::Status(403), "HTTP 403"),
+        (Fault::Status(401), "HTTP 401"),
+        (Fault::ServerErrors(usize::MAX), "HTTP 500"),
+    ] {
+        let srv = TestServer::start(files_under(&flux, "p"), fault);
+        let url = format!("{}/p", srv.base);
+        let o = nibble(&["plan", "--model", &url]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("model_index.json") && err.contains(says),
+            "{says}: {err}"
+        );
+        assert!(!err.contains("no model found"), "{err}");
+    }
+    let llm = fixture("tiny-llama-nf4/model");
+    let o = nibble(&[
+        "bench",
+        "offload",
+        "--model",
+        llm.to_str().expect("utf8"),
+        "--mode",
+        "resident",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("a language model, not a Flux-style DiT"),
+        "{err}"
+    );
+    let o = nibble(&[
+        "bench",
+        "offload",
+        "--model",
+        flux.to_str().expect("utf8"),
+        "--mode",
+        "resident",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("pipeline folder (FluxPipeline)"), "{err}");
+}

@@ -289,14 +289,28 @@ pub fn check_components(
     Ok(())
 }
 
-/// The pipeline class a folder's `model_index.json` names, where it has one (a folder or URL).
+/// The pipeline class a folder's `model_index.json` names: `None` where the folder (or URL)
+/// has no such file, or is not a folder; an error naming the file where it could not be read
+/// (HTTP 401/403/5xx, over the size limit) or is not JSON, so that a pipeline the server
+/// refused is not reported as "no model found".
 #[cfg(feature = "native")]
-pub fn pipeline_class(root: &str) -> Option<String> {
+pub fn pipeline_class(root: &str) -> Result<Option<String>> {
     let (_, folder) = folders(root, Default::default());
-    let top = folder("").ok()?;
-    let bytes = crate::io::folder::block_on(top.read_small("model_index.json", SMALL)).ok()??;
-    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    json.get("_class_name")?.as_str().map(str::to_string)
+    let Ok(top) = folder("") else {
+        return Ok(None);
+    };
+    let Some(bytes) = crate::io::folder::block_on(top.read_small("model_index.json", SMALL))?
+    else {
+        return Ok(None);
+    };
+    let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Model {
+        file: top.locate("model_index.json"),
+        msg: format!("not JSON: {e}"),
+    })?;
+    Ok(json
+        .get("_class_name")
+        .and_then(|c| c.as_str())
+        .map(str::to_string))
 }
 
 /// A pipeline folder's root (without a trailing `/`) and the folders of its components (`""`:

@@ -28,7 +28,7 @@ impl crate::backends::WithBackend for OneMode<'_> {
     type Output = serde_json::Value;
     fn call<B: Backend + 'static>(self, mut backend: B, label: &str) -> Result<serde_json::Value> {
         let b = self.b;
-        let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
+        let model = open_dit(b)?;
         let cfg = DitConfig::of(&model)?;
         let inputs = DitInputs::random(&cfg, b.height, b.width, b.text_len, 3.5, 0)?;
         let sigmas = schedule(b.steps, 1.0, true, inputs.image_tokens())?;
@@ -77,6 +77,38 @@ fn col(rows: &serde_json::Value, k: &str) -> Vec<f64> {
 }
 
 /// Runs the benchmark (or, with `mode`, one of its modes).
+/// The model of `--model`, which must be a lone Flux-style DiT: a pipeline folder, a language
+/// model or an encoder is refused saying what it is.
+fn open_dit(b: &OffloadArgs) -> Result<ModelIndex> {
+    if let Some(class) = nibble_core::models::pipeline::pipeline_class(&b.model)? {
+        bail!(
+            "{} is a diffusers pipeline folder ({class}): bench offload measures a lone Flux-style \
+             DiT; give its transformer/ folder",
+            b.model
+        );
+    }
+    let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
+    match model
+        .config
+        .as_ref()
+        .and_then(nibble_core::models::ModelKind::of_config)
+    {
+        Some(nibble_core::models::ModelKind::Dit) => Ok(model),
+        Some(k) => bail!(
+            "{}: config.json describes {}, not a Flux-style DiT: bench offload measures a DiT",
+            b.model,
+            match k {
+                nibble_core::models::ModelKind::Llm => "a language model",
+                _ => "a BERT encoder",
+            }
+        ),
+        None => bail!(
+            "{}: config.json is not a Flux-style DiT's: bench offload measures a DiT",
+            b.model
+        ),
+    }
+}
+
 pub fn run(b: &OffloadArgs) -> Result<()> {
     let stem = b.chart.clone().unwrap_or_else(|| "nibble-offload".into());
     let reads = crate::output::paths::Reads {
@@ -94,7 +126,7 @@ pub fn run(b: &OffloadArgs) -> Result<()> {
         bail!("--steps must be at least 2 (the first step warms up)");
     }
     // Does the model fit resident?
-    let model = ModelIndex::open_path_or_url(&b.model, b.file_mode.into())?;
+    let model = open_dit(b)?;
     let limit = match b.resident_limit {
         Some(s) => s,
         None => nibble_core::io::machine::available_memory_bytes().unwrap_or(0) * 6 / 10,

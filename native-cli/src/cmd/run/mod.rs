@@ -23,7 +23,7 @@ pub use options::RunArgs;
 /// Runs generation (LLM), denoising (DiT) or embedding (encoder), by what config.json says.
 pub fn run(o: &RunArgs) -> Result<()> {
     check_outputs(o)?;
-    match nibble_core::models::pipeline::pipeline_class(&o.model).as_deref() {
+    match nibble_core::models::pipeline::pipeline_class(&o.model)?.as_deref() {
         Some("WanPipeline") => return wan::run(o),
         Some(_) => return flux::run(o),
         None => {}
