@@ -274,3 +274,22 @@ fn unsupported_request_parts_are_refused() {
         );
     }
 }
+
+/// Fault 8: a small model whose prefill chunk makes activations dominate needs less device
+/// memory with every weight resident than with every group streamed; the auto budget and the
+/// planner take the smaller, and the server starts instead of refusing with a contradiction.
+#[test]
+fn a_small_model_with_long_prefill_chunks_starts() {
+    let dir = tempfile::tempdir().expect("tmp");
+    nibble_tests::copy_dir(&nibble_tests::fixture("tiny-llama-nf4/model"), dir.path());
+    let tok = nibble_tests::text::byte_fallback_tokenizer(300);
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("tokenizer.json");
+    for chunk in ["512", "4096"] {
+        let s = start(dir.path(), &["--prefill-chunk", chunk]);
+        let (status, v) = s.post(
+            "/v1/completions",
+            &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+        );
+        assert_eq!(status, 200, "--prefill-chunk {chunk}: {v}");
+    }
+}

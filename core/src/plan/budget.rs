@@ -435,7 +435,10 @@ fn budgets_for<B: Backend + ?Sized>(
     let req = ph.req;
     let ring = r.slots.saturating_mul(r.slot_size);
     let need = least.iter().map(|l| l.1).max().unwrap_or(0);
-    let least_all = least.iter().map(|l| l.0).max().unwrap_or(0);
+    // A phase runs with the smaller of its two: streamed groups take staging and per-group
+    // buffers on the device that resident ones do not, so where activations dominate (a small
+    // model, long prefill chunks) every weight resident is the least.
+    let least_all = least.iter().map(|l| l.0.min(l.1)).max().unwrap_or(0);
     let (host, host_note) = match req.host {
         Budget::Bytes(b) => (Some(b), format!("host budget {} (given)", fmt_bytes(b))),
         // What is available now is in addition to what this process already holds.
@@ -511,11 +514,12 @@ fn budgets_for<B: Backend + ?Sized>(
                     }
                     room = fits;
                 }
-                if room.min(need) < least_all {
+                if room < least_all {
                     return Err(Error::Invalid(format!(
                         "the {host_note} leaves {} for device memory (host memory on this \
                          backend) after the process ({}) and the ring ({} x {}) and their \
-                         buffers; the run needs at least {} with every group streamed: give \
+                         buffers; the run needs at least {} (every group streamed, or every \
+                         weight resident where that is less): give \
                          a larger --host-budget, or fewer or smaller ring slots",
                         fmt_bytes(room),
                         fmt_bytes(rss),

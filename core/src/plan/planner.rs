@@ -225,8 +225,17 @@ impl Planner {
         let n = self.graph.groups.len();
         let mut resident = vec![false; n];
         let mut lay = self.layout(&resident)?;
+        let all = (!stream_all)
+            .then(|| self.layout(&vec![true; n]))
+            .transpose()?;
         let min = lay.device_bytes();
-        if min > budgets.device_bytes {
+        // Every group resident may be less than every group streamed (streaming adds staging
+        // and per-group device buffers; a small model with large activations): it is tried
+        // first.
+        let all_fits = all
+            .as_ref()
+            .is_some_and(|a| a.device_bytes() <= budgets.device_bytes);
+        if min > budgets.device_bytes && !all_fits {
             let largest = (0..n)
                 .filter(|&g| !lay.reads[g].is_empty())
                 .max_by_key(|&g| lay.reads[g].iter().map(|t| t.len).sum::<u64>());
@@ -243,9 +252,6 @@ impl Planner {
                 fmt_bytes(min)
             )));
         }
-        let all = (!stream_all)
-            .then(|| self.layout(&vec![true; n]))
-            .transpose()?;
         if let Some(all) = all.filter(|a| a.device_bytes() <= budgets.device_bytes) {
             // Everything resident fits: the greedy pass below could leave a group streamed
             // whose residency only fits once a later group (a tied head) is resident too.
