@@ -410,3 +410,111 @@ fn an_impossible_budget_names_the_smallest_that_runs_every_phase() {
     );
     assert!(tmp.path().join("fox.png").is_file());
 }
+
+/// #32 faults 12-13: cache entries are trusted by content. An entry whose values changed, one
+/// copied from another prompt under this prompt's name, and one of the wrong size are each
+/// encoded again (with a warning) and give the uncached picture; a cache path that cannot be a
+/// folder is refused before any phase runs.
+#[test]
+fn cache_entries_are_trusted_by_content() {
+    let dir = fixture().join("pipeline");
+    let cache = tempfile::tempdir().expect("tmp");
+    let out = tempfile::tempdir().expect("tmp");
+    let run = |prompt: &str, cache: &Path, png: &str| {
+        Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(["run", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt", prompt, "--height", "32", "--width", "32", "--steps", "1",
+            ])
+            .args([
+                "--max-sequence-length",
+                "32",
+                "--backend",
+                "cpu",
+                "--json",
+                "--embed-cache",
+            ])
+            .arg(cache)
+            .arg("--out")
+            .arg(out.path().join(png))
+            .output()
+            .expect("run")
+    };
+    let ok = |o: std::process::Output| -> (serde_json::Value, String) {
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        (serde_json::from_slice(&o.stdout).expect("json"), err)
+    };
+    let (first, _) = ok(run("a lighthouse", cache.path(), "a.png"));
+    assert_eq!(first["embed_cache"], "miss");
+    let want = std::fs::read(out.path().join("a.png")).expect("a.png");
+    let entries = |c: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(c)
+            .expect("cache")
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        v.sort();
+        v
+    };
+    let entry = entries(cache.path()).remove(0);
+    let good = std::fs::read(&entry).expect("entry");
+    let again = |what: &str, says: &str| {
+        let (v, err) = ok(run("a lighthouse", cache.path(), "b.png"));
+        assert_eq!(v["embed_cache"], "miss", "{what}: recomputed");
+        assert!(err.contains(says), "{what}: {err}");
+        let got = std::fs::read(out.path().join("b.png")).expect("b.png");
+        assert!(got == want, "{what}: the same picture as without the cache");
+    };
+    // One value changed (the last bytes of the file are prompt_embeds data).
+    let mut bad = good.clone();
+    let n = bad.len();
+    bad[n - 2] ^= 0x40;
+    std::fs::write(&entry, &bad).expect("write");
+    again("a changed value", "checksum");
+    // Another prompt's entry under this prompt's name.
+    let other = tempfile::tempdir().expect("tmp");
+    ok(run("a red fox", other.path(), "c.png"));
+    std::fs::copy(entries(other.path()).remove(0), &entry).expect("copy");
+    again("another prompt's entry", "another prompt or model");
+    // The right key, the wrong size.
+    let m = ModelIndex::open(&entry).expect("entry");
+    let meta = m.shards[0].header.metadata.clone();
+    let pooled = f32s(&m, "pooled_prompt_embeds");
+    let ctx = f32s(&m, "prompt_embeds");
+    drop(m);
+    let half = &ctx[..ctx.len() / 2];
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    nibble_core::format::writer::write_safetensors(
+        &entry,
+        &[
+            (
+                "pooled_prompt_embeds".into(),
+                nibble_core::format::dtype::Dtype::F32,
+                vec![1, pooled.len() as u64],
+                bytes(&pooled),
+            ),
+            (
+                "prompt_embeds".into(),
+                nibble_core::format::dtype::Dtype::F32,
+                vec![1, half.len() as u64],
+                bytes(half),
+            ),
+        ],
+        &meta,
+    )
+    .expect("write");
+    again("a wrong-sized entry", "the model takes");
+    // A cache path that is a file: refused at once.
+    let file = out.path().join("not-a-folder");
+    std::fs::write(&file, b"x").expect("write");
+    let o = run("a lighthouse", &file, "d.png");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--embed-cache") && !err.contains("phase"),
+        "{err}"
+    );
+    assert!(!out.path().join("d.png").exists());
+}

@@ -128,20 +128,29 @@ pub fn generate<B: Backend + 'static>(
     budget: impl FnOnce(&FluxPipeline, &Prepared, &mut B) -> Result<ExecOptions>,
 ) -> Result<Generated> {
     let mut prepared = pipe.prepare(req)?;
-    let cache =
-        embed_cache.map(|dir| dir.join(format!("{}.safetensors", pipe.embed_key(&prepared))));
+    if let Some(dir) = embed_cache {
+        cache_folder(dir)?;
+    }
+    let key = pipe.embed_key(&prepared);
+    let cache = embed_cache.map(|dir| dir.join(format!("{key}.safetensors")));
+    let dims = {
+        let c = nibble_core::models::dit::DitConfig::of(&pipe.transformer)?;
+        (c.pooled_dim, c.joint_dim)
+    };
     let hit = match &cache {
-        Some(path) if path.is_file() => match read_embeds(path, prepared.t5_ids.len()) {
-            Ok(e) => {
-                prepared.embeds = Some(e);
-                true
+        Some(path) if path.is_file() => {
+            match read_embeds(path, &key, prepared.t5_ids.len(), dims) {
+                Ok(e) => {
+                    prepared.embeds = Some(e);
+                    true
+                }
+                Err(e) => {
+                    // A damaged entry is recomputed (and rewritten), not fatal.
+                    eprintln!("warning: {e:#}; encoding the prompt again");
+                    false
+                }
             }
-            Err(e) => {
-                // A damaged entry is recomputed (and rewritten), not fatal.
-                eprintln!("warning: {e:#}; encoding the prompt again");
-                false
-            }
-        },
+        }
         _ => false,
     };
     let opts = budget(pipe, &prepared, &mut backend)?;
@@ -182,7 +191,11 @@ pub fn generate<B: Backend + 'static>(
         ..
     } = progress;
     if let (Some(path), false) = (&cache, hit) {
-        write_embeds(path, &out.tensors)?;
+        // The image is made: a cache that cannot be written costs the next run time, not this one
+        // its result.
+        if let Err(e) = write_embeds(path, &key, &out.tensors) {
+            eprintln!("warning: {e:#}; the prompt's embeddings were not cached");
+        }
     }
     Ok(Generated {
         out,
@@ -270,36 +283,69 @@ impl crate::backends::WithBackend for Run<'_> {
     }
 }
 
-/// The encoders' outputs from a cache file (`pooled_prompt_embeds`, `prompt_embeds`).
-fn read_embeds(path: &std::path::Path, t5_tokens: usize) -> Result<Embeds> {
-    let f =
-        ModelIndex::open(path).with_context(|| format!("embedding cache {}", path.display()))?;
+/// What an embedding cache entry records of itself: the key it was written under and the
+/// SHA-256 of its tensors' bytes, so that an entry is trusted by content, not by its name.
+const KEY_FIELD: &str = "nibble_embed_key";
+const SUM_FIELD: &str = "sha256";
+
+/// SHA-256 (hex) of the pooled and the per-token embeddings' bytes, in that order.
+fn embeds_sum(pooled: &[f32], context: &[f32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(f32_to_bytes(pooled));
+    h.update(f32_to_bytes(context));
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The encoders' outputs from a cache entry (`pooled_prompt_embeds`, `prompt_embeds`), checked
+/// by content: written under `key` (not copied from another prompt or model), the sizes this
+/// pipeline's transformer takes (`pooled` values, `t5_tokens` x `joint` values), and bytes that
+/// hash to the sum recorded when it was written. Any mismatch is an error (the caller encodes
+/// the prompt again and rewrites the entry).
+fn read_embeds(
+    path: &std::path::Path,
+    key: &str,
+    t5_tokens: usize,
+    (pooled_dim, joint_dim): (usize, usize),
+) -> Result<Embeds> {
+    let what = || format!("embedding cache {}", path.display());
+    let f = ModelIndex::open(path).with_context(what)?;
+    let meta = &f.shards.first().context("no file")?.header.metadata;
+    if meta.get(KEY_FIELD).map(String::as_str) != Some(key) {
+        bail!("{}: written for another prompt or model", what());
+    }
     let get = |n: &str| -> Result<Vec<f32>> {
         Ok(f.read_f32(
             f.require(n)
-                .with_context(|| format!("embedding cache {}: no {n}", path.display()))?,
+                .with_context(|| format!("{}: no {n}", what()))?,
         )?)
     };
     let e = Embeds {
         pooled: get("pooled_prompt_embeds")?,
         context: get("prompt_embeds")?,
     };
-    if e.context.is_empty() || e.context.len() % t5_tokens.max(1) != 0 {
+    if e.pooled.len() != pooled_dim || e.context.len() != t5_tokens * joint_dim {
         bail!(
-            "embedding cache {}: prompt_embeds has the wrong size",
-            path.display()
+            "{}: {} pooled and {} per-token values, the model takes {pooled_dim} and {} x {joint_dim}",
+            what(),
+            e.pooled.len(),
+            e.context.len(),
+            t5_tokens
         );
+    }
+    if meta.get(SUM_FIELD) != Some(&embeds_sum(&e.pooled, &e.context)) {
+        bail!("{}: its values do not match their checksum", what());
     }
     Ok(e)
 }
 
-/// Stores the encoders' outputs (written to a temporary name, then renamed into place).
+/// Stores the encoders' outputs under `key`, with their checksum (one output writer: written
+/// whole or not at all).
 fn write_embeds(
     path: &std::path::Path,
+    key: &str,
     tensors: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
 ) -> Result<()> {
-    let dir = path.parent().context("cache path")?;
-    std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     let mut named = Vec::new();
     for n in ["pooled_prompt_embeds", "prompt_embeds"] {
         let (shape, v) = tensors.get(n).context("encoder outputs")?;
@@ -310,12 +356,26 @@ fn write_embeds(
             f32_to_bytes(v),
         ));
     }
-    let tmp = path.with_extension("partial");
-    let r = nibble_core::format::writer::write_safetensors(&tmp, &named, &Default::default())
-        .map_err(anyhow::Error::from)
-        .and_then(|()| std::fs::rename(&tmp, path).with_context(|| path.display().to_string()));
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
+    let (pooled, context) = (
+        &tensors["pooled_prompt_embeds"].1,
+        &tensors["prompt_embeds"].1,
+    );
+    let meta = std::collections::BTreeMap::from([
+        (KEY_FIELD.to_string(), key.to_string()),
+        (SUM_FIELD.to_string(), embeds_sum(pooled, context)),
+    ]);
+    nibble_core::format::writer::write_safetensors(path, &named, &meta)
+        .with_context(|| format!("embedding cache {}", path.display()))
+}
+
+/// The cache folder, made now and checked writable: a path that cannot be a folder is an error
+/// before any work, not after the image is made.
+fn cache_folder(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--embed-cache {}: cannot be a folder", dir.display()))?;
+    let probe = dir.join(format!(".nibble-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--embed-cache {}: cannot write there", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
