@@ -297,3 +297,58 @@ impl Error {
         }
     }
 }
+
+thread_local! {
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a call behind the panic boundary ([`guarded`]): a panic hook
+/// can stay quiet then (the panic becomes an error that is reported in its place).
+pub fn in_guarded_call() -> bool {
+    GUARDED.with(|g| g.get())
+}
+
+/// Runs `f`, a call into a third-party parser (`library`, e.g. "the tokenizer library") on
+/// `file`, behind a panic boundary: its error or its panic becomes an [`Error::Model`] naming
+/// the file. A parser's panic on a malformed file must not end the process.
+pub fn guarded<T, E: fmt::Display>(
+    file: &str,
+    library: &str,
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> Result<T> {
+    let was = GUARDED.with(|g| g.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(was));
+    match r {
+        Ok(r) => r.map_err(|e| Error::Model {
+            file: file.into(),
+            msg: e.to_string(),
+        }),
+        Err(p) => {
+            let why = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(Error::Model {
+                file: file.into(),
+                msg: format!("{library} failed on this file (it panicked: {why})"),
+            })
+        }
+    }
+}
+
+/// `n` zeroed values, or an error naming `what` when the allocation is refused (a planned
+/// allocation must not abort the process: an address-space limit or overcommit policy can
+/// refuse what the budget allowed).
+pub fn zeroed<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::Invalid(format!(
+            "{what}: the allocation of {} bytes was refused",
+            n as u128 * std::mem::size_of::<T>() as u128
+        ))
+    })?;
+    v.resize(n, T::default());
+    Ok(v)
+}

@@ -119,7 +119,7 @@ fn main() -> ExitCode {
     // names the file: the default hook's message would only repeat it.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if !nibble_core::models::text::in_guarded_call() {
+        if !nibble_core::error::in_guarded_call() {
             hook(info)
         }
     }));

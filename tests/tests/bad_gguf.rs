@@ -152,3 +152,69 @@ fn sizes_and_layers_the_tensors_do_not_back_are_refused() {
     });
     assert!(e.contains("tokenizer"), "{e}");
 }
+
+/// #32 fault 15: `convert` writes only folders nibble can load. Tokens that are empty or
+/// repeated, merges that are not `A B` of the vocabulary, a missing `output_norm.weight` (or
+/// any tensor a layer needs), and a `general.alignment` that is not a power of two (llama.cpp
+/// refuses it; read anyway, every tensor comes from shifted offsets) are refused before anything
+/// is written.
+#[test]
+fn files_that_would_convert_to_an_unloadable_folder_are_refused() {
+    let tokens = |meta: &mut Vec<(&'static str, Meta)>, edit: &dyn Fn(&mut Vec<String>)| {
+        let slot = meta
+            .iter_mut()
+            .find(|(k, _)| *k == "tokenizer.ggml.tokens")
+            .expect("tokens");
+        if let Meta::Strs(t) = &mut slot.1 {
+            edit(t);
+        }
+    };
+    let e = refused("an empty token", |m, _| {
+        tokens(m, &|t| t[70] = String::new())
+    });
+    assert!(e.contains("tokenizer.ggml.tokens[70] is empty"), "{e}");
+    let e = refused("a repeated token", |m, _| {
+        tokens(m, &|t| t[71] = t[70].clone())
+    });
+    assert!(
+        e.contains("tokenizer.ggml.tokens[71]") && e.contains("repeats token 70"),
+        "{e}"
+    );
+    for bad in ["he", "h  e", "h x\u{1}", "q z", " e"] {
+        let e = refused(bad, |m, _| {
+            set(
+                m,
+                "tokenizer.ggml.merges",
+                Meta::Strs(vec!["h e".into(), bad.into()]),
+            )
+        });
+        assert!(e.contains("tokenizer.ggml.merges[1]"), "{bad:?}: {e}");
+    }
+    let e = refused("no output_norm", |_, t| {
+        t.retain(|t| t.name != "output_norm.weight")
+    });
+    assert!(e.contains("output_norm.weight"), "{e}");
+    let e = refused("no ffn_up", |_, t| {
+        t.retain(|t| t.name != "blk.0.ffn_up.weight")
+    });
+    assert!(e.contains("blk.0.ffn_up.weight"), "{e}");
+    let e = refused("alignment 3", |m, _| {
+        m.push(("general.alignment", Meta::U32(3)))
+    });
+    assert!(
+        e.contains("general.alignment") && e.contains("power of two"),
+        "{e}"
+    );
+    let e = refused("alignment 0", |m, _| {
+        m.push(("general.alignment", Meta::U32(0)))
+    });
+    assert!(e.contains("power of two"), "{e}");
+    // The well-formed file's folder loads: its tokenizer and every tensor.
+    let (dir, r) = run(|_, _| {});
+    r.expect("converts");
+    let out = dir.path().join("out");
+    let json = std::fs::read(out.join("tokenizer.json")).expect("tokenizer.json");
+    nibble_core::models::text::TextTokenizer::from_parts(&json, None, None).expect("loads");
+    let m = ModelIndex::open(&out.join("model.safetensors")).expect("open");
+    assert!(m.require("model.norm.weight").is_ok());
+}

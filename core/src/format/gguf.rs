@@ -383,11 +383,20 @@ impl GgufFile {
             })?;
             infos.push((name, dims, ty, rel));
         }
-        let align = meta
-            .get("general.alignment")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(32)
-            .max(1);
+        // llama.cpp refuses an alignment that is not a power of two (tensor offsets would not
+        // be where the file's writer put them).
+        let align = match meta.get("general.alignment") {
+            None => 32,
+            Some(v) => match v.as_u64() {
+                Some(a) if a.is_power_of_two() => a,
+                _ => {
+                    return Err(Error::Model {
+                        file: disp.clone(),
+                        msg: format!("general.alignment {v:?} is not a power of two"),
+                    })
+                }
+            },
+        };
         let data_start = r.pos.div_ceil(align) * align;
         let mut tensors = Vec::with_capacity(infos.len());
         for (name, dims, ty, rel) in infos {

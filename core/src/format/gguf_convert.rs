@@ -375,6 +375,37 @@ pub fn convert(
         });
     }
     plans.sort_by(|a, b| a.name.cmp(&b.name));
+    // Every tensor a Llama-family model needs is there: a folder without one would be written
+    // and then refused by every command that loads it.
+    let have: std::collections::HashSet<&str> = g.tensors.iter().map(|t| t.name.as_str()).collect();
+    let mut need = vec![
+        "token_embd.weight".to_string(),
+        "output_norm.weight".to_string(),
+    ];
+    for l in 0..hp.layers {
+        for part in [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ] {
+            need.push(format!("blk.{l}.{part}.weight"));
+        }
+    }
+    if let Some(missing) = need.iter().find(|n| !have.contains(n.as_str())) {
+        return Err(bad(
+            &file,
+            format!(
+                "no tensor '{missing}': a {} model of {} layers needs it",
+                hp.arch, hp.layers
+            ),
+        ));
+    }
     // Everything that can refuse the file is checked before the first byte is written.
     let tok = tokenizer(&g, &file)?;
     let emb = g
@@ -571,9 +602,39 @@ fn tokenizer(g: &GgufFile, file: &str) -> Result<Tok> {
         .get("tokenizer.ggml.add_bos_token")
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
+    // Token strings are the vocabulary's keys: each must be there once, and not empty.
     let mut vocab = serde_json::Map::new();
     for (i, t) in tokens.iter().enumerate() {
-        vocab.insert((*t).to_string(), json!(i));
+        if t.is_empty() {
+            return Err(bad(file, format!("tokenizer.ggml.tokens[{i}] is empty")));
+        }
+        if let Some(j) = vocab.insert((*t).to_string(), json!(i)) {
+            return Err(bad(
+                file,
+                format!("tokenizer.ggml.tokens[{i}] {t:?} repeats token {j}"),
+            ));
+        }
+    }
+    // Each merge is two tokens of the vocabulary separated by one space, whose concatenation
+    // is a token too (what a BPE tokenizer loads).
+    for (i, m) in merges.iter().enumerate() {
+        let ok = m.split_once(' ').filter(|(a, b)| {
+            !a.is_empty()
+                && !b.is_empty()
+                && !b.contains(' ')
+                && vocab.contains_key(*a)
+                && vocab.contains_key(*b)
+                && vocab.contains_key(&format!("{a}{b}"))
+        });
+        if ok.is_none() {
+            return Err(bad(
+                file,
+                format!(
+                    "tokenizer.ggml.merges[{i}] {m:?} is not two tokens of the vocabulary \
+                     ('A B') whose concatenation is one too"
+                ),
+            ));
+        }
     }
     // Control (3) and user-defined (4) tokens are matched whole, before the pre-tokenizer.
     let added: Vec<Json> = tokens
@@ -633,6 +694,18 @@ fn tokenizer(g: &GgufFile, file: &str) -> Result<Tok> {
                   "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                   "vocab": vocab, "merges": merges}
     });
+    // What is written must load: the tokenizer library parses it here (behind nibble's panic
+    // boundary) before any file is written.
+    #[cfg(feature = "text")]
+    crate::error::guarded("tokenizer.json", "the tokenizer library", || {
+        tokenizers::Tokenizer::from_bytes(tj.to_string().as_bytes())
+    })
+    .map_err(|e| {
+        bad(
+            file,
+            format!("the tokenizer.json it describes does not load: {e}"),
+        )
+    })?;
     let mut cfg = json!({
         "add_bos_token": add_bos,
         "add_eos_token": false,

@@ -249,21 +249,6 @@ pub fn address_space_room() -> Option<(u64, String)> {
     }
 }
 
-/// `n` zeroed values, or an error naming `what` when the allocation is refused (a planned
-/// allocation must not abort the process: an address-space limit or overcommit policy can
-/// refuse what the budget allowed).
-pub fn zeroed<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
-        Error::Invalid(format!(
-            "{what}: the allocation of {} bytes was refused",
-            n as u128 * std::mem::size_of::<T>() as u128
-        ))
-    })?;
-    v.resize(n, T::default());
-    Ok(v)
-}
-
 impl HostMemory {
     /// From `MemAvailable` and the cgroup room with its description.
     pub fn from_parts(mem_available: u64, room: Option<(u64, String)>) -> Self {

@@ -46,7 +46,7 @@ impl HostSlot {
 
     /// [`HostSlot::new`], or an error when the allocation is refused.
     pub fn try_new(len: usize) -> crate::error::Result<Self> {
-        let mut raw = crate::io::machine::zeroed::<u8>(
+        let mut raw = crate::error::zeroed::<u8>(
             len.saturating_add(Self::ALIGN),
             &format!("a ring slot of {len} bytes"),
         )?;

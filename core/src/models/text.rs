@@ -48,40 +48,15 @@ fn err(what: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// Runs a call into the `tokenizers` crate behind a panic boundary: the crate panics on some
-/// malformed files (a bad `precompiled_charsmap`, T5's normalizer and many LLMs'), and a file
-/// from a model folder must give an error that names it, not end the process (or the server).
+/// Runs a call into the `tokenizers` crate behind nibble's panic boundary
+/// ([`crate::error::guarded`]): the crate panics on some malformed files (a bad
+/// `precompiled_charsmap`, T5's normalizer and many LLMs'), and a file from a model folder must
+/// give an error that names it, not end the process (or the server).
 pub(crate) fn guarded<T>(
     file: &str,
     f: impl FnOnce() -> std::result::Result<T, tokenizers::Error>,
 ) -> Result<T> {
-    let was = GUARDED.with(|g| g.replace(true));
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-    GUARDED.with(|g| g.set(was));
-    match r {
-        Ok(r) => r.map_err(|e| err(file, e)),
-        Err(p) => {
-            let why = p
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| p.downcast_ref::<&str>().copied())
-                .unwrap_or("no message");
-            Err(err(
-                file,
-                format!("the tokenizer library failed on this file (it panicked: {why})"),
-            ))
-        }
-    }
-}
-
-thread_local! {
-    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether this thread is inside a call behind the panic boundary: a panic hook can stay quiet
-/// then (the panic becomes an error that is reported in its place).
-pub fn in_guarded_call() -> bool {
-    GUARDED.with(|g| g.get())
+    crate::error::guarded(file, "the tokenizer library", f)
 }
 
 /// `tokenizer.json` parsed behind the panic boundary; `file` names it in errors.
