@@ -265,22 +265,44 @@ fn cases(op: &OpKind) -> Vec<Case> {
                     .collect();
                 inputs.push(HostTensor::f32(&[11], m).expect("mask"));
             }
-            vec![c("q 4x7x16, kv 2x11x16 (GQA)", inputs)]
-                .into_iter()
-                .chain(key_mask.then(|| {
-                    // A decode step over a KV cache: one query, keys valid up to its position.
-                    let m: Vec<f32> = (0..40).map(|j| if j < 23 { 1.0 } else { 0.0 }).collect();
-                    c(
-                        "decode: q 9x1x64 over a cache 3x40x64, 23 valid",
-                        vec![
-                            t(&[9, 1, 64], 70),
-                            t(&[3, 40, 64], 71),
-                            t(&[3, 40, 64], 72),
-                            HostTensor::f32(&[40], m).expect("mask"),
-                        ],
-                    )
-                }))
-                .collect()
+            // Several query and key blocks of the CPU's blocked kernel (16 queries x 64 keys),
+            // ragged at both ends; masked, a whole key block of it.
+            let mut blocked = vec![
+                t(&[4, 37, 32], 73),
+                t(&[2, 150, 32], 74),
+                t(&[2, 150, 32], 75),
+            ];
+            if *key_mask {
+                let m: Vec<f32> = (0..150)
+                    .map(|j| {
+                        if (64..128).contains(&j) || j % 7 == 3 {
+                            0.0
+                        } else {
+                            1.0
+                        }
+                    })
+                    .collect();
+                blocked.push(HostTensor::f32(&[150], m).expect("mask"));
+            }
+            vec![
+                c("q 4x7x16, kv 2x11x16 (GQA)", inputs),
+                c("blocks: q 4x37x32, kv 2x150x32 (GQA)", blocked),
+            ]
+            .into_iter()
+            .chain(key_mask.then(|| {
+                // A decode step over a KV cache: one query, keys valid up to its position.
+                let m: Vec<f32> = (0..40).map(|j| if j < 23 { 1.0 } else { 0.0 }).collect();
+                c(
+                    "decode: q 9x1x64 over a cache 3x40x64, 23 valid",
+                    vec![
+                        t(&[9, 1, 64], 70),
+                        t(&[3, 40, 64], 71),
+                        t(&[3, 40, 64], 72),
+                        HostTensor::f32(&[40], m).expect("mask"),
+                    ],
+                )
+            }))
+            .collect()
         }
         OpKind::Embedding => {
             let ids = HostTensor::u32(&[9], vec![0, 5, 5, 76, 1, 30, 75, 2, 40]).expect("ids");

@@ -2,9 +2,10 @@
 //! the `cpu_ref` oracle and checked against it by the conformance suite. Ops run in place on one
 //! arena (no copies per op); the 4-bit linear decodes weights with AVX2 table lookups (exactly
 //! bitsandbytes' dequantized values) into FMA dot products for few rows and into cache-sized f32
-//! tiles for a register-blocked GEMM for many; the dense linear, matmul and attention use the
-//! same FMA tiles; heavy ops are split across a fixed pool of threads (all cores).
+//! tiles for a register-blocked GEMM for many; the dense linear, matmul and attention (blocked, online softmax:
+//! [`attention`]) use the same FMA tiles; heavy ops are split across a fixed pool of threads (all cores).
 
+mod attention;
 mod dense;
 mod image;
 pub mod kernels;
@@ -19,7 +20,8 @@ use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
 use kernels::{
-    dequant_row_paired, dot, dot_tile, dot_tile_rows, lane_order, pair_order, q4_row_dots, Rows,
+    axpy, dequant_row_paired, dot, dot_tile, dot_tile_rows, lane_order, pair_order, pv_tile4,
+    q4_row_dots, Rows,
 };
 use pool::ThreadPool;
 

@@ -227,7 +227,7 @@ impl CpuBackend {
                 key_mask,
             } => {
                 let mask = key_mask.then(|| io.ins[3]);
-                attention(
+                super::attention::attention(
                     pool,
                     io.ins[0],
                     io.ins[1],
@@ -408,83 +408,6 @@ fn permute(x: &[f32], ins: &[usize], perm: &[usize], out: &mut [f32]) {
             }
         }
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    pool: &ThreadPool,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    mask: Option<&[f32]>,
-    qs: &[usize],
-    ks: &[usize],
-    causal: bool,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let (hq, tq, d) = (qs[0], qs[1], qs[2]);
-    let (hkv, tk) = (ks[0], ks[1]);
-    let group = hq / hkv.max(1);
-    let rows = hq * tq;
-    let o = Out(out.as_mut_ptr());
-    let tasks = rows.min(pool.threads() * 4).max(1);
-    pool.run(tasks, &|t| {
-        let (r0, r1) = split(rows, tasks, t, 1);
-        let mut scores = vec![0f32; tk];
-        let mut acc = vec![0f32; d];
-        for row in r0..r1 {
-            let (h, i) = (row / tq, row % tq);
-            let kh = h / group;
-            let qrow = &q[row * d..(row + 1) * d];
-            let limit = if causal {
-                (i + tk - tq + 1).min(tk)
-            } else {
-                tk
-            };
-            let mut m = f32::NEG_INFINITY;
-            let mut finite = true;
-            for j in 0..limit {
-                if mask.is_some_and(|mk| mk[j] == 0.0) {
-                    scores[j] = f32::NEG_INFINITY;
-                    continue;
-                }
-                let s = dot(qrow, &k[(kh * tk + j) * d..(kh * tk + j + 1) * d]) * scale;
-                scores[j] = s;
-                finite &= s.is_finite();
-                m = m.max(s);
-            }
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            // SAFETY: row `row` of the output belongs to this task only.
-            let orow = unsafe { o.range(row * d, d) };
-            if !finite {
-                // A score that overflowed or is NaN: the row is garbage and must stay visibly
-                // so (max() skips NaN, and all-NaN scores would look like all keys masked).
-                orow.iter_mut().for_each(|x| *x = f32::NAN);
-                continue;
-            }
-            if m == f32::NEG_INFINITY {
-                orow.iter_mut().for_each(|x| *x = 0.0);
-                continue;
-            }
-            let mut sum = 0f32;
-            for j in 0..limit {
-                if scores[j] == f32::NEG_INFINITY {
-                    continue;
-                }
-                let w = (scores[j] - m).exp();
-                sum += w;
-                let vrow = &v[(kh * tk + j) * d..(kh * tk + j + 1) * d];
-                for (a, &x) in acc.iter_mut().zip(vrow) {
-                    *a += w * x;
-                }
-            }
-            let inv = 1.0 / sum;
-            for (ov, a) in orow.iter_mut().zip(&acc) {
-                *ov = a * inv;
-            }
-        }
-    });
 }
 
 thread_local! {
