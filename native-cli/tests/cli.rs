@@ -469,6 +469,43 @@ fn inspect_url_fetches_only_headers() {
     assert_eq!(q["quant_state_fetched"], true);
 }
 
+/// #34 part 1 (CPU): `bench kernels` measures the machine's peaks first and places every kernel
+/// under the roof it is bound by, with the fraction of that roof it reaches.
+#[test]
+fn bench_kernels_prints_a_roofline_on_the_cpu() {
+    let o = nibble(&["bench", "kernels", "--backend", "cpu", "--quick", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let r = &v["roofline"];
+    assert!(r["stream_gb_s"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+    assert!(
+        r["compute_roof"]["gflop_s"]
+            .as_f64()
+            .is_some_and(|g| g > 0.0),
+        "{r}"
+    );
+    // Each kernel under the roof its intensity puts it under (the peaks of a debug build are
+    // not a release build's, so the placement is checked, not which side a kernel falls on).
+    let (roof, stream) = (
+        r["compute_roof"]["gflop_s"].as_f64().expect("roof"),
+        r["stream_gb_s"].as_f64().expect("stream"),
+    );
+    for k in v["kernels"].as_array().expect("kernels") {
+        let (gflop_s, gb_s) = (
+            k["gflop_s"].as_f64().expect("f"),
+            k["gb_s"].as_f64().expect("b"),
+        );
+        let (want, frac) = if gflop_s / gb_s < roof / stream {
+            ("memory", gb_s / stream)
+        } else {
+            ("compute", gflop_s / roof)
+        };
+        assert_eq!(k["bound"], want, "{k}");
+        let of = k["of_roof"].as_f64().expect("of_roof");
+        assert!((of - frac).abs() <= 1e-6 * frac.max(1.0) && of > 0.0, "{k}");
+    }
+}
+
 #[test]
 fn bench_kernels_refuses_unknown_and_absent_backends_clearly() {
     // Where no CUDA driver is installed (this project's CI), the CUDA backend says so; on a

@@ -113,7 +113,7 @@ fn wan(a: &SynthArgs) -> Result<()> {
         vae_base_dim: a.vae_base_dim.unwrap_or(shape.vae_base_dim),
         ..shape
     };
-    if shape.vae_base_dim == 0 || shape.vae_base_dim % 2 != 0 {
+    if shape.vae_base_dim == 0 || !shape.vae_base_dim.is_multiple_of(2) {
         anyhow::bail!(
             "--vae-base-dim {}: an even number above 0",
             shape.vae_base_dim

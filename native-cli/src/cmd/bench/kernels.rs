@@ -1,5 +1,7 @@
 //! `nibble bench kernels`: each kernel at realistic shapes on one backend, device-resident
-//! operands, time per call, GB/s moved and GFLOP/s.
+//! operands, time per call, GB/s moved and GFLOP/s; on the CPU backend a roofline: the
+//! machine's own peaks measured first ([`super::roofline`]) and each kernel's fraction of the
+//! roof it is bound by.
 
 use std::time::{Duration, Instant};
 
@@ -190,6 +192,11 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
                 "cpu ({})",
                 nibble_core::backend::cpu::CpuBackend::new().describe()
             );
+            let threads = nibble_core::backend::cpu::pool::ThreadPool::global().threads();
+            if !as_json {
+                eprintln!("measuring this machine's peaks on {threads} threads ...");
+            }
+            let peaks = super::roofline::measure_cpu(threads);
             report(
                 label,
                 as_json,
@@ -197,6 +204,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
                 false,
                 || Ok(nibble_core::backend::cpu::CpuBackend::new()),
                 None,
+                Some(peaks),
             )
         }
         BackendArg::CpuRef => report(
@@ -205,6 +213,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
             quick,
             false,
             || Ok(CpuRefBackend::new()),
+            None,
             None,
         ),
         BackendArg::Wgpu => {
@@ -220,6 +229,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
                     Some(b) => Ok(b),
                     None => Ok(nibble_wgpu::WgpuBackend::new()?),
                 },
+                None,
                 None,
             )
         }
@@ -251,6 +261,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
                     None => Ok(nibble_cuda::CudaBackend::new()?),
                 },
                 Some(refs),
+                None,
             )
         }
         BackendArg::Auto => {
@@ -267,35 +278,73 @@ fn report<B: Backend>(
     big_gemv: bool,
     mut make: impl FnMut() -> Result<B>,
     refs: Option<serde_json::Value>,
+    peaks: Option<super::roofline::Peaks>,
 ) -> Result<()> {
     if !as_json {
         eprintln!(
             "backend {label}{}",
             if quick { " (--quick shapes)" } else { "" }
         );
+        if let Some(p) = &peaks {
+            let fma: Vec<String> = p
+                .fma_gflop_s
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.1} GFLOP/s"))
+                .collect();
+            eprintln!(
+                "peaks: FMA {}; memory stream {:.2} GB/s; roof for these kernels: {} ({:.1} \
+                 GFLOP/s), ridge at {:.1} flop/byte",
+                fma.join(", "),
+                p.stream_gb_s,
+                p.used.0,
+                p.used.1,
+                p.used.1 / p.stream_gb_s.max(1e-9)
+            );
+        }
         eprintln!(
-            "{:<44} {:>12} {:>6} {:>10} {:>10}",
-            "kernel", "ms/call", "calls", "GB/s", "GFLOP/s"
+            "{:<44} {:>12} {:>6} {:>10} {:>10}{}",
+            "kernel",
+            "ms/call",
+            "calls",
+            "GB/s",
+            "GFLOP/s",
+            if peaks.is_some() {
+                "  bound    of roof"
+            } else {
+                ""
+            }
         );
     }
     let mut rows = Vec::new();
     for b in &benches(quick, big_gemv) {
         let (t, calls) = run_one(&mut make()?, b)?;
         let s = t.as_secs_f64();
+        let (gb_s, gflop_s) = (b.bytes / s / 1e9, b.flops / s / 1e9);
+        let placed = peaks
+            .as_ref()
+            .map(|p| p.place(b.flops, b.bytes, gflop_s, gb_s));
         if !as_json {
             eprintln!(
-                "{:<44} {:>12.3} {:>6} {:>10.2} {:>10.2}",
+                "{:<44} {:>12.3} {:>6} {:>10.2} {:>10.2}{}",
                 b.name,
                 s * 1e3,
                 calls,
-                b.bytes / s / 1e9,
-                b.flops / s / 1e9
+                gb_s,
+                gflop_s,
+                placed
+                    .map(|(bound, f)| format!("  {bound:<8} {:>6.1}%", f * 100.0))
+                    .unwrap_or_default()
             );
         }
-        rows.push(json!({
+        let mut row = json!({
             "kernel": b.name, "ms_per_call": s * 1e3, "calls": calls,
-            "gb_s": b.bytes / s / 1e9, "gflop_s": b.flops / s / 1e9,
-        }));
+            "gb_s": gb_s, "gflop_s": gflop_s,
+        });
+        if let Some((bound, f)) = placed {
+            row["bound"] = json!(bound);
+            row["of_roof"] = json!(f);
+        }
+        rows.push(row);
     }
     // Against the references: the GEMV beyond L2 against the copy bandwidth, the tiled 4-bit
     // linear against cuBLAS bf16 on the same shape.
@@ -330,7 +379,8 @@ fn report<B: Backend>(
         crate::output::write_stdout(&format!(
             "{}\n",
             serde_json::to_string_pretty(
-                &json!({"backend": label, "kernels": rows, "references": refs, "ratios": ratios})
+                &json!({"backend": label, "kernels": rows, "references": refs, "ratios": ratios,
+                    "roofline": peaks.as_ref().map(super::roofline::Peaks::json)})
             )?
         ))?;
     }

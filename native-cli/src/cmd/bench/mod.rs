@@ -3,6 +3,7 @@
 
 mod kernels;
 mod offload;
+mod roofline;
 mod stream;
 
 use std::path::PathBuf;
