@@ -7,7 +7,7 @@
 //! masks and grouped-query heads are as the reference's; a row whose keys are all masked is
 //! zeros, a row with a score that is not finite is NaN (visibly garbage, as in every backend).
 
-use super::{axpy, dot_tile, pv_tile4, split, Out, ThreadPool};
+use super::{axpy, dot_tile, exp_shifted, pv_tile4, split, Out, ThreadPool};
 
 /// Query rows per block (four micro-tiles of 4 share each key block).
 const QB: usize = 16;
@@ -111,14 +111,7 @@ pub(super) fn attention(
                         acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= corr);
                         l[r] *= corr;
                     }
-                    for x in row.iter_mut() {
-                        *x = if *x == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            (*x - mn).exp()
-                        };
-                        l[r] += *x;
-                    }
+                    l[r] += exp_shifted(row, mn);
                     m[r] = mn;
                 }
                 // The weighted values: each value row once for four query rows at a time.

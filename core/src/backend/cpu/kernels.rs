@@ -147,6 +147,27 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `x = exp(x - m)` for every element (`-inf` gives 0), returning their sum: attention's
+/// softmax weights. The AVX2 path is avx_mathfun's `exp256_ps` (Cephes' polynomial, within 2 ulp
+/// of the true value; the same bits on every x86-64 CPU with AVX2); elsewhere `f32::exp`.
+pub fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present.
+        return unsafe { avx2::exp_shifted(x, m) };
+    }
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = if *v == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (*v - m).exp()
+        };
+        sum += *v;
+    }
+    sum
+}
+
 /// `acc[r * accs + i] += sum_c p[r * ps + c] * v[c * d + i]` for 4 rows `r`, `kn` rows of `v`
 /// and `i < d`: attention's weighted values, each value row loaded once for the four rows.
 #[allow(clippy::too_many_arguments)]
@@ -318,6 +339,69 @@ pub fn dot_tile_rows(
 #[allow(unsafe_op_in_unsafe_fn)]
 mod avx2 {
     use std::arch::x86_64::*;
+
+    /// avx_mathfun's `exp256_ps` on 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::excessive_precision)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_262_664_794_9));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-88.376_262_664_794_9));
+        let fx = _mm256_fmadd_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            _mm256_set1_ps(0.5),
+        );
+        let fx = _mm256_floor_ps(fx);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_375), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let z = _mm256_mul_ps(x, x);
+        let mut y = _mm256_set1_ps(1.987_569_15e-4);
+        for c in [
+            1.398_199_950_7e-3,
+            8.333_451_907_3e-3,
+            4.166_579_589_4e-2,
+            1.666_666_545_9e-1,
+            5.000_000_120_1e-1,
+        ] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        y = _mm256_fmadd_ps(y, z, x);
+        y = _mm256_add_ps(y, _mm256_set1_ps(1.0));
+        let n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)))
+    }
+
+    /// See [`super::exp_shifted`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let (vm, ninf) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::NEG_INFINITY));
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= n {
+            let v = _mm256_loadu_ps(p.add(i));
+            let e = exp8(_mm256_sub_ps(v, vm));
+            let e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), e);
+            _mm256_storeu_ps(p.add(i), e);
+            acc = _mm256_add_ps(acc, e);
+            i += 8;
+        }
+        let mut sum = hsum(acc);
+        if i < n {
+            // The tail through the same lanes (padded with -inf, which give 0).
+            let mut t = [f32::NEG_INFINITY; 8];
+            t[..n - i].copy_from_slice(&x[i..]);
+            let v = _mm256_loadu_ps(t.as_ptr());
+            let e = exp8(_mm256_sub_ps(v, vm));
+            let e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), e);
+            _mm256_storeu_ps(t.as_mut_ptr(), e);
+            x[i..].copy_from_slice(&t[..n - i]);
+            sum += t[..n - i].iter().sum::<f32>();
+        }
+        sum
+    }
 
     /// See [`super::pv_tile4`]: 16 columns of the four rows in 8 registers at a time.
     #[target_feature(enable = "avx2,fma")]
@@ -735,6 +819,40 @@ mod tests {
             let (g, r) = (e / 16, e % 16);
             let paired = g * 16 + if r % 2 == 0 { r / 2 } else { 8 + r / 2 };
             assert_eq!(out[paired].to_bits(), want.to_bits(), "element {e}");
+        }
+    }
+
+    /// The softmax weights: within 2 ulp of `f32::exp` over the range attention meets (scores
+    /// at or below the running maximum), masked entries 0, ragged tails included.
+    #[test]
+    fn shifted_exp_is_within_two_ulp_and_masks_to_zero() {
+        for n in [1usize, 7, 8, 29, 1000] {
+            let mut x: Vec<f32> = (0..n)
+                .map(|i| {
+                    if i % 11 == 5 {
+                        f32::NEG_INFINITY
+                    } else {
+                        -(i as f32) * 0.0873
+                    }
+                })
+                .collect();
+            let want: Vec<f32> = x
+                .iter()
+                .map(|&v| {
+                    if v == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (v - 0.25).exp()
+                    }
+                })
+                .collect();
+            let sum = exp_shifted(&mut x, 0.25);
+            for (g, w) in x.iter().zip(&want) {
+                let ulp = (w.abs() * f32::EPSILON).max(f32::MIN_POSITIVE);
+                assert!((g - w).abs() <= 2.0 * ulp, "{g} vs {w}");
+            }
+            let s: f32 = want.iter().sum();
+            assert!((sum - s).abs() <= 1e-5 * s.max(1.0), "{sum} vs {s}");
         }
     }
 }

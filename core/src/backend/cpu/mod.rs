@@ -20,8 +20,8 @@ use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
 use kernels::{
-    axpy, dequant_row_paired, dot, dot_tile, dot_tile_rows, lane_order, pair_order, pv_tile4,
-    q4_row_dots, Rows,
+    axpy, dequant_row_paired, dot, dot_tile, dot_tile_rows, exp_shifted, lane_order, pair_order,
+    pv_tile4, q4_row_dots, Rows,
 };
 use pool::ThreadPool;
 
