@@ -1,6 +1,5 @@
 //! The second hardening round (#32): each test covers one fault class by its mechanism.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn nibble(args: &[&str]) -> Output {
@@ -10,12 +9,13 @@ fn nibble(args: &[&str]) -> Output {
         .expect("run nibble")
 }
 
-fn fixture(rel: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
-        .join(rel);
-    assert!(p.exists(), "shared fixture missing at {}", p.display());
-    p
+use nibble_tests::fixture;
+
+/// The stderr of a run that must be refused with one error (exit 1); `what` names it in a failure.
+fn refused(o: &Output, what: &str) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+    err
 }
 
 /// Fault 17: `--steps` is bounded by one parser (1 to 100,000) for every subcommand that
@@ -42,16 +42,14 @@ fn denoising_steps_are_bounded_everywhere() {
                 "--out",
                 "/tmp/never-written.png",
             ]);
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert_eq!(o.status.code(), Some(1), "{cmd} --steps {steps}: {err}");
+            let err = refused(&o, &format!("{cmd} --steps {steps}"));
             assert!(
                 err.contains("from 1 to 100000") && !err.contains("panicked"),
                 "{cmd} --steps {steps}: {err}"
             );
         }
         let o = nibble(&["demo", "--steps", steps, "--cache-dir", "/nonexistent"]);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "demo --steps {steps}: {err}");
+        let err = refused(&o, &format!("demo --steps {steps}"));
         assert!(
             err.contains("from 1 to 100000"),
             "demo --steps {steps}: {err}"
@@ -131,8 +129,7 @@ fn a_malformed_tokenizer_is_an_error_naming_the_file() {
         ),
     ] {
         let out = nibble(&args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        let err = refused(&out, &format!("{args:?}"));
         assert!(
             err.contains(file) && err.contains("tokenizer"),
             "{args:?}: {err}"
@@ -171,8 +168,7 @@ fn model_outputs_own_their_folder_and_fit_the_disk() {
         "-o",
         theirs.to_str().expect("utf8"),
     ]);
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert_eq!(r.status.code(), Some(1), "{err}");
+    let err = refused(&r, "");
     assert!(
         err.contains("already holds") && err.contains("model.safetensors"),
         "{err}"
@@ -193,8 +189,7 @@ fn model_outputs_own_their_folder_and_fit_the_disk() {
         "-o",
         big.to_str().expect("utf8"),
     ]);
-    let err = String::from_utf8_lossy(&r.stderr);
-    assert_eq!(r.status.code(), Some(1), "{err}");
+    let err = refused(&r, "");
     assert!(err.contains("free"), "{err}");
     assert!(t0.elapsed() < std::time::Duration::from_secs(5));
     assert!(!big.exists());
@@ -217,8 +212,7 @@ fn ring_and_reader_flags_are_bounded() {
     ] {
         let t0 = std::time::Instant::now();
         let o = nibble(&["bench", "stream", "--model", m, flag, value]);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {err}");
+        let err = refused(&o, &format!("{flag} {value}"));
         assert!(
             err.contains(flag) && err.contains(says),
             "{flag} {value}: {err}"
@@ -232,7 +226,7 @@ fn ring_and_reader_flags_are_bounded() {
         ("--slots", "0"),
     ] {
         let o = nibble(&["run", "--model", m, "--prompt-ids", "1", flag, value]);
-        assert_eq!(o.status.code(), Some(1), "{flag} {value}");
+        refused(&o, &format!("{flag} {value}"));
     }
     let o = nibble(&[
         "bench",
@@ -317,14 +311,12 @@ fn an_address_space_limit_caps_the_budget_and_planning_allocates_nothing() {
         ],
     ] {
         let o = nibble_limited(3_000_000, &args);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        let err = refused(&o, &format!("{args:?}"));
         assert!(err.contains("error:"), "{args:?}: {err}");
         assert!(!err.contains("memory allocation of"), "{args:?}: {err}");
     }
     let o = nibble_limited(1_500_000, &["plan", "--model", d, "--text-len", "20000000"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let err = refused(&o, "");
     assert!(
         err.contains("needs at least") && !err.contains("inputs for"),
         "{err}"
@@ -346,8 +338,7 @@ fn errors_name_the_real_cause() {
         let srv = TestServer::start(files_under(&flux, "p"), fault);
         let url = format!("{}/p", srv.base);
         let o = nibble(&["plan", "--model", &url]);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "{err}");
+        let err = refused(&o, "");
         assert!(
             err.contains("model_index.json") && err.contains(says),
             "{says}: {err}"
@@ -363,8 +354,7 @@ fn errors_name_the_real_cause() {
         "--mode",
         "resident",
     ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let err = refused(&o, "");
     assert!(
         err.contains("a language model, not a Flux-style DiT"),
         "{err}"
@@ -377,7 +367,6 @@ fn errors_name_the_real_cause() {
         "--mode",
         "resident",
     ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let err = refused(&o, "");
     assert!(err.contains("pipeline folder (FluxPipeline)"), "{err}");
 }

@@ -13,7 +13,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -42,13 +42,7 @@ impl std::ops::Deref for Server {
 
 impl Server {
     fn start(model: &std::path::Path, extra: &[&str]) -> Server {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_nibble"));
-        cmd.args(["serve", "--model"])
-            .arg(model)
-            .args(["--addr", "127.0.0.1:0", "--backend", "cpu"])
-            .args(extra)
-            .stderr(Stdio::null());
-        Server(Served::start(cmd))
+        Server(Served::api(env!("CARGO_BIN_EXE_nibble"), model, extra))
     }
 }
 

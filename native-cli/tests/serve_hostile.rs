@@ -11,7 +11,7 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use nibble_tests::process::Served;
@@ -22,13 +22,7 @@ fn nibble() -> &'static str {
 }
 
 fn start(model: &Path, extra: &[&str]) -> Served {
-    let mut cmd = Command::new(nibble());
-    cmd.args(["serve", "--model"])
-        .arg(model)
-        .args(["--addr", "127.0.0.1:0", "--backend", "cpu"])
-        .args(extra)
-        .stderr(Stdio::null());
-    Served::start(cmd)
+    Served::api(nibble(), model, extra)
 }
 
 /// A synthetic Llama with a SentencePiece-style tokenizer: 3 specials, the 256 byte-fallback

@@ -45,6 +45,18 @@ pub struct Served {
 }
 
 impl Served {
+    /// `nibble serve --model MODEL` (the binary `nibble`) on a free loopback port with the CPU
+    /// backend and `extra` options, its log discarded.
+    pub fn api(nibble: &str, model: &std::path::Path, extra: &[&str]) -> Served {
+        let mut cmd = Command::new(nibble);
+        cmd.args(["serve", "--model"])
+            .arg(model)
+            .args(["--addr", "127.0.0.1:0", "--backend", "cpu"])
+            .args(extra)
+            .stderr(Stdio::null());
+        Served::start(cmd)
+    }
+
     /// Starts `cmd` with its stdout piped, waits for the line with its address, and keeps
     /// reading its output so that it never blocks on a full pipe.
     pub fn start(mut cmd: Command) -> Served {

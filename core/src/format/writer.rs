@@ -110,11 +110,6 @@ impl OutputFile {
         })
     }
 
-    /// The path written (a link's target).
-    pub fn dest(&self) -> &Path {
-        &self.dest
-    }
-
     /// Flushes, syncs and renames a regular file into place; flushes a device or FIFO.
     pub fn finish(mut self) -> Result<()> {
         let d = self.dest.display().to_string();
