@@ -289,11 +289,11 @@ const KEY_FIELD: &str = "nibble_embed_key";
 const SUM_FIELD: &str = "sha256";
 
 /// SHA-256 (hex) of the pooled and the per-token embeddings' bytes, in that order.
-fn embeds_sum(pooled: &[f32], context: &[f32]) -> String {
+fn embeds_sum(pooled: &[u8], context: &[u8]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    h.update(f32_to_bytes(pooled));
-    h.update(f32_to_bytes(context));
+    h.update(pooled);
+    h.update(context);
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -333,7 +333,12 @@ fn read_embeds(
             t5_tokens
         );
     }
-    if meta.get(SUM_FIELD) != Some(&embeds_sum(&e.pooled, &e.context)) {
+    if meta.get(SUM_FIELD)
+        != Some(&embeds_sum(
+            &f32_to_bytes(&e.pooled),
+            &f32_to_bytes(&e.context),
+        ))
+    {
         bail!("{}: its values do not match their checksum", what());
     }
     Ok(e)
@@ -356,13 +361,9 @@ fn write_embeds(
             f32_to_bytes(v),
         ));
     }
-    let (pooled, context) = (
-        &tensors["pooled_prompt_embeds"].1,
-        &tensors["prompt_embeds"].1,
-    );
     let meta = std::collections::BTreeMap::from([
         (KEY_FIELD.to_string(), key.to_string()),
-        (SUM_FIELD.to_string(), embeds_sum(pooled, context)),
+        (SUM_FIELD.to_string(), embeds_sum(&named[0].3, &named[1].3)),
     ]);
     nibble_core::format::writer::write_safetensors(path, &named, &meta)
         .with_context(|| format!("embedding cache {}", path.display()))
