@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"  # CI builds once: incremental caches only take disk
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 if ! command -v cargo >/dev/null 2>&1; then
