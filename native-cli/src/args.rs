@@ -223,3 +223,62 @@ pub fn finite_f32(s: &str) -> Result<f32, String> {
         Err(format!("{s} is out of range"))
     }
 }
+
+/// `--lora [NAME=]FILE_OR_FOLDER[:SCALE]`.
+pub fn lora(s: &str) -> Result<nibble_core::models::lora::AdapterArg, String> {
+    nibble_core::models::lora::AdapterArg::parse(s).map_err(|e| e.to_string())
+}
+
+/// LoRA adapters applied beside the model's linears (4-bit weights untouched).
+#[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "LoRA adapters")]
+pub struct LoraArgs {
+    /// A LoRA adapter: a peft folder (adapter_config.json + adapter_model.safetensors), a
+    /// diffusers or kohya .safetensors file, or an http(s) URL of either, with an optional scale
+    /// after a colon (`style.safetensors:0.8`). Repeatable: the adapters' paths are summed in
+    /// order. Its tensors stay resident; the base weights stream as without it.
+    #[arg(long = "lora", value_name = "FILE_OR_FOLDER[:SCALE]", value_parser = lora)]
+    pub lora: Vec<nibble_core::models::lora::AdapterArg>,
+    /// Skip (and count) an adapter's keys for models the run does not adapt (a Flux LoRA's
+    /// text-encoder keys) instead of refusing the file.
+    #[arg(long)]
+    pub lora_ignore_unmatched: bool,
+}
+
+impl LoraArgs {
+    /// `model` with the adapters bound (itself without any), after a line per adapter on stderr
+    /// unless `quiet`: what it adapts, its scale and the bytes it keeps resident.
+    pub fn bind(
+        &self,
+        model: &nibble_core::io::model::ModelIndex,
+        target: nibble_core::models::lora::Target<'_>,
+        mode: FileReadMode,
+        quiet: bool,
+    ) -> anyhow::Result<nibble_core::io::model::ModelIndex> {
+        use anyhow::Context;
+        if self.lora.is_empty() {
+            return Ok(model.clone());
+        }
+        let files = nibble_core::models::lora::open_all(&self.lora, mode)?;
+        let (bound, report) =
+            nibble_core::models::lora::bind(model, &files, target, self.lora_ignore_unmatched)
+                .context("binding the LoRA adapters")?;
+        if !quiet {
+            for (r, f) in report.iter().zip(&files) {
+                eprintln!(
+                    "lora {}: {} linears, scale {}, {} resident{}",
+                    r.name,
+                    r.modules,
+                    f.arg.scale,
+                    nibble_core::plan::fmt_bytes(r.bytes),
+                    if r.unmatched > 0 {
+                        format!(", {} pairs for other models skipped", r.unmatched)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
+        Ok(bound)
+    }
+}

@@ -13,6 +13,7 @@ pub mod gguf;
 #[cfg(all(feature = "native", feature = "text"))]
 pub mod gguf_convert;
 pub mod json;
+pub mod lora;
 #[cfg(feature = "native")]
 pub mod positional;
 pub mod quantize;

@@ -74,6 +74,28 @@ pub struct Graph {
     pub(crate) invalid: Option<String>,
     /// Per (group, tensor): its dense weight value (a group loads a tensor into one value).
     pub(crate) dense: std::collections::HashMap<(usize, String), ValueId>,
+    /// Per group: whether it is resident whatever the budget ([`Graph::pinned_group`]).
+    pub(crate) pinned: Vec<bool>,
+    /// Sets of low-rank paths beside linears ([`Graph::low_rank_set`]).
+    pub(crate) low_rank: Vec<Vec<LowRankPath>>,
+    /// In the current program: per adapter, the rows its paths apply to
+    /// ([`Graph::select_adapter_rows`]).
+    pub(crate) adapter_rows: Option<Vec<ValueId>>,
+}
+
+/// One low-rank path beside a linear: `y += scale * (x · downᵀ) · upᵀ` (a LoRA adapter's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LowRankPath {
+    /// `[rank, in]`.
+    pub down: ValueId,
+    /// `[out, rank]`.
+    pub up: ValueId,
+    /// The path's scaling.
+    pub scale: f32,
+    /// The adapter it belongs to (an index into the model's adapters).
+    pub adapter: usize,
+    /// Its rank.
+    pub rank: usize,
 }
 
 impl Default for Graph {
@@ -94,6 +116,9 @@ impl Default for Graph {
             }],
             invalid: None,
             dense: Default::default(),
+            pinned: Vec::new(),
+            low_rank: Vec::new(),
+            adapter_rows: None,
         }
     }
 }
@@ -122,6 +147,7 @@ impl Graph {
     /// it. Returns its index (the first program is 0). A graph whose first program has no nodes
     /// yet renames it instead.
     pub fn program(&mut self, name: &str) -> usize {
+        self.adapter_rows = None;
         let cur = self.programs.len() - 1;
         if self.programs[cur].start == self.nodes.len() && self.programs[cur].inputs.is_empty() {
             self.programs[cur].name = name.to_string();
@@ -157,7 +183,45 @@ impl Graph {
             return i;
         }
         self.groups.push(name.to_string());
+        self.pinned.push(false);
         self.groups.len() - 1
+    }
+
+    /// Declares a weight group that stays resident whatever the budget (small weights every
+    /// step reads, such as LoRA adapters: streaming them would add their bytes to every step).
+    pub fn pinned_group(&mut self, name: &str) -> usize {
+        let g = self.group(name);
+        self.pinned[g] = true;
+        g
+    }
+
+    /// Per group: whether it is pinned resident.
+    pub fn pinned(&self) -> &[bool] {
+        &self.pinned
+    }
+
+    /// Records a set of low-rank paths (to apply beside a linear later); its index.
+    pub fn low_rank_set(&mut self, paths: Vec<LowRankPath>) -> usize {
+        self.low_rank.push(paths);
+        self.low_rank.len() - 1
+    }
+
+    /// From here to the end of the current program, adapter `a`'s paths apply to the rows where
+    /// `rows[a]` (`[rows, r]`, r at least the adapter's largest rank, every column of a row the
+    /// same: 1 or 0) is 1: its values multiply the paths' `x · downᵀ`, so that rows of sequences
+    /// without the adapter get exactly the base linear's result. `None`: every row.
+    pub fn select_adapter_rows(&mut self, rows: Option<Vec<ValueId>>) {
+        self.adapter_rows = rows;
+    }
+
+    /// The current program's adapter row selection ([`Graph::select_adapter_rows`]).
+    pub fn adapter_rows(&self) -> Option<&[ValueId]> {
+        self.adapter_rows.as_deref()
+    }
+
+    /// The low-rank paths of set `i`.
+    pub fn low_rank_paths(&self, i: usize) -> &[LowRankPath] {
+        &self.low_rank[i]
     }
 
     fn value(&mut self, info: ValueInfo, source: Source) -> ValueId {

@@ -11,6 +11,6 @@ mod ops;
 mod tensor;
 
 pub(crate) use builder::Source;
-pub use builder::{Graph, Node, ValueId, WeightId};
+pub use builder::{Graph, LowRankPath, Node, ValueId, WeightId};
 pub use ops::{bf16_input_allowed, infer, OpKind, RopeMode};
 pub use tensor::{ElemType, HostData, HostTensor, Q4Info, ValueInfo, MAX_ELEMENTS};

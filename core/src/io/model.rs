@@ -4,7 +4,7 @@
 //! file length before anything reads it (DESIGN.md invariant 3); every quant-state JSON is read
 //! once, when the model opens.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 #[cfg(feature = "native")]
 use std::fs::File;
 #[cfg(feature = "native")]
@@ -20,7 +20,7 @@ use crate::format::bnb::{
 use crate::format::dtype::dtype_name;
 use crate::format::safetensors::{SafetensorsHeader, TensorEntry};
 use crate::io::folder::{check_name, ModelFolder, OpenedFile, SIDE_FILE_LIMIT};
-use crate::io::source::RangeSource;
+use crate::io::source::{ChainSource, RangeSource};
 
 /// Opens a local file and parses its safetensors header (reads only the first 8 + N bytes).
 #[cfg(feature = "native")]
@@ -75,6 +75,56 @@ pub struct ModelIndex {
     /// The bytes of every quant-state JSON tensor, read together the first time one is needed
     /// (shared by clones of the index).
     quant_json: Arc<OnceLock<HashMap<String, Vec<u8>>>>,
+    /// The LoRA adapters bound to the model ([`ModelIndex::with_adapters`]).
+    adapters: Arc<Adapters>,
+}
+
+/// LoRA adapters bound to a model: per adapted module, its low-rank paths, whose tensors the
+/// model's index holds under names of their own.
+#[derive(Debug, Clone, Default)]
+pub struct Adapters {
+    /// The adapters' labels, in the order given.
+    pub names: Vec<String>,
+    /// Per module (its weight's name without `.weight`): its paths, in adapter order.
+    pub paths: BTreeMap<String, Vec<LowRank>>,
+}
+
+impl Adapters {
+    /// The largest rank of adapter `a`'s paths (0 where it has none).
+    pub fn max_rank(&self, a: usize) -> usize {
+        self.paths
+            .values()
+            .flatten()
+            .filter(|p| p.adapter == a)
+            .map(|p| p.rank)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// One adapter's low-rank path beside a linear: `y += scale * up(down(x))`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LowRank {
+    /// The adapter, an index into [`Adapters::names`].
+    pub adapter: usize,
+    /// The down projection `[rank, in]`, by its name in the index.
+    pub down: String,
+    /// The up projection `[out, rank]`, by its name in the index.
+    pub up: String,
+    /// The rank.
+    pub rank: usize,
+    /// The scaling (peft's `scaling` times the adapter's scale).
+    pub scale: f32,
+}
+
+/// An adapter file's tensors as a model's index will hold them: `(name in the index, the
+/// tensor's bytes in `file`)`, a tensor's rows possibly cut down to a range of them.
+#[derive(Debug, Clone)]
+pub struct AddedFile {
+    /// The adapter file, opened.
+    pub file: ModelIndex,
+    /// The tensors it lends, renamed (their `shard` counts within `file`).
+    pub tensors: Vec<TensorEntry>,
 }
 
 impl std::fmt::Debug for ModelIndex {
@@ -225,6 +275,32 @@ pub async fn open_model(folder: Arc<dyn ModelFolder>, file: Option<&str>) -> Res
             }
         }
     }
+    index_of(folder, opened, config, index).await
+}
+
+/// The first of `names` that `folder` holds, opened as a one-file model (each file is opened
+/// once, so the index's files are the source's); `None` where it holds none of them.
+pub async fn open_first(
+    folder: Arc<dyn ModelFolder>,
+    names: &[&str],
+) -> Result<Option<ModelIndex>> {
+    for name in names {
+        if let Some(f) = folder.open_file(name).await? {
+            let opened = vec![(name.to_string(), f)];
+            return index_of(folder, opened, None, None).await.map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// The index of the files `opened` in `folder` (their headers read now).
+async fn index_of(
+    folder: Arc<dyn ModelFolder>,
+    opened: Vec<(String, OpenedFile)>,
+    config: Option<serde_json::Value>,
+    index: Option<(String, serde_json::Value)>,
+) -> Result<ModelIndex> {
+    let root = folder.root().to_string();
     let mut shards = Vec::with_capacity(opened.len());
     for (name, f) in opened {
         let shown = folder.locate(&name);
@@ -280,6 +356,7 @@ impl ModelIndex {
             q4: OnceLock::new(),
             folder: None,
             quant_json: Arc::new(OnceLock::new()),
+            adapters: Arc::new(Adapters::default()),
         };
         if let Some((idx_name, json)) = index_json {
             let bad = |msg: String| Error::Model {
@@ -562,6 +639,75 @@ impl ModelIndex {
     /// The source this model's bytes are read from.
     pub fn source(&self) -> Arc<dyn RangeSource> {
         self.source.clone()
+    }
+
+    /// This model with `adapters` bound to it: the index holds each added file's tensors under
+    /// their new names too (read through one source that chains the files), and
+    /// [`ModelIndex::low_rank`] gives each adapted module's paths. Binds once: all of a run's
+    /// adapters together.
+    pub fn with_adapters(&self, adapters: Adapters, added: Vec<AddedFile>) -> Result<ModelIndex> {
+        if !self.adapters.names.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{}: adapters are bound already ({}); bind all of a run's adapters at once",
+                self.root,
+                self.adapters.names.join(", ")
+            )));
+        }
+        let base = self;
+        let mut shards = base.shards.clone();
+        let mut sources = vec![base.source.clone()];
+        for a in added {
+            let first = shards.len();
+            // The chain numbers files part by part: each part's files must be its shards.
+            for m in [base, &a.file] {
+                if m.source.files().len() != m.shards.len() {
+                    return Err(Error::Invalid(format!(
+                        "{}: {} files read for {} shards",
+                        m.root,
+                        m.source.files().len(),
+                        m.shards.len()
+                    )));
+                }
+            }
+            for (si, sh) in a.file.shards.iter().enumerate() {
+                let mut header = sh.header.clone();
+                header.tensors = a
+                    .tensors
+                    .iter()
+                    .filter(|t| t.shard == si)
+                    .map(|t| TensorEntry {
+                        shard: first + si,
+                        ..t.clone()
+                    })
+                    .collect();
+                shards.push(Shard {
+                    name: sh.name.clone(),
+                    header,
+                });
+            }
+            sources.push(a.file.source.clone());
+        }
+        let source: Arc<dyn RangeSource> = Arc::new(ChainSource::new(sources));
+        let mut m =
+            ModelIndex::from_parts(base.root.clone(), shards, base.config.clone(), source, None)?;
+        m.folder = base.folder.clone();
+        m.quant_json = base.quant_json.clone();
+        m.adapters = Arc::new(adapters);
+        Ok(m)
+    }
+
+    /// The adapters bound to the model.
+    pub fn adapters(&self) -> &Adapters {
+        &self.adapters
+    }
+
+    /// The low-rank paths beside linear `module` (its weight's name without `.weight`).
+    pub fn low_rank(&self, module: &str) -> &[LowRank] {
+        self.adapters
+            .paths
+            .get(module)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
 
     /// Looks a tensor up by name.

@@ -126,6 +126,72 @@ pub trait RangeSource: Send + Sync {
     }
 }
 
+/// Several sources read as one: their files one after another (a model and the adapter files
+/// bound to it). File `i` of the chain is file `i - first` of the part it falls in.
+pub struct ChainSource {
+    parts: Vec<(usize, Arc<dyn RangeSource>)>,
+    files: Vec<SourceFile>,
+}
+
+impl ChainSource {
+    /// The files of `parts`, in order.
+    pub fn new(parts: Vec<Arc<dyn RangeSource>>) -> Self {
+        let mut files = Vec::new();
+        let mut chained = Vec::with_capacity(parts.len());
+        for p in parts {
+            chained.push((files.len(), p.clone()));
+            files.extend(p.files().iter().cloned());
+        }
+        ChainSource {
+            parts: chained,
+            files,
+        }
+    }
+
+    fn part(&self, file: usize) -> (&dyn RangeSource, usize) {
+        let i = self
+            .parts
+            .partition_point(|(first, _)| *first <= file)
+            .saturating_sub(1);
+        let (first, p) = &self.parts[i];
+        (p.as_ref(), file - first)
+    }
+}
+
+impl RangeSource for ChainSource {
+    fn files(&self) -> &[SourceFile] {
+        &self.files
+    }
+
+    fn read_exact_at(&self, file: usize, offset: u64, buf: &mut [u8], what: &str) -> Result<()> {
+        self.check_range(file, offset, buf.len() as u64, what)?;
+        let (p, f) = self.part(file);
+        p.read_exact_at(f, offset, buf, what)
+    }
+
+    fn consumed(&self, file: usize, offset: u64, len: u64) {
+        if file < self.files.len() {
+            let (p, f) = self.part(file);
+            p.consumed(f, offset, len)
+        }
+    }
+
+    fn version(&self, file: usize) -> Option<String> {
+        if file >= self.files.len() {
+            return None;
+        }
+        let (p, f) = self.part(file);
+        p.version(f)
+    }
+
+    fn describe(&self) -> String {
+        self.parts
+            .first()
+            .map(|(_, p)| p.describe())
+            .unwrap_or_default()
+    }
+}
+
 /// Checks that `len` bytes at `offset` lie inside file `file` of `files`; the error names the
 /// file, the tensor (`what`) and the offsets.
 pub fn check_range(

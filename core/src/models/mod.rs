@@ -15,6 +15,7 @@ pub mod denoise;
 pub mod dit;
 pub mod flux;
 pub mod llama;
+pub mod lora;
 pub mod nn;
 pub mod pipeline;
 pub mod scheduler;

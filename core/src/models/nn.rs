@@ -5,20 +5,37 @@
 //! name-prefix builder in the spirit of candle's `VarBuilder::pp`.
 
 use crate::error::Result;
-use crate::graph::{Graph, ValueId, WeightId};
+use crate::graph::{Graph, LowRankPath, ValueId, WeightId};
 use crate::graph::{OpKind, Q4Info};
 use crate::io::model::ModelIndex;
 
 /// A projection's weight in a graph: 4-bit where the checkpoint quantized it, dense otherwise;
-/// with its bias where the checkpoint has one.
+/// with its bias where the checkpoint has one, and the low-rank paths of the LoRA adapters bound
+/// to the model beside it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum W {
+pub(crate) struct W {
+    base: Proj,
+    /// The graph's set of low-rank paths for this linear ([`Graph::low_rank_set`]).
+    low_rank: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Proj {
     Q4(WeightId, Option<ValueId>),
     Dense(ValueId, Option<ValueId>),
 }
 
 impl W {
-    /// The weight `name` (`[out, inp]`) of group `grp`, and `<name without .weight>.bias`.
+    /// A dense weight (`[out, inp]`) already in the graph, without bias or adapters.
+    pub(crate) fn dense(w: ValueId) -> W {
+        W {
+            base: Proj::Dense(w, None),
+            low_rank: None,
+        }
+    }
+
+    /// The weight `name` (`[out, inp]`) of group `grp`, and `<name without .weight>.bias`; the
+    /// adapters' paths for the module come as dense weights of one pinned group per adapter.
     pub(crate) fn load(
         g: &mut Graph,
         model: &ModelIndex,
@@ -27,31 +44,80 @@ impl W {
         out: usize,
         inp: usize,
     ) -> Result<W> {
-        let bias_name = format!("{}.bias", name.trim_end_matches(".weight"));
+        let module = name.trim_end_matches(".weight");
+        let bias_name = format!("{module}.bias");
         let bias = model
             .get(&bias_name)
             .map(|_| g.dense_weight(grp, &bias_name, &[out]));
-        if let Some(k) = model.q4_key(name)? {
+        let base = if let Some(k) = model.q4_key(name)? {
             let s = model.quant_state_json(k)?;
             let info = Q4Info {
                 shape: vec![out, inp],
                 blocksize: s.blocksize as usize,
             };
-            Ok(W::Q4(g.q4_weight(grp, name, info), bias))
+            Proj::Q4(g.q4_weight(grp, name, info), bias)
         } else {
-            Ok(W::Dense(g.dense_weight(grp, name, &[out, inp]), bias))
-        }
+            Proj::Dense(g.dense_weight(grp, name, &[out, inp]), bias)
+        };
+        let paths: Vec<LowRankPath> = model
+            .low_rank(module)
+            .iter()
+            .map(|p| {
+                let grp = g.pinned_group(&adapter_group(&model.adapters().names[p.adapter]));
+                LowRankPath {
+                    down: g.dense_weight(grp, &p.down, &[p.rank, inp]),
+                    up: g.dense_weight(grp, &p.up, &[out, p.rank]),
+                    scale: p.scale,
+                    adapter: p.adapter,
+                    rank: p.rank,
+                }
+            })
+            .collect();
+        let low_rank = (!paths.is_empty()).then(|| g.low_rank_set(paths));
+        Ok(W { base, low_rank })
     }
 
-    /// `x · Wᵀ (+ b)`.
+    /// `x · Wᵀ (+ b)`, plus `scale · (x · downᵀ) · upᵀ` per adapter, in adapter order (peft's
+    /// `result + lora_B(lora_A(x)) * scaling`); where the program selects rows per adapter
+    /// ([`Graph::select_adapter_rows`]), `x · downᵀ` is multiplied by the adapter's row mask.
     pub(crate) fn apply(self, g: &mut Graph, x: ValueId) -> Result<ValueId> {
-        match self {
-            W::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w)),
-            W::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w)),
-            W::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None),
-            W::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None),
+        let mut y = match self.base {
+            Proj::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w))?,
+            Proj::Q4(w, Some(b)) => g.op(OpKind::LinearQ4 { bias: true }, &[x, b], Some(w))?,
+            Proj::Dense(w, None) => g.op(OpKind::Linear { bias: false }, &[x, w], None)?,
+            Proj::Dense(w, Some(b)) => g.op(OpKind::Linear { bias: true }, &[x, w, b], None)?,
+        };
+        if let Some(set) = self.low_rank {
+            for p in g.low_rank_paths(set).to_vec() {
+                let mut h = g.op(OpKind::Linear { bias: false }, &[x, p.down], None)?;
+                if let Some(&rows) = g.adapter_rows().and_then(|r| r.get(p.adapter)) {
+                    let mask = if g.info(rows).shape.last() == Some(&p.rank) {
+                        rows
+                    } else {
+                        g.op(
+                            OpKind::Slice {
+                                axis: 1,
+                                start: 0,
+                                len: p.rank,
+                            },
+                            &[rows],
+                            None,
+                        )?
+                    };
+                    h = g.op(OpKind::Mul, &[h, mask], None)?;
+                }
+                let d = g.op(OpKind::Linear { bias: false }, &[h, p.up], None)?;
+                let d = g.op(OpKind::Scale { factor: p.scale }, &[d], None)?;
+                y = g.op(OpKind::Add, &[y, d], None)?;
+            }
         }
+        Ok(y)
     }
+}
+
+/// The weight group of an adapter's tensors (one per adapter, pinned resident).
+pub fn adapter_group(adapter: &str) -> String {
+    format!("lora {adapter}")
 }
 
 /// The same data in another shape.

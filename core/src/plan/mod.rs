@@ -66,6 +66,8 @@ pub struct GroupPlan {
     pub bytes: u64,
     /// Where it lives.
     pub placement: Placement,
+    /// Resident in every plan whatever the budget (a LoRA adapter's tensors).
+    pub pinned: bool,
 }
 
 /// What a backend's layout must respect, and what it can do with host memory.
@@ -409,6 +411,13 @@ impl MemoryPlan {
             "  stream  {s} groups, {read}, {copied}, prefetch depth {}\n",
             self.prefetch_depth
         ));
+        for g in self.groups.iter().filter(|g| g.pinned) {
+            t.push_str(&format!(
+                "  pinned  {}: {} resident in every plan\n",
+                g.name,
+                fmt_bytes(g.bytes)
+            ));
+        }
         let b = &self.budgets;
         for tier in self.tiers() {
             if tier.groups.is_empty() {

@@ -60,6 +60,7 @@ impl Planner {
             keys.push(k.clone());
             states.push(state);
         }
+        check_adapters_applied(&graph, model)?;
         let mut dense_dtypes = vec![None; graph.values.len()];
         for (vi, s) in graph.sources.iter().enumerate() {
             let Source::Dense { tensor, group } = s else {
@@ -174,9 +175,7 @@ impl Planner {
 
     /// The smallest device budget that runs the graph: every group streamed.
     pub fn min_device_bytes(&self) -> Result<u64> {
-        Ok(self
-            .layout(&vec![false; self.graph.groups.len()])?
-            .device_bytes())
+        Ok(self.layout(self.graph.pinned())?.device_bytes())
     }
 
     /// The device budget that keeps every group resident.
@@ -223,7 +222,8 @@ impl Planner {
             ),
         )?;
         let n = self.graph.groups.len();
-        let mut resident = vec![false; n];
+        // Pinned groups (adapters) are resident in every plan, the smallest included.
+        let mut resident = self.graph.pinned().to_vec();
         let mut lay = self.layout(&resident)?;
         let all = (!stream_all)
             .then(|| self.layout(&vec![true; n]))
@@ -258,6 +258,9 @@ impl Planner {
             lay = all;
         } else if !stream_all {
             for g in spread_order(n) {
+                if resident[g] {
+                    continue;
+                }
                 resident[g] = true;
                 let candidate = self.layout(&resident)?;
                 if candidate.device_bytes() <= budgets.device_bytes {
@@ -281,6 +284,7 @@ impl Planner {
                 } else {
                     Placement::Streamed
                 },
+                pinned: self.graph.pinned()[g],
             })
             .collect();
         // The host tier: streamed groups, offered in spread order, while they fit its budget; none
@@ -348,6 +352,35 @@ impl Planner {
             device_in_host_memory: self.rules.host_memory || self.rules.device_in_ram,
         }
     }
+}
+
+/// Every tensor of the adapters bound to `model` is read by `graph`: an adapter whose module
+/// the graph does not run as a linear (an embedding, a tied head) is an error, not a no-op.
+fn check_adapters_applied(graph: &Graph, model: &ModelIndex) -> Result<()> {
+    let a = model.adapters();
+    if a.paths.is_empty() {
+        return Ok(());
+    }
+    let read: std::collections::HashSet<&str> = graph
+        .sources
+        .iter()
+        .filter_map(|s| match s {
+            Source::Dense { tensor, .. } => Some(tensor.as_str()),
+            _ => None,
+        })
+        .collect();
+    for (module, paths) in &a.paths {
+        for p in paths {
+            if !read.contains(p.down.as_str()) {
+                return Err(Error::Invalid(format!(
+                    "LoRA adapter '{}' adapts {module}, which this model does not compute as a \
+                     linear layer (nibble applies adapters to linears only)",
+                    a.names[p.adapter]
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `0..n` in bit-reversed order (0, n/2, n/4, 3n/4, ...): every prefix is spread evenly over the

@@ -5,6 +5,7 @@
 //! 2x2 packing of latents into tokens and the tokens' position ids; and the whole text-to-image
 //! run of a pipeline folder (`pipeline`, with the `text` feature).
 
+pub mod lora;
 pub mod noise;
 #[cfg(feature = "text")]
 pub mod pipeline;

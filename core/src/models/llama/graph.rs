@@ -138,10 +138,7 @@ pub(super) fn weights(g: &mut Graph, model: &ModelIndex, cfg: &LlamaConfig) -> R
     let head = if tied {
         // Tied: the table is a weight of this last group too, so that a streamed embedding group
         // need not stay on the device from the first op to the last.
-        W::Dense(
-            g.dense_weight(head_group, "model.embed_tokens.weight", &[cfg.vocab, h]),
-            None,
-        )
+        W::dense(g.dense_weight(head_group, "model.embed_tokens.weight", &[cfg.vocab, h]))
     } else {
         weight(g, head_group, "lm_head.weight", cfg.vocab, h)?
     };

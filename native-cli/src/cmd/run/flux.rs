@@ -19,8 +19,14 @@ use nibble_core::models::flux::pipeline::VaeTiling;
 
 /// Opens the pipeline and runs it on the chosen backend.
 pub fn run(o: &RunArgs) -> Result<()> {
-    let pipe = FluxPipeline::open(&o.model, o.file_mode.into())
+    let mut pipe = FluxPipeline::open(&o.model, o.file_mode.into())
         .with_context(|| format!("opening the Flux pipeline {}", o.model))?;
+    pipe.transformer = o.lora.bind(
+        &pipe.transformer,
+        nibble_core::models::flux::lora::transformer_target(),
+        o.file_mode.into(),
+        o.json,
+    )?;
     if !o.text.prompt_ids.is_empty() || o.text.chat {
         bail!("a Flux pipeline takes --prompt TEXT (tokenized by its CLIP and T5 tokenizers)");
     }

@@ -44,6 +44,13 @@ pub fn run(o: &RunArgs) -> Result<()> {
             o.model
         );
     };
+    let target = match k {
+        ModelKind::Llm => nibble_core::models::lora::Target::model(),
+        ModelKind::Dit => nibble_core::models::flux::lora::transformer_target(),
+        ModelKind::Encoder if o.lora.lora.is_empty() => nibble_core::models::lora::Target::model(),
+        ModelKind::Encoder => bail!("--lora is for language models, Flux and DiTs, not encoders"),
+    };
+    let model = o.lora.bind(&model, target, o.file_mode.into(), o.json)?;
     if k != ModelKind::Dit
         && !o.plan_only
         && o.text.prompt_ids.is_empty()

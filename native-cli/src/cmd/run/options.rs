@@ -42,6 +42,8 @@ pub struct RunArgs {
     pub llm: LlmArgs,
     #[command(flatten)]
     pub dit: DitArgs,
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
     /// `nibble plan`: print the plans and stop before anything is allocated or read.
     #[arg(skip)]
     pub plan_only: bool,

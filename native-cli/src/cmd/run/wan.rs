@@ -26,6 +26,9 @@ const WAN_FPS: f64 = 16.0;
 
 /// Opens the folder and runs it on the chosen backend.
 pub fn run(o: &RunArgs) -> Result<()> {
+    if !o.lora.lora.is_empty() {
+        bail!("--lora is applied to language models and Flux pipelines; Wan pipelines do not take adapters yet");
+    }
     let pipe = WanPipeline::open(&o.model, o.file_mode.into())
         .with_context(|| format!("opening the Wan pipeline {}", o.model))?;
     let d = &o.dit;

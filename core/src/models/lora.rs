@@ -1,0 +1,578 @@
+//! LoRA adapters for a run: `--lora FILE_OR_FOLDER[:SCALE]` opened (peft folders, diffusers and
+//! kohya files, locally or by URL) and bound to the model they adapt, each module's pair checked
+//! against the model's weight before any byte is read. The graphs then compute
+//! `y = W·x + Σ scale_i · B_i(A_i·x)` beside every adapted linear ([`super::nn::W`]), the base
+//! weights streamed as without adapters and the adapters' own tensors resident, one pinned group
+//! per adapter.
+//!
+//! Scaling follows peft's `LoraLayer` (see [`crate::format::lora`]); a module a family fuses in
+//! kohya's naming (Flux's `qkv`, `linear1`) gives each part the shared down projection and its
+//! own rows of the up projection, which covers sd-scripts' block-diagonal `split_qkv` form too
+//! (its off-diagonal blocks are zeros).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::format::dtype::dtype_bits;
+use crate::format::lora::{pairs, LoraConfig, Naming, Pair};
+use crate::format::safetensors::TensorEntry;
+use crate::io::folder::{ModelFolder, SIDE_FILE_LIMIT};
+use crate::io::model::{open_first, open_model, Adapters, AddedFile, LowRank, ModelIndex};
+
+/// The file names an adapter folder is looked up by, in order (peft's, then diffusers').
+pub const ADAPTER_FILES: [&str; 2] = [
+    "adapter_model.safetensors",
+    "pytorch_lora_weights.safetensors",
+];
+
+/// One `--lora` argument: where the adapter is, its scale and its name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterArg {
+    /// A file or folder path, or an http(s) URL.
+    pub source: String,
+    /// The adapter's own scale (1 by default), multiplying peft's scaling.
+    pub scale: f32,
+    /// Its name in plans and messages (the server's per-request name).
+    pub name: String,
+}
+
+impl AdapterArg {
+    /// Parses `[NAME=]FILE_OR_FOLDER[:SCALE]`. The scale is a finite number after the last `:`
+    /// (a path that exists as written keeps its colons); the name is the file's stem or the
+    /// folder's name unless given.
+    pub fn parse(arg: &str) -> Result<Self> {
+        let bad = |msg: String| Error::Invalid(format!("--lora {arg}: {msg}"));
+        let (name, rest) = match arg.split_once('=') {
+            Some((n, r))
+                if !n.is_empty()
+                    && n.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) =>
+            {
+                (Some(n.to_string()), r)
+            }
+            _ => (None, arg),
+        };
+        let exists = {
+            #[cfg(feature = "native")]
+            {
+                std::path::Path::new(rest).exists()
+            }
+            #[cfg(not(feature = "native"))]
+            {
+                false
+            }
+        };
+        let (source, scale) = match rest.rsplit_once(':') {
+            Some((p, s)) if !exists && !s.contains('/') => {
+                if p.is_empty() {
+                    return Err(bad("no file or folder given before the scale".into()));
+                }
+                let scale: f32 = s
+                    .parse()
+                    .ok()
+                    .filter(|x: &f32| x.is_finite())
+                    .ok_or_else(|| bad(format!("scale '{s}' is not a finite number")))?;
+                (p.to_string(), scale)
+            }
+            _ => (rest.to_string(), 1.0),
+        };
+        if source.is_empty() {
+            return Err(bad("no file or folder given".into()));
+        }
+        let name = name.unwrap_or_else(|| {
+            let t = source.trim_end_matches('/');
+            let leaf = t.rsplit('/').next().unwrap_or(t);
+            leaf.strip_suffix(".safetensors")
+                .unwrap_or(leaf)
+                .to_string()
+        });
+        Ok(AdapterArg {
+            source,
+            scale,
+            name,
+        })
+    }
+}
+
+/// An adapter file, opened: its tensors' index, the config beside it and its `--lora` argument.
+#[derive(Debug, Clone)]
+pub struct AdapterFile {
+    /// The argument it was opened from (its name unique among the run's adapters).
+    pub arg: AdapterArg,
+    /// The adapter's safetensors file.
+    pub index: ModelIndex,
+    /// `adapter_config.json` beside it (peft), parsed.
+    pub peft_config: Option<serde_json::Value>,
+    /// kohya's scalar `.alpha` tensors, read when the file was opened.
+    pub alphas: BTreeMap<String, Vec<f32>>,
+}
+
+/// Opens the adapter in `folder`: the file `file` where named, else the folder's peft or
+/// diffusers file ([`ADAPTER_FILES`]) or its only `*.safetensors`; `adapter_config.json` beside
+/// it where there is one. The one routine for local paths, URLs and the browser's fetch.
+pub async fn open_in(
+    arg: AdapterArg,
+    folder: Arc<dyn ModelFolder>,
+    file: Option<&str>,
+) -> Result<AdapterFile> {
+    let found = match file {
+        Some(f) => Some(open_model(folder.clone(), Some(f)).await?),
+        None => match open_first(folder.clone(), &ADAPTER_FILES).await? {
+            Some(m) => Some(m),
+            None => match folder.list_safetensors()? {
+                Some(l) if l.len() == 1 => Some(open_model(folder.clone(), Some(&l[0])).await?),
+                _ => None,
+            },
+        },
+    };
+    let Some(mut index) = found else {
+        return Err(Error::Model {
+            file: folder.root().to_string(),
+            msg: format!(
+                "no LoRA adapter found: expected {} or a single *.safetensors file",
+                ADAPTER_FILES.join(" or ")
+            ),
+        });
+    };
+    let peft_config = match folder
+        .read_small("adapter_config.json", SIDE_FILE_LIMIT)
+        .await?
+    {
+        Some(b) => Some(serde_json::from_slice(&b).map_err(|e| Error::Model {
+            file: folder.locate("adapter_config.json"),
+            msg: format!("invalid JSON: {e}"),
+        })?),
+        None => None,
+    };
+    index.root = arg.source.clone();
+    let mut alphas = BTreeMap::new();
+    for t in index.tensors().filter(|t| t.name.ends_with(".alpha")) {
+        if t.len > 64 {
+            return Err(Error::Model {
+                file: index.root.clone(),
+                msg: format!("'{}' is {:?}, not a scalar", t.name, t.shape),
+            });
+        }
+        let bytes = folder.read_at(t.shard, t.offset, t.len, &t.name).await?;
+        let v =
+            crate::format::dtype::bytes_to_f32(&bytes, t.dtype).ok_or_else(|| Error::Model {
+                file: index.root.clone(),
+                msg: format!("'{}' is not a float tensor", t.name),
+            })?;
+        alphas.insert(t.name.clone(), v);
+    }
+    Ok(AdapterFile {
+        arg,
+        index,
+        peft_config,
+        alphas,
+    })
+}
+
+/// Where an adapter argument's files are: its folder, and the file in it where the argument
+/// names one.
+pub type AdapterFolder = (Arc<dyn ModelFolder>, Option<String>);
+
+/// Opens every adapter argument through `folder_of` (local paths, URLs, the browser's fetch):
+/// each file or folder once, the names made unique.
+pub async fn open_args(
+    args: &[AdapterArg],
+    folder_of: &dyn Fn(&str) -> Result<AdapterFolder>,
+) -> Result<Vec<AdapterFile>> {
+    let mut out: Vec<AdapterFile> = Vec::new();
+    for a in args {
+        let mut a = a.clone();
+        if out.iter().any(|o| o.arg.name == a.name) {
+            a.name = format!("{}-{}", a.name, out.len() + 1);
+        }
+        let (folder, file) = folder_of(a.source.trim_end_matches('/'))?;
+        out.push(open_in(a, folder, file.as_deref()).await?);
+    }
+    Ok(out)
+}
+
+/// The folder of an adapter at a URL: a `.safetensors` URL is that file in its folder.
+pub fn url_parts(url: &str) -> (&str, Option<&str>) {
+    match url.rsplit_once('/') {
+        Some((dir, f)) if f.ends_with(".safetensors") => (dir, Some(f)),
+        _ => (url, None),
+    }
+}
+
+/// Opens every `--lora` argument (a local file or folder, or an http(s) URL); names made unique.
+#[cfg(feature = "native")]
+pub fn open_all(
+    args: &[AdapterArg],
+    mode: crate::io::file::FileReadMode,
+) -> Result<Vec<AdapterFile>> {
+    use crate::io::file::LocalFolder;
+    use crate::io::http::HttpFolder;
+    let folder_of = |s: &str| -> Result<AdapterFolder> {
+        if s.starts_with("http://") || s.starts_with("https://") {
+            let (dir, file) = url_parts(s);
+            return Ok((
+                Arc::new(HttpFolder::new(dir, Default::default())),
+                file.map(str::to_string),
+            ));
+        }
+        let p = std::path::Path::new(s);
+        let meta = std::fs::metadata(p).map_err(|e| Error::io(s, e))?;
+        Ok(if meta.is_dir() {
+            (Arc::new(LocalFolder::new(p, mode)?), None)
+        } else {
+            let (f, name) = LocalFolder::of_file(p, mode)?;
+            (Arc::new(f), Some(name))
+        })
+    };
+    crate::io::folder::block_on(open_args(args, &folder_of))
+}
+
+/// kohya's module names (`lora_unet_` stripped) to the linears they cover, in row order.
+pub type KohyaMap = dyn Fn(&str) -> Option<Vec<String>>;
+
+/// Which keys of an adapter file are a model's, and how its family names fused modules.
+#[derive(Clone, Copy)]
+pub struct Target<'a> {
+    /// The pipeline component the model is (`"transformer"`), whose prefix diffusers' keys
+    /// carry; `None` for a model on its own.
+    pub component: Option<&'a str>,
+    /// The other components' prefixes: their keys are for another model of the pipeline.
+    pub others: &'a [&'a str],
+    /// kohya's module names (`lora_unet_` stripped) to the family's linears they cover, in the
+    /// order their rows are stacked.
+    pub kohya: Option<&'a KohyaMap>,
+}
+
+impl Target<'static> {
+    /// A model on its own (a language model's peft adapter): keys name its modules, with or
+    /// without peft's `base_model.model.` prefix.
+    pub fn model() -> Self {
+        Target {
+            component: None,
+            others: &[],
+            kohya: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Target<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("component", &self.component)
+            .finish()
+    }
+}
+
+/// What binding found, per adapter: modules adapted, bytes resident, keys left unmatched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bound {
+    /// The adapter's name.
+    pub name: String,
+    /// Linears it adapts in this model.
+    pub modules: usize,
+    /// Bytes of its tensors this model reads (resident).
+    pub bytes: u64,
+    /// Its pairs that are not this model's (other components' keys), when allowed.
+    pub unmatched: usize,
+}
+
+/// Binds `adapters` to `model`: every pair is checked against the weight it adapts (rank,
+/// shapes, dtype), its scaling taken from the adapter's config, and the model's index returned
+/// with the adapters' tensors and paths ([`ModelIndex::with_adapters`]). A pair that is not the
+/// model's is an error naming its key, or, with `ignore_unmatched`, counted in [`Bound`].
+pub fn bind(
+    model: &ModelIndex,
+    adapters: &[AdapterFile],
+    target: Target<'_>,
+    ignore_unmatched: bool,
+) -> Result<(ModelIndex, Vec<Bound>)> {
+    let mut names = Vec::new();
+    let mut paths: BTreeMap<String, Vec<LowRank>> = BTreeMap::new();
+    let mut added = Vec::new();
+    let mut report = Vec::new();
+    for (ai, a) in adapters.iter().enumerate() {
+        let file = a.index.root.clone();
+        let bad = |msg: String| Error::Model {
+            file: file.clone(),
+            msg,
+        };
+        let (naming, pairs) = pairs(a.index.tensors().map(|t| t.name.as_str())).map_err(bad)?;
+        let config = config_of(a, target)?;
+        let mut tensors: Vec<TensorEntry> = Vec::new();
+        let mut bound = Bound {
+            name: a.arg.name.clone(),
+            modules: 0,
+            bytes: 0,
+            unmatched: 0,
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &pairs {
+            let modules = match modules_of(p, naming, target) {
+                Ok(m) => m,
+                Err(why) if ignore_unmatched && why.other_component => {
+                    bound.unmatched += 1;
+                    continue;
+                }
+                Err(why) => {
+                    return Err(bad(format!(
+                        "'{}': {}{}",
+                        p.down,
+                        why.msg,
+                        if why.other_component {
+                            " (--lora-ignore-unmatched skips such keys)"
+                        } else {
+                            ""
+                        }
+                    )))
+                }
+            };
+            let down = a.index.require(&p.down)?.clone();
+            let up = a.index.require(&p.up)?.clone();
+            let (rank, inp) = match down.shape[..] {
+                [r, i] if r > 0 => (r as usize, i as usize),
+                _ => {
+                    return Err(bad(format!(
+                        "'{}' is {:?}, not [rank, in]",
+                        p.down, down.shape
+                    )))
+                }
+            };
+            let out_total = match up.shape[..] {
+                [o, r] if r as usize == rank => o as usize,
+                _ => {
+                    return Err(bad(format!(
+                        "'{}' is {:?}, not [out, {rank}] (the rank of '{}')",
+                        p.up, up.shape, p.down
+                    )))
+                }
+            };
+            let scaling = match &p.alpha {
+                Some(al) => {
+                    let v = a.alphas.get(al).map(Vec::as_slice).unwrap_or(&[]);
+                    match *v {
+                        [x] if x.is_finite() && x > 0.0 => x as f64 / rank as f64,
+                        _ => return Err(bad(format!("'{al}' is {v:?}, not one positive number"))),
+                    }
+                }
+                None => config.scaling(&modules[0], rank),
+            };
+            let scale = (scaling * a.arg.scale as f64) as f32;
+            let down_name = format!("lora{ai}/{}", p.down);
+            tensors.push(TensorEntry {
+                name: down_name.clone(),
+                ..down.clone()
+            });
+            bound.bytes += down.len;
+            let elem = dtype_bits(up.dtype) / 8;
+            let mut row = 0usize;
+            for (part, m) in modules.iter().enumerate() {
+                if !seen.insert(m.clone()) {
+                    return Err(bad(format!("'{}': a second pair for {m}", p.down)));
+                }
+                let (out, w_in) = weight_shape(model, m)
+                    .map_err(|e| bad(format!("'{}' adapts {m}, but {e}", p.down)))?;
+                if w_in != inp || row + out > out_total {
+                    return Err(bad(format!(
+                        "'{}' / '{}' ([{rank}, {inp}] / [{out_total}, {rank}]) do not fit {m} \
+                         ([{out}, {w_in}]{})",
+                        p.down,
+                        p.up,
+                        if modules.len() > 1 {
+                            format!(", part {} of {}", part + 1, modules.len())
+                        } else {
+                            String::new()
+                        }
+                    )));
+                }
+                let up_name = if modules.len() == 1 {
+                    format!("lora{ai}/{}", p.up)
+                } else {
+                    format!("lora{ai}/{}[{row}..{}]", p.up, row + out)
+                };
+                let bytes = (out * rank) as u64 * elem;
+                tensors.push(TensorEntry {
+                    name: up_name.clone(),
+                    shape: vec![out as u64, rank as u64],
+                    offset: up.offset + (row * rank) as u64 * elem,
+                    len: bytes,
+                    ..up.clone()
+                });
+                bound.bytes += bytes;
+                row += out;
+                bound.modules += 1;
+                paths.entry(m.clone()).or_default().push(LowRank {
+                    adapter: ai,
+                    down: down_name.clone(),
+                    up: up_name,
+                    rank,
+                    scale,
+                });
+            }
+            if row != out_total {
+                return Err(bad(format!(
+                    "'{}' has {out_total} rows, the {} it adapts have {row} together",
+                    p.up,
+                    modules.join(", ")
+                )));
+            }
+        }
+        if bound.modules == 0 {
+            return Err(bad(format!(
+                "none of its {} pairs adapts {}",
+                pairs.len(),
+                model.root
+            )));
+        }
+        names.push(a.arg.name.clone());
+        added.push(AddedFile {
+            file: a.index.clone(),
+            tensors,
+        });
+        report.push(bound);
+    }
+    let m = model.with_adapters(Adapters { names, paths }, added)?;
+    Ok((m, report))
+}
+
+/// The scaling settings of an adapter for `target`: peft's `adapter_config.json`, diffusers'
+/// `lora_adapter_metadata` (keys prefixed by the component), or none (alpha = rank).
+fn config_of(a: &AdapterFile, target: Target<'_>) -> Result<LoraConfig> {
+    let bad = |file: String, msg: String| Error::Model { file, msg };
+    if let Some(j) = &a.peft_config {
+        return LoraConfig::of_json(j, "")
+            .map_err(|m| bad(format!("{}/adapter_config.json", a.index.root), m));
+    }
+    let meta = a
+        .index
+        .shards
+        .first()
+        .and_then(|s| s.header.metadata.get("lora_adapter_metadata"));
+    match meta {
+        Some(text) => {
+            let j: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+                bad(
+                    a.index.root.clone(),
+                    format!("lora_adapter_metadata is not JSON: {e}"),
+                )
+            })?;
+            let prefix = target
+                .component
+                .map(|c| format!("{c}."))
+                .unwrap_or_default();
+            LoraConfig::of_json(&j, &prefix).map_err(|m| bad(a.index.root.clone(), m))
+        }
+        None => Ok(LoraConfig::default()),
+    }
+}
+
+struct Unmatched {
+    msg: String,
+    other_component: bool,
+}
+
+/// The model's linears a pair adapts (several where kohya names a fused module).
+fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String>, Unmatched> {
+    let other = |msg: String| Unmatched {
+        msg,
+        other_component: true,
+    };
+    let no = |msg: String| Unmatched {
+        msg,
+        other_component: false,
+    };
+    match naming {
+        Naming::Peft => {
+            let m = p
+                .module
+                .strip_prefix("base_model.model.")
+                .unwrap_or(&p.module);
+            if let Some(c) = target.component {
+                if let Some(rest) = m.strip_prefix(&format!("{c}.")) {
+                    return Ok(vec![rest.to_string()]);
+                }
+            }
+            if let Some(o) = target
+                .others
+                .iter()
+                .find(|o| m.starts_with(&format!("{o}.")))
+            {
+                return Err(other(format!(
+                    "a key of the pipeline's {o}, which adapters do not reach"
+                )));
+            }
+            Ok(vec![m.to_string()])
+        }
+        Naming::Kohya => {
+            let Some(rest) = p.module.strip_prefix("lora_unet_") else {
+                if p.module.starts_with("lora_te") {
+                    return Err(other(
+                        "a text encoder's key, which adapters do not reach".into(),
+                    ));
+                }
+                return Err(no(format!(
+                    "kohya module '{}' is not lora_unet_*",
+                    p.module
+                )));
+            };
+            let Some(map) = target.kohya else {
+                return Err(no(
+                    "kohya's naming, which this model kind does not use".into()
+                ));
+            };
+            map(rest).ok_or_else(|| {
+                no(format!(
+                    "kohya module '{rest}' names no linear of this model"
+                ))
+            })
+        }
+    }
+}
+
+/// `[out, in]` of linear `module`'s weight (4-bit or dense).
+fn weight_shape(model: &ModelIndex, module: &str) -> std::result::Result<(usize, usize), String> {
+    let name = format!("{module}.weight");
+    let shape: Vec<u64> = if let Some(k) = model.q4_key(&name).map_err(|e| e.to_string())? {
+        model
+            .quant_state_json(k)
+            .map_err(|e| e.to_string())?
+            .shape
+            .to_vec()
+    } else {
+        match model.get(&name) {
+            Some(e) => e.shape.clone(),
+            None => return Err(format!("the model has no {name}")),
+        }
+    };
+    match shape[..] {
+        [o, i] => Ok((o as usize, i as usize)),
+        _ => Err(format!("{name} is {shape:?}, not a linear's [out, in]")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_carry_a_name_a_path_and_a_scale() {
+        let a = AdapterArg::parse("some/dir/style.safetensors:0.6").expect("parse");
+        assert_eq!(
+            (a.source.as_str(), a.scale, a.name.as_str()),
+            ("some/dir/style.safetensors", 0.6, "style")
+        );
+        let a = AdapterArg::parse("pet=https://host:8080/loras/pet/").expect("url");
+        assert_eq!(
+            (a.source.as_str(), a.scale, a.name.as_str()),
+            ("https://host:8080/loras/pet/", 1.0, "pet")
+        );
+        let a = AdapterArg::parse("https://host:8080/a.safetensors:-1.5").expect("url scale");
+        assert_eq!(
+            (a.source.as_str(), a.scale),
+            ("https://host:8080/a.safetensors", -1.5)
+        );
+        for bad in ["x:abc", "x:inf", ":0.5", ""] {
+            assert!(AdapterArg::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
