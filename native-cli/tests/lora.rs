@@ -264,3 +264,144 @@ fn an_adapter_for_another_model_is_refused() {
     assert!(err.contains("transformer."), "names the key: {err}");
 }
 
+/// `nibble serve --lora`: two adapters named at start, listed by /v1/models, selected per
+/// request by `"model": "<id>:<name>"`; three sequences (each adapter and none) decoded together
+/// give the text of their solo requests, and that of `nibble run` with the same adapter, whose
+/// tokens are peft's.
+#[test]
+fn the_server_batches_sequences_with_different_adapters() {
+    use nibble_tests::process::Served;
+    use serde_json::json;
+    let dir = tempfile::tempdir().expect("tmp");
+    nibble_tests::copy_dir(&shared("tiny-llama-nf4/model"), dir.path());
+    // One word per token id ("t0" .. "t255"), joined by spaces: the text spells the tokens.
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..256).map(|i| (format!("t{i}"), json!(i))).collect();
+    let tok = json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}});
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("tokenizer.json");
+    let lora = shared("tiny-llama-nf4/lora");
+    let qv = format!("qv={}", lora.join("attn_qv").display());
+    let all = format!("all={}:0.5", lora.join("all_linear").display());
+    let s = std::sync::Arc::new(Served::api(
+        env!("CARGO_BIN_EXE_nibble"),
+        dir.path(),
+        &[
+            "--model-id",
+            "tiny",
+            "--max-batch",
+            "4",
+            "--lora",
+            &qv,
+            "--lora",
+            &all,
+        ],
+    ));
+    let e = ModelIndex::open(&shared("tiny-llama-nf4/lora/expected.safetensors")).expect("exp");
+    let prompt: Vec<u64> = e
+        .read_bytes(e.require("prompt_ids").expect("prompt"))
+        .expect("read")
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u64)
+        .collect();
+    let (status, _, b) = s.request("GET", "/v1/models", &[], b"");
+    assert_eq!(status, 200);
+    let models: serde_json::Value = serde_json::from_slice(&b).expect("json");
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id"))
+        .collect();
+    assert_eq!(ids, ["tiny", "tiny:qv", "tiny:all"]);
+    let body = |model: &str| {
+        json!({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+               "ignore_eos": true})
+    };
+    let text = |v: &serde_json::Value| v["choices"][0]["text"].as_str().expect("text").to_string();
+    let models = ["tiny:qv", "tiny", "tiny:all"];
+    let solo: Vec<String> = models
+        .iter()
+        .map(|m| {
+            let (status, v) = s.post("/v1/completions", &body(m));
+            assert_eq!(status, 200, "{m}: {v}");
+            assert_eq!(v["model"], *m);
+            text(&v)
+        })
+        .collect();
+    // The texts spell peft's greedy tokens (the base's: the base fixture's).
+    let base = ModelIndex::open(&shared("tiny-llama-nf4/expected.safetensors")).expect("base");
+    let tokens = |m: &ModelIndex, n: &str| -> String {
+        m.read_bytes(m.require(n).expect(n))
+            .expect("read")
+            .chunks_exact(8)
+            .take(8)
+            .map(|c| format!("t{}", i64::from_le_bytes(c.try_into().expect("8"))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let want = [
+        tokens(&e, "attn_qv.greedy_tokens"),
+        tokens(&base, "greedy_tokens_deq"),
+        tokens(&e, "scaled.greedy_tokens"),
+    ];
+    for ((got, want), m) in solo.iter().zip(&want).zip(models) {
+        assert_eq!(got.trim(), want, "{m}: peft's tokens");
+    }
+    let handles: Vec<_> = models
+        .iter()
+        .map(|m| {
+            let (b, c) = (body(m), s.clone());
+            std::thread::spawn(move || {
+                let (status, v) = c.post("/v1/completions", &b);
+                assert_eq!(status, 200, "{v}");
+                v
+            })
+        })
+        .collect();
+    for ((h, want), m) in handles.into_iter().zip(&solo).zip(models) {
+        assert_eq!(&text(&h.join().expect("client")), want, "{m} batched");
+    }
+    assert!(
+        s.metric("batch_size_max") > 1.0,
+        "the sequences were decoded together"
+    );
+    // The solo texts are `nibble run`'s with the same adapter (whose tokens are peft's, above).
+    let ids = prompt
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    for (m, want) in models.iter().zip(&solo) {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--model".into(),
+            dir.path().display().to_string(),
+            "--prompt-ids".into(),
+            ids.clone(),
+            "--max-tokens".into(),
+            "8".into(),
+            "--ignore-eos".into(),
+            "--json".into(),
+        ];
+        match *m {
+            "tiny:qv" => args.extend(["--lora".into(), lora.join("attn_qv").display().to_string()]),
+            "tiny:all" => args.extend([
+                "--lora".into(),
+                format!("{}:0.5", lora.join("all_linear").display()),
+            ]),
+            _ => {}
+        }
+        let o = nibble(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        assert_eq!(r["text"].as_str().expect("text"), want, "{m}: nibble run");
+    }
+    let (status, v) = s.post("/v1/completions", &body("tiny:nope"));
+    assert_eq!(status, 404, "{v}");
+    assert!(
+        v.to_string().contains("tiny:qv"),
+        "lists what is served: {v}"
+    );
+}

@@ -56,6 +56,9 @@ pub struct BatchGraph {
     pub chunk: Vec<usize>,
     /// `(slots, program)` of the mixed programs, by slots ascending.
     pub mixed: Vec<(usize, usize)>,
+    /// Per LoRA adapter bound to the model: the width of its row-selection input (its largest
+    /// rank).
+    pub adapter_ranks: Vec<usize>,
 }
 
 /// Builds the batched decoder against `model`'s weights.
@@ -90,6 +93,8 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
     }
     let mut g = Graph::new();
     let w = weights(&mut g, model, &cfg)?;
+    let a = model.adapters();
+    let ranks: Vec<usize> = (0..a.names.len()).map(|i| a.max_rank(i)).collect();
     let rows = shape.context + 1;
     let info = ValueInfo::f32(&[cfg.kv_heads, rows, cfg.head_dim]);
     // caches[layer][slot] = (K, V)
@@ -107,7 +112,7 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
         let name = format!("batch{n}");
         batch.push((
             n,
-            rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, 0)?,
+            rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, 0, &ranks)?,
         ));
     }
     let chunk = (0..shape.slots)
@@ -122,6 +127,7 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
                 &slots,
                 rows,
                 1,
+                &ranks,
             )
         })
         .collect::<Result<Vec<_>>>()?;
@@ -133,7 +139,7 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
             let name = format!("mixed{n}");
             mixed.push((
                 n,
-                rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, n)?,
+                rows_program(&mut g, &name, &cfg, &w, &caches, &slots, rows, n, &ranks)?,
             ));
         }
     }
@@ -145,6 +151,7 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
         batch,
         chunk,
         mixed,
+        adapter_ranks: ranks,
     })
 }
 
@@ -164,8 +171,9 @@ fn slot_counts(slots: usize) -> Vec<usize> {
 ///
 /// Inputs: ids `u32[t]`, cos and sin `[t, head_dim/2]` (each row at its own position), then
 /// per row its cache position `u32[1]`, then per row its key mask `[context + 1]`, then with
-/// `gather` > 0 the rows whose logits are returned `u32[gather]`. Output: logits `[t, vocab]`
-/// (`[gather, vocab]`).
+/// `gather` > 0 the rows whose logits are returned `u32[gather]`, then per LoRA adapter the rows
+/// its paths apply to `[t, ranks[a]]` (all ones or all zeros per row). Output: logits
+/// `[t, vocab]` (`[gather, vocab]`).
 #[allow(clippy::too_many_arguments)]
 fn rows_program(
     g: &mut Graph,
@@ -176,6 +184,7 @@ fn rows_program(
     slots: &[usize],
     cache_rows: usize,
     gather: usize,
+    ranks: &[usize],
 ) -> Result<usize> {
     let t = slots.len();
     let (hd, nh, nkv) = (cfg.head_dim, cfg.heads, cfg.kv_heads);
@@ -192,6 +201,13 @@ fn rows_program(
         .map(|_| g.input(ValueInfo::f32(&[cache_rows])))
         .collect();
     let last = (gather > 0).then(|| g.input(u32v(&[gather])));
+    let select: Vec<ValueId> = ranks
+        .iter()
+        .map(|&r| g.input(ValueInfo::f32(&[t, r])))
+        .collect();
+    if !select.is_empty() {
+        g.select_adapter_rows(Some(select.clone()));
+    }
     let scale = 1.0 / (hd as f32).sqrt();
     let mut x = g.op(OpKind::Embedding, &[ids, w.table], None)?;
     for (l, lw) in w.layers.iter().enumerate() {
@@ -235,6 +251,13 @@ fn rows_program(
     }
     if let Some(last) = last {
         x = g.op(OpKind::Embedding, &[last, x], None)?;
+        if !select.is_empty() {
+            let gathered = select
+                .iter()
+                .map(|&m| g.op(OpKind::Embedding, &[last, m], None))
+                .collect::<Result<Vec<_>>>()?;
+            g.select_adapter_rows(Some(gathered));
+        }
     }
     let xn = g.op(OpKind::RmsNorm { eps: cfg.rms_eps }, &[x, w.norm_f], None)?;
     let logits = w.head.apply(g, xn)?;
@@ -257,6 +280,10 @@ pub struct BatchDecoder<B: Backend> {
     pos: Vec<usize>,
     /// Per slot: the key mask (1 for filled positions; never the scratch row).
     masks: Vec<Vec<f32>>,
+    /// Per LoRA adapter: its row-selection width.
+    adapter_ranks: Vec<usize>,
+    /// Per slot: the adapter its sequence runs with (`None`: the base model alone).
+    adapter: Vec<Option<usize>>,
 }
 
 impl<B: Backend> std::fmt::Debug for BatchDecoder<B> {
@@ -283,6 +310,8 @@ impl<B: Backend> BatchDecoder<B> {
             mixed: bg.mixed,
             pos: vec![0; bg.shape.slots],
             masks: vec![vec![0.0; rows]; bg.shape.slots],
+            adapter_ranks: bg.adapter_ranks,
+            adapter: vec![None; bg.shape.slots],
         })
     }
 
@@ -301,10 +330,31 @@ impl<B: Backend> BatchDecoder<B> {
         self.pos[slot]
     }
 
-    /// Empties slot `slot` for a new sequence.
+    /// Empties slot `slot` for a new sequence (which runs without adapters until
+    /// [`BatchDecoder::set_adapter`]).
     pub fn reset(&mut self, slot: usize) {
         self.pos[slot] = 0;
         self.masks[slot].iter_mut().for_each(|m| *m = 0.0);
+        self.adapter[slot] = None;
+    }
+
+    /// The LoRA adapter (an index into the model's adapters) the sequence in `slot` runs with,
+    /// `None` for the base model alone; other slots of the same passes keep theirs.
+    pub fn set_adapter(&mut self, slot: usize, adapter: Option<usize>) -> Result<()> {
+        if slot >= self.shape.slots {
+            return Err(Error::Invalid(format!(
+                "slot {slot} of {}",
+                self.shape.slots
+            )));
+        }
+        if let Some(a) = adapter.filter(|&a| a >= self.adapter_ranks.len()) {
+            return Err(Error::Invalid(format!(
+                "adapter #{a}: the model has {} adapters",
+                self.adapter_ranks.len()
+            )));
+        }
+        self.adapter[slot] = adapter;
+        Ok(())
     }
 
     fn check(&self, slot: usize, ids: &[u32]) -> Result<()> {
@@ -372,6 +422,18 @@ impl<B: Backend> BatchDecoder<B> {
         inputs.extend(masks);
         if !last.is_empty() {
             inputs.push(HostTensor::u32(&[last.len()], last.to_vec())?);
+        }
+        for (a, &r) in self.adapter_ranks.iter().enumerate() {
+            let mut sel = Vec::with_capacity(t * r);
+            for &(slot, _) in rows {
+                let on = if self.adapter[slot] == Some(a) {
+                    1.0
+                } else {
+                    0.0
+                };
+                sel.extend(std::iter::repeat_n(on, r));
+            }
+            inputs.push(HostTensor::f32(&[t, r], sel)?);
         }
         Ok(inputs)
     }

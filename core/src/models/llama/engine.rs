@@ -104,6 +104,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// End at an end-of-sequence token (else it is text like any other).
     pub stop_at_eos: bool,
+    /// The LoRA adapter the sequence runs with (an index into the model's adapters; `None`:
+    /// the base model alone).
+    pub adapter: Option<usize>,
     /// Where the text goes; closed when the client goes away.
     pub events: Box<dyn EventSink>,
 }
@@ -292,6 +295,12 @@ impl<B: Backend> Engine<B> {
                 .prompt_tokens
                 .fetch_add(job.prompt.len() as u64, Relaxed);
             self.dec.reset(slot);
+            if let Err(e) = self.dec.set_adapter(slot, job.adapter) {
+                job.events.send(Event::Error(e.to_string()));
+                self.m().failed.fetch_add(1, Relaxed);
+                self.shared.ended();
+                continue;
+            }
             self.seqs[slot] = Some(Seq {
                 sampler: Sampler::new(job.sampling),
                 job,

@@ -59,6 +59,15 @@ pub(super) fn run(a: &ServeArgs, model: &str, addr: SocketAddr) -> Result<()> {
     if kind == ModelKind::Dit {
         bail!("{model}: a DiT has no OpenAI API here (nibble serves decoders and encoders)");
     }
+    if kind == ModelKind::Encoder && !api.lora.lora.is_empty() {
+        bail!("{model}: --lora is for language models (an encoder serves no adapters)");
+    }
+    let index = api.lora.bind(
+        &index,
+        nibble_core::models::lora::Target::model(),
+        api.file_mode.into(),
+        false,
+    )?;
     let model_id = api.model_id.clone().unwrap_or_else(|| {
         model
             .trim_end_matches('/')
@@ -195,6 +204,7 @@ impl Serve<'_> {
     ) -> App {
         App {
             model_id: self.model_id.clone(),
+            adapters: self.model.adapters().names.clone(),
             work,
             tok,
             context,
@@ -321,11 +331,15 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
-    ok_json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+    let data: Vec<Value> = std::iter::once(app.model_id.clone())
+        .chain(app.adapters.iter().map(|a| format!("{}:{a}", app.model_id)))
+        .map(|id| model_object(&id))
+        .collect();
+    ok_json(json!({"object": "list", "data": data})).into_response()
 }
 
-fn model_object(app: &App) -> Value {
-    json!({"id": app.model_id, "object": "model", "created": 0, "owned_by": "nibble"})
+fn model_object(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "nibble"})
 }
 
 async fn plan(State(app): State<Arc<App>>) -> Response {
@@ -351,10 +365,18 @@ struct Ask {
     stop_at_eos: bool,
     stream: bool,
     usage_in_stream: bool,
+    /// The LoRA adapter the request's `model` selects.
+    adapter: Option<usize>,
+    /// The model id answered with (the request's, adapter included).
+    model: String,
 }
 
 fn ask(app: &App, c: Common, prompt: Vec<u32>) -> Result<Ask, Response> {
-    check_model(app, &c.model)?;
+    let adapter = check_model(app, &c.model)?;
+    let model = match adapter {
+        Some(a) => format!("{}:{}", app.model_id, app.adapters[a]),
+        None => app.model_id.clone(),
+    };
     if c.n.is_some_and(|n| n != 1) {
         return Err(bad("n: nibble generates one choice per request (n = 1)"));
     }
@@ -416,6 +438,8 @@ fn ask(app: &App, c: Common, prompt: Vec<u32>) -> Result<Ask, Response> {
         stop_at_eos: !c.ignore_eos,
         stream: c.stream,
         usage_in_stream: c.stream_options.is_some_and(|o| o.include_usage),
+        adapter,
+        model,
     })
 }
 
@@ -518,6 +542,7 @@ async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
         sampling: a.sampling,
         stop: a.stop,
         stop_at_eos: a.stop_at_eos,
+        adapter: a.adapter,
         events: Box::new(Client(tx)),
     };
     if jobs.send(job).is_err() {
@@ -538,7 +563,7 @@ async fn generate(app: Arc<App>, a: Ask, shape: Shape) -> Response {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let model = app.model_id.clone();
+    let model = a.model.clone();
     if !a.stream {
         let mut text = String::new();
         loop {

@@ -28,6 +28,9 @@ pub(super) enum Work {
 /// The server's state.
 pub(super) struct App {
     pub(super) model_id: String,
+    /// The LoRA adapters bound at start (`--lora NAME=PATH`), selected per request as
+    /// `"model": "<model_id>:<NAME>"`.
+    pub(super) adapters: Vec<String>,
     pub(super) work: Work,
     pub(super) tok: Arc<TextTokenizer>,
     /// Tokens a sequence may hold (decoder), or the longest input (encoder).
@@ -117,19 +120,36 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, Respo
     Ok(v)
 }
 
-pub(super) fn check_model(app: &App, model: &Option<String>) -> Result<(), Response> {
-    match model {
-        Some(m) if *m != app.model_id => Err(error_with(
+/// The adapter a request's `model` selects: `None` for the model itself (or no `model`),
+/// `Some(i)` for `"<model_id>:<adapter name>"`; 404 for anything else.
+pub(super) fn check_model(app: &App, model: &Option<String>) -> Result<Option<usize>, Response> {
+    let Some(m) = model else {
+        return Ok(None);
+    };
+    if *m == app.model_id {
+        return Ok(None);
+    }
+    let named = m
+        .strip_prefix(app.model_id.as_str())
+        .and_then(|r| r.strip_prefix(':'))
+        .and_then(|n| app.adapters.iter().position(|a| a == n));
+    named.map(Some).ok_or_else(|| {
+        let ids: Vec<String> = std::iter::once(app.model_id.clone())
+            .chain(app.adapters.iter().map(|a| format!("{}:{a}", app.model_id)))
+            .collect();
+        error_with(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             Some("model_not_found"),
             format!(
-                "the model '{m}' does not exist: this server serves '{}'",
-                app.model_id
+                "the model '{m}' does not exist: this server serves {}",
+                ids.iter()
+                    .map(|i| format!("'{i}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
-        )),
-        _ => Ok(()),
-    }
+        )
+    })
 }
 
 /// The token ids of a prompt that is one text or one list of ids.

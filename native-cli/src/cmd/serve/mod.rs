@@ -125,6 +125,11 @@ pub struct ApiArgs {
     /// Time every op and print the slowest op kinds when the server stops.
     #[arg(long)]
     pub profile: bool,
+    /// LoRA adapters (`--lora NAME=PATH[:SCALE]`), each selected per request by
+    /// `"model": "<model id>:<NAME>"`; sequences with different adapters, or none, are decoded
+    /// in the same passes over the base weights.
+    #[command(flatten)]
+    pub lora: crate::args::LoraArgs,
 }
 
 /// Serves a folder (DIR) or a model (--model) until interrupted.
