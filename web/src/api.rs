@@ -316,6 +316,14 @@ impl Nibble {
             let model = open_model(folder, None).await.map_err(js_err)?;
             // The graph builders and the planner read the quant states synchronously.
             model.load_quant_states().await.map_err(js_err)?;
+            let model = crate::lora::bind(
+                &model,
+                &settings,
+                nibble_core::models::lora::Target::model(),
+                &traffic,
+            )
+            .await
+            .map_err(js_err)?;
             let open_bytes =
                 traffic_bytes(&traffic, "header") + traffic_bytes(&traffic, "quant-state") - before;
             let kind = kind_of(model.config.as_ref())?;

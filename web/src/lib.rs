@@ -9,6 +9,7 @@
 //! const nb = new Nibble();
 //! const info = await nb.adapter();                 // adapter name, limits
 //! const model = await nb.load(url, { deviceBudget: "min", slots: 2, slotBytes: 65536 });
+//! // with LoRA adapters: { ..., lora: ["adapters/style/", "b.safetensors:0.5"] }
 //! // model.plan: the memory plan of a default run, before any weight byte is read
 //! const out = await nb.generate("Hello", { maxTokens: 16 }, (id, i, text) => ...); // LLMs
 //! const dit = await nb.denoise({ steps: 4, inputs }, (step) => ...);             // DiTs
@@ -24,6 +25,8 @@
 mod api;
 #[cfg(target_arch = "wasm32")]
 mod fetch;
+#[cfg(target_arch = "wasm32")]
+mod lora;
 #[cfg(target_arch = "wasm32")]
 mod pipeline;
 #[cfg(target_arch = "wasm32")]

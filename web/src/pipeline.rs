@@ -285,6 +285,15 @@ impl Nibble {
                 _ => None,
             };
             if class.as_deref() == Some("WanPipeline") {
+                if settings
+                    .get("lora")
+                    .is_some_and(|l| !l.is_null() && l != &json!([]) && l != &json!(""))
+                {
+                    return Err(js_err(
+                        "lora: adapters apply to language models and Flux pipelines; Wan \
+                         pipelines do not take them yet",
+                    ));
+                }
                 let pipe = nibble_core::models::wan::pipeline::WanPipeline::open_in(&url, &folder)
                     .await
                     .map_err(js_err)?;
@@ -303,7 +312,17 @@ impl Nibble {
                 st.settings = s;
                 return to_js(&v);
             }
-            let pipe = FluxPipeline::open_in(&url, &folder).await.map_err(js_err)?;
+            let mut pipe = FluxPipeline::open_in(&url, &folder).await.map_err(js_err)?;
+            // Binding checks every pair against the weight it adapts (its quant state).
+            pipe.transformer.load_quant_states().await.map_err(js_err)?;
+            pipe.transformer = crate::lora::bind(
+                &pipe.transformer,
+                &settings,
+                nibble_core::models::flux::lora::transformer_target(),
+                &traffic,
+            )
+            .await
+            .map_err(js_err)?;
             let models = [
                 ("text_encoder", &pipe.text_encoder),
                 ("text_encoder_2", &pipe.text_encoder_2),

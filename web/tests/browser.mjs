@@ -163,6 +163,21 @@ async function main() {
       JSON.stringify(rs.tokens) !== JSON.stringify(Array.from(want)), `[${rs.tokens}]`);
     report.llama_sampled = { tokens: rs.tokens, cli: cliTokens, ...samp };
 
+    // 1c. LoRA adapters by URL (the `lora` setting, as `--lora`): two peft folders give peft's
+    // greedy tokens; the adapters stay resident and every step fetches the base's bytes.
+    const loraExp = readSafetensors(join(llamaDir, "lora/expected.safetensors"));
+    const loraWant = loraExp.get("both.greedy_tokens");
+    const loraUrls = ["attn_qv", "all_linear"].map((a) => `${base}/fixtures/tiny-llama-nf4/lora/${a}`);
+    await page.evaluate(([u, m]) => window.nibbleDemo.openModel(u, m), [llamaUrl, { ...mem, lora: loraUrls }]);
+    const rl = await page.evaluate(([p, m, n]) => window.nibbleDemo.runLlm(p, { ...m, maxTokens: n, stopAtEos: false }),
+      [prompt, mem, loraWant.length]);
+    check("tiny-llama with two peft adapters by URL: peft's greedy tokens", JSON.stringify(rl.tokens) === JSON.stringify(loraWant),
+      `got [${rl.tokens}], want [${loraWant}]`);
+    check("tiny-llama with adapters: both resident, the base streamed with the same bytes per step",
+      rl.plan.resident_groups === 2 && rl.plan.streamed_bytes_per_step === r.plan.streamed_bytes_per_step
+        && rl.weight_bytes === rl.predicted_weight_bytes,
+      `${rl.plan.resident_groups} resident, ${rl.plan.streamed_bytes_per_step} bytes per step (base ${r.plan.streamed_bytes_per_step}), ${rl.weight_bytes} fetched of ${rl.predicted_weight_bytes} predicted`);
+
     // 2. tiny-dit: the Euler loop, one step per interval of the fixture's sigma schedule.
     const ditDir = join(fixturesDir, "tiny-dit-nf4");
     const e = readSafetensors(join(ditDir, "expected.safetensors"));

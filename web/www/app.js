@@ -21,6 +21,7 @@ function settings() {
     deviceBudget: budget === "" || budget === "min" ? "min" : (/^\d+$/.test(budget) ? Number(budget) : budget),
     slots: Number($("slots").value),
     slotBytes: $("slotSize").value.trim(),
+    lora: $("lora").value.split(",").map((x) => x.trim()).filter((x) => x.length > 0),
   };
 }
 
@@ -80,6 +81,7 @@ export async function openModel(url, s = settings()) {
   $("budget").value = s.deviceBudget ?? "min";
   if (s.slots) $("slots").value = s.slots;
   if (s.slotBytes) $("slotSize").value = typeof s.slotBytes === "number" ? fmt(s.slotBytes).replace(" ", "") : s.slotBytes;
+  $("lora").value = (s.lora ?? []).join(", ");
   $("openStatus").textContent = `opening ${url} …`;
   $("openBar").style.width = "15%";
   const t0 = performance.now();
@@ -171,6 +173,7 @@ export async function runDit(opts = {}) {
 // first weight byte; the image is painted into the canvas.
 export async function openPipeline(url, s = settings()) {
   $("url").value = url;
+  $("lora").value = (s.lora ?? []).join(", ");
   $("openStatus").textContent = `opening the pipeline ${url} …`;
   $("openBar").style.width = "15%";
   const t0 = performance.now();
