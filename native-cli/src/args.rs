@@ -265,17 +265,25 @@ impl LoraArgs {
                 .context("binding the LoRA adapters")?;
         if !quiet {
             for (r, f) in report.iter().zip(&files) {
+                let mut notes = String::new();
+                if r.unmatched > 0 {
+                    notes.push_str(&format!(
+                        ", {} modules of other models skipped",
+                        r.unmatched
+                    ));
+                }
+                if r.dropped > 0 {
+                    notes.push_str(&format!(
+                        ", {} norm-layer deltas dropped (as diffusers drops them)",
+                        r.dropped
+                    ));
+                }
                 eprintln!(
-                    "lora {}: {} linears, scale {}, {} resident{}",
+                    "lora {}: {} linears, scale {}, {} resident{notes}",
                     r.name,
                     r.modules,
                     f.arg.scale,
                     nibble_core::plan::fmt_bytes(r.bytes),
-                    if r.unmatched > 0 {
-                        format!(", {} pairs for other models skipped", r.unmatched)
-                    } else {
-                        String::new()
-                    }
                 );
             }
         }

@@ -405,3 +405,238 @@ fn the_server_batches_sequences_with_different_adapters() {
         "lists what is served: {v}"
     );
 }
+
+/// A Wan LoRA as the trainers built on Wan's own code write it (`diffusion_model.` + Wan's module
+/// names, `lora_down`/`lora_up`, `.alpha`, `.diff_b` bias deltas, a zeroed norm delta) and as
+/// musubi-tuner writes it (`lora_unet_blocks_0_self_attn_q`), on the tiny Wan pipeline at scale
+/// 0.5: the final latents and the video equal those of the same pipeline whose adapted weights
+/// and biases were merged in f32 (`W + 0.5 · alpha/r · up·down`, `b + 0.5 · diff_b`), within
+/// 1e-4 x max, and differ from the base's. The Conv3d patch embedding's pair is flattened as
+/// its linear is.
+#[test]
+fn wan_adapters_equal_their_merged_weights() {
+    use nibble_tests::build::{build_file, f32_entry, random_values, RawEntry};
+    let src = shared("tiny-wan-pipeline/pipeline");
+    let base = ModelIndex::open(&src.join("transformer")).expect("transformer");
+    let tmp = tempfile::tempdir().expect("tmp");
+    // (Wan's name, diffusers' module, rank, with a bias delta)
+    let mods = [
+        ("blocks.0.self_attn.q", "blocks.0.attn1.to_q", 4, true),
+        ("blocks.1.cross_attn.o", "blocks.1.attn2.to_out.0", 2, false),
+        ("blocks.0.ffn.2", "blocks.0.ffn.net.2", 4, true),
+        ("time_projection.1", "condition_embedder.time_proj", 3, true),
+        ("head.head", "proj_out", 2, false),
+        ("patch_embedding", "patch_embedding", 2, false),
+    ];
+    let shape = |m: &str| -> Vec<u64> {
+        let name = format!("{m}.weight");
+        match base.q4_key(&name).expect("keys") {
+            Some(k) => base.quant_state_json(k).expect("state").shape.to_vec(),
+            None => base.require(&name).expect("weight").shape.clone(),
+        }
+    };
+    let deq = tmp.path().join("deq.safetensors");
+    let mut args: Vec<String> = vec![
+        "dequant".into(),
+        src.join("transformer").display().to_string(),
+    ];
+    for (_, m, _, _) in mods {
+        if base.q4_key(&format!("{m}.weight")).expect("keys").is_some() {
+            args.extend(["--tensor".into(), format!("{m}.weight")]);
+        }
+    }
+    args.extend(["-o".into(), deq.display().to_string()]);
+    let o = nibble(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let deq = ModelIndex::open(&deq).expect("dequantized");
+    let scale = 0.5f32;
+    let (mut wan, mut musubi, mut merged_w) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (orig, m, r, with_bias)) in mods.into_iter().enumerate() {
+        let ws = shape(m);
+        let (out, inp) = (ws[0] as usize, ws[1..].iter().product::<u64>() as usize);
+        let down: Vec<f32> = random_values(r * inp, 10 + i as u64)
+            .iter()
+            .map(|v| v * 0.3)
+            .collect();
+        let up: Vec<f32> = random_values(out * r, 20 + i as u64)
+            .iter()
+            .map(|v| v * 0.3)
+            .collect();
+        let alpha = 2.0 * r as f32;
+        let bias: Vec<f32> = random_values(out, 30 + i as u64)
+            .iter()
+            .map(|v| v * 0.1)
+            .collect();
+        // Conv3d halves keep their trailing dims, as the trainers save them.
+        let (dshape, ushape): (Vec<u64>, Vec<u64>) = if ws.len() > 2 {
+            let mut d = vec![r as u64];
+            d.extend(&ws[1..]);
+            (d, vec![out as u64, r as u64, 1, 1, 1])
+        } else {
+            (vec![r as u64, inp as u64], vec![out as u64, r as u64])
+        };
+        let kohya = format!("lora_unet_{}", orig.replace('.', "_"));
+        for (list, pre) in [
+            (&mut wan, format!("diffusion_model.{orig}")),
+            (&mut musubi, kohya),
+        ] {
+            list.push(f32_entry(
+                &format!("{pre}.lora_down.weight"),
+                &dshape,
+                &down,
+            ));
+            list.push(f32_entry(&format!("{pre}.lora_up.weight"), &ushape, &up));
+            list.push(f32_entry(&format!("{pre}.alpha"), &[], &[alpha]));
+        }
+        if with_bias {
+            wan.push(f32_entry(
+                &format!("diffusion_model.{orig}.diff_b"),
+                &[out as u64],
+                &bias,
+            ));
+        }
+        // The merged weight and bias.
+        let w = match deq.get(&format!("{m}.weight")) {
+            Some(e) => deq.read_f32(e).expect("deq"),
+            None => base
+                .read_f32(base.require(&format!("{m}.weight")).expect("w"))
+                .expect("w"),
+        };
+        let k = scale * alpha / r as f32;
+        let w: Vec<f32> = (0..out * inp)
+            .map(|j| {
+                let (o, c) = (j / inp, j % inp);
+                w[j] + k
+                    * (0..r)
+                        .map(|q| up[o * r + q] * down[q * inp + c])
+                        .sum::<f32>()
+            })
+            .collect();
+        let b = base
+            .read_f32(base.require(&format!("{m}.bias")).expect("bias"))
+            .expect("b");
+        let b: Vec<f32> = b
+            .iter()
+            .zip(&bias)
+            .map(|(x, d)| x + if with_bias { scale * d } else { 0.0 })
+            .collect();
+        merged_w.push((m, ws, w, b));
+    }
+    wan.push(f32_entry(
+        "diffusion_model.blocks.0.norm3.diff",
+        &[32],
+        &[0.0; 32],
+    ));
+    build_file(&tmp.path().join("wan_lora.safetensors"), &wan);
+    build_file(&tmp.path().join("musubi_lora.safetensors"), &musubi);
+    // The merged pipeline: a copy whose adapted weights are f32 with the deltas in.
+    let merged = tmp.path().join("merged");
+    nibble_tests::copy_dir(&src, &merged);
+    let mut tensors: Vec<RawEntry> = Vec::new();
+    for t in base.tensors() {
+        let owner = merged_w.iter().find(|(m, ..)| {
+            t.name.starts_with(&format!("{m}.weight")) || t.name == format!("{m}.bias")
+        });
+        if owner.is_none() {
+            let dtype = nibble_core::format::dtype::dtype_name(t.dtype);
+            tensors.push((
+                t.name.clone(),
+                dtype,
+                t.shape.clone(),
+                base.read_bytes(t).expect("read"),
+            ));
+        }
+    }
+    for (m, ws, w, b) in &merged_w {
+        tensors.push(f32_entry(&format!("{m}.weight"), ws, w));
+        tensors.push(f32_entry(&format!("{m}.bias"), &[b.len() as u64], b));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    build_file(
+        &merged.join("transformer/diffusion_pytorch_model.safetensors"),
+        &tensors,
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(shared("tiny-wan-pipeline/manifest.json")).expect("manifest"),
+    )
+    .expect("json");
+    let run = |model: &Path, lora: Option<&Path>, tag: &str| -> ModelIndex {
+        let (r, p) = (&manifest["run"], &manifest["prompts"][0]);
+        let s = |v: &serde_json::Value| v.to_string();
+        let inter = tmp.path().join(format!("{tag}.safetensors"));
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--prompt".into(),
+            p["text"].as_str().expect("text").into(),
+            "--height".into(),
+            s(&r["height"]),
+            "--width".into(),
+            s(&r["width"]),
+            "--frames".into(),
+            s(&r["num_frames"]),
+            "--steps".into(),
+            s(&r["num_inference_steps"]),
+            "--max-sequence-length".into(),
+            s(&r["max_sequence_length"]),
+            "--seed".into(),
+            s(&p["generator_seed"]),
+            "--out".into(),
+            tmp.path().join(format!("{tag}.mp4")).display().to_string(),
+            "--intermediates".into(),
+            inter.display().to_string(),
+            "--backend".into(),
+            "cpu".into(),
+        ];
+        if let Some(l) = lora {
+            args.extend(["--lora".into(), format!("{}:{scale}", l.display())]);
+        }
+        let o = nibble(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{tag}: {err}");
+        if lora.is_some() {
+            assert!(
+                err.contains(&format!("{} linears", mods.len())),
+                "{tag}: {err}"
+            );
+        }
+        ModelIndex::open(&inter).expect("intermediates")
+    };
+    let want = run(&merged, None, "merged");
+    let plain = run(&src, None, "base");
+    let got = run(&src, Some(&tmp.path().join("wan_lora.safetensors")), "wan");
+    for n in ["final_latents", "video_f32"] {
+        let e = rel(&f32s(&got, n), &f32s(&want, n));
+        assert!(
+            e <= 1e-4,
+            "{n}: error {e:e} x max against the merged weights"
+        );
+        let moved = rel(&f32s(&plain, n), &f32s(&want, n));
+        println!("{n}: {e:e} x max from the merged weights; the base is {moved:e} x max away");
+        assert!(moved > 1e-3, "the adapter moves {n} ({moved:e} x max)");
+    }
+    // musubi's naming binds the same pairs (no bias deltas): the Wan file without its deltas
+    // gives the same video bit for bit.
+    let no_bias: Vec<RawEntry> = wan
+        .iter()
+        .filter(|t| !t.0.ends_with(".diff_b"))
+        .cloned()
+        .collect();
+    build_file(&tmp.path().join("wan_nobias.safetensors"), &no_bias);
+    let a = run(
+        &src,
+        Some(&tmp.path().join("wan_nobias.safetensors")),
+        "nobias",
+    );
+    let b = run(
+        &src,
+        Some(&tmp.path().join("musubi_lora.safetensors")),
+        "musubi",
+    );
+    assert_eq!(
+        f32s(&a, "video_f32"),
+        f32s(&b, "video_f32"),
+        "musubi's names bind the same pairs"
+    );
+}

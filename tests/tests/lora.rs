@@ -234,7 +234,7 @@ fn adapters_that_do_not_fit_are_refused_naming_the_key() {
                     f32_entry(q_a, &[sa[0] * 2, sa[1] / 2], &va),
                     f32_entry(q_b, &[sb[0], sb[1] * 2], &[vb.clone(), vb.clone()].concat()),
                 ],
-                "do not fit",
+                "does not fit",
             ),
             ("a half alone", vec![f32_entry(q_a, &sa, &va)], "no partner"),
         ]

@@ -285,18 +285,19 @@ impl Nibble {
                 _ => None,
             };
             if class.as_deref() == Some("WanPipeline") {
-                if settings
-                    .get("lora")
-                    .is_some_and(|l| !l.is_null() && l != &json!([]) && l != &json!(""))
-                {
-                    return Err(js_err(
-                        "lora: adapters apply to language models and Flux pipelines; Wan \
-                         pipelines do not take them yet",
-                    ));
-                }
-                let pipe = nibble_core::models::wan::pipeline::WanPipeline::open_in(&url, &folder)
-                    .await
-                    .map_err(js_err)?;
+                let mut pipe =
+                    nibble_core::models::wan::pipeline::WanPipeline::open_in(&url, &folder)
+                        .await
+                        .map_err(js_err)?;
+                pipe.transformer.load_quant_states().await.map_err(js_err)?;
+                pipe.transformer = crate::lora::bind(
+                    &pipe.transformer,
+                    &settings,
+                    nibble_core::models::wan::lora::transformer_target(),
+                    &traffic,
+                )
+                .await
+                .map_err(js_err)?;
                 let models = [
                     ("text_encoder", &pipe.text_encoder),
                     ("transformer", &pipe.transformer),

@@ -13,8 +13,10 @@
 //!   them).
 //!
 //! The scaling of a pair is `alpha / r` (`alpha / sqrt(r)` with rsLoRA) as peft's `LoraLayer`
-//! computes it, times the adapter's own scale. Full-weight and bias deltas (`.diff`, `.diff_b`)
-//! and embedding adapters are refused by name, not skipped.
+//! computes it, times the adapter's own scale. Bias deltas (peft's `lora_B.bias`, the Wan
+//! trainers' `.diff_b`) are added to the linear's output; deltas of norm layers (`.diff`,
+//! `.diff_b` of a `norm*` module) are dropped as diffusers drops them; full-weight deltas of
+//! other layers and embedding adapters are refused by name, not skipped.
 
 use std::collections::BTreeMap;
 
@@ -27,97 +29,157 @@ pub enum Naming {
     Kohya,
 }
 
-/// One low-rank pair as the file names it.
+/// One adapted module as the file names it: its low-rank pair, its bias delta, or both.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pair {
     /// The module's name in the file (prefixes kept: the caller knows which it strips).
     pub module: String,
-    /// The down projection `[r, in]` (`lora_A` / `lora_down`).
-    pub down: String,
-    /// The up projection `[out, r]` (`lora_B` / `lora_up`).
-    pub up: String,
+    /// The down projection `[r, in]` (`lora_A` / `lora_down`) and the up projection `[out, r]`
+    /// (`lora_B` / `lora_up`); `None` for a module with a bias delta only.
+    pub halves: Option<(String, String)>,
     /// kohya's scalar `alpha` tensor, where the file has one.
     pub alpha: Option<String>,
+    /// A bias delta `[out]` added to the linear's output: peft's `lora_B.bias` (`lora_bias`) or
+    /// the `.diff_b` Wan trainers write.
+    pub bias: Option<String>,
 }
 
-/// The pairs of an adapter file's tensor names, in name order, and the naming they use; an
-/// error names the first tensor that is not part of a pair nibble applies.
-pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<(Naming, Vec<Pair>), String> {
+impl Pair {
+    /// The name that stands for the module in messages: its first tensor's.
+    pub fn key(&self) -> &str {
+        match (&self.halves, &self.bias) {
+            (Some((d, _)), _) => d,
+            (None, Some(b)) => b,
+            (None, None) => &self.module,
+        }
+    }
+}
+
+/// What an adapter file holds: its naming, its modules in name order, and the deltas on norm
+/// layers it carries that are dropped as diffusers drops them (trainers write them as zeros).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pairs {
+    /// How it names its tensors.
+    pub naming: Naming,
+    /// The adapted modules.
+    pub modules: Vec<Pair>,
+    /// `.diff` / `.diff_b` tensors of norm layers, dropped.
+    pub dropped: Vec<String>,
+}
+
+/// The modules of an adapter file's tensor names and the naming they use; an error names the
+/// first tensor that is not part of something nibble applies.
+pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, String> {
     #[derive(Default)]
     struct Parts {
         down: Option<String>,
         up: Option<String>,
         alpha: Option<String>,
+        bias: Option<String>,
     }
     let mut modules: BTreeMap<String, Parts> = BTreeMap::new();
     let mut naming: Option<(Naming, String)> = None;
+    let mut dropped = Vec::new();
     for name in names {
         let (module, part, kind) = if let Some(m) = name.strip_suffix(".lora_A.weight") {
-            (m, 0, Naming::Peft)
+            (m, 0, Some(Naming::Peft))
         } else if let Some(m) = name.strip_suffix(".lora_B.weight") {
-            (m, 1, Naming::Peft)
+            (m, 1, Some(Naming::Peft))
+        } else if let Some(m) = name.strip_suffix(".lora_B.bias") {
+            (m, 3, Some(Naming::Peft))
         } else if let Some(m) = name.strip_suffix(".lora_down.weight") {
-            (m, 0, Naming::Kohya)
+            (m, 0, Some(Naming::Kohya))
         } else if let Some(m) = name.strip_suffix(".lora_up.weight") {
-            (m, 1, Naming::Kohya)
+            (m, 1, Some(Naming::Kohya))
         } else if let Some(m) = name.strip_suffix(".alpha") {
-            (m, 2, Naming::Kohya)
+            (m, 2, None)
+        } else if let Some(m) = name.strip_suffix(".diff_b") {
+            if m.rsplit('.').next().is_some_and(|l| l.contains("norm")) {
+                dropped.push(name.to_string());
+                continue;
+            }
+            (m, 3, None)
+        } else if name.ends_with(".diff")
+            && name
+                .trim_end_matches(".diff")
+                .rsplit('.')
+                .next()
+                .is_some_and(|l| l.contains("norm"))
+        {
+            dropped.push(name.to_string());
+            continue;
         } else {
             return Err(unsupported(name));
         };
         if module.is_empty() {
             return Err(format!("'{name}': a LoRA tensor without a module name"));
         }
-        match &naming {
-            None => naming = Some((kind, name.to_string())),
-            Some((k, first)) if *k != kind => {
-                return Err(format!(
-                    "'{name}' and '{first}': one file mixes peft (lora_A/lora_B) and kohya \
-                     (lora_down/lora_up) names"
-                ))
+        if let Some(kind) = kind {
+            match &naming {
+                None => naming = Some((kind, name.to_string())),
+                Some((k, first)) if *k != kind => {
+                    return Err(format!(
+                        "'{name}' and '{first}': one file mixes peft (lora_A/lora_B) and kohya \
+                         (lora_down/lora_up) names"
+                    ))
+                }
+                Some(_) => {}
             }
-            Some(_) => {}
         }
         let e = modules.entry(module.to_string()).or_default();
         let slot = match part {
             0 => &mut e.down,
             1 => &mut e.up,
-            _ => &mut e.alpha,
+            2 => &mut e.alpha,
+            _ => &mut e.bias,
         };
-        *slot = Some(name.to_string());
+        if let Some(prev) = slot.replace(name.to_string()) {
+            return Err(format!(
+                "'{name}' and '{prev}': two bias deltas for one module"
+            ));
+        }
     }
-    let Some((naming, _)) = naming else {
-        return Err("no LoRA tensors (lora_A/lora_B or lora_down/lora_up) in the file".into());
+    let naming = match naming {
+        Some((n, _)) => n,
+        None if modules.values().any(|p| p.bias.is_some()) => Naming::Peft,
+        None => {
+            return Err("no LoRA tensors (lora_A/lora_B or lora_down/lora_up) in the file".into())
+        }
     };
     let mut out = Vec::with_capacity(modules.len());
     for (module, p) in modules {
-        let (down, up) = match (p.down, p.up) {
-            (Some(d), Some(u)) => (d, u),
+        let halves = match (p.down, p.up) {
+            (Some(d), Some(u)) => Some((d, u)),
             (Some(only), None) | (None, Some(only)) => {
                 return Err(format!(
                     "'{only}' has no partner (each module needs both halves)"
                 ))
             }
-            (None, None) => {
-                return Err(format!(
-                    "'{}' belongs to no lora_down/lora_up pair",
-                    p.alpha.unwrap_or(module)
-                ))
-            }
+            (None, None) => None,
         };
+        if halves.is_none() && p.bias.is_none() {
+            return Err(format!(
+                "'{}' belongs to no lora_down/lora_up pair",
+                p.alpha.unwrap_or(module)
+            ));
+        }
         out.push(Pair {
             module,
-            down,
-            up,
+            halves,
             alpha: p.alpha,
+            bias: p.bias,
         });
     }
-    Ok((naming, out))
+    Ok(Pairs {
+        naming,
+        modules: out,
+        dropped,
+    })
 }
 
 fn unsupported(name: &str) -> String {
-    let what = if name.ends_with(".diff_b") || name.ends_with(".diff") {
-        "a full-weight or bias delta (.diff / .diff_b), which nibble does not apply"
+    let what = if name.ends_with(".diff") {
+        "a full-weight delta (.diff) of a layer other than a norm, which nibble does not apply"
     } else if name.contains("lora_embedding_") {
         "an embedding adapter, which nibble does not apply"
     } else if name.contains(".dora_scale") || name.contains("magnitude_vector") {
@@ -126,7 +188,7 @@ fn unsupported(name: &str) -> String {
         "a LyCORIS (LoHa / LoKr) tensor, which nibble does not apply"
     } else {
         "not a LoRA tensor (expected <module>.lora_A.weight / .lora_B.weight, or \
-         <module>.lora_down.weight / .lora_up.weight / .alpha)"
+         <module>.lora_down.weight / .lora_up.weight / .alpha, or a .diff_b bias delta)"
     };
     format!("'{name}': {what}")
 }
@@ -222,23 +284,48 @@ mod tests {
 
     #[test]
     fn pairs_group_both_halves_and_refuse_what_is_not_applied() {
-        let (n, p) = pairs([
+        let p = pairs([
             "m.a.lora_B.weight",
             "m.a.lora_A.weight",
             "m.b.lora_A.weight",
             "m.b.lora_B.weight",
+            "m.b.lora_B.bias",
         ])
         .expect("pairs");
-        assert_eq!(n, Naming::Peft);
-        assert_eq!(p.len(), 2);
-        assert_eq!(p[0].down, "m.a.lora_A.weight");
-        assert_eq!(p[0].up, "m.a.lora_B.weight");
-        let (n, p) = pairs(["x.alpha", "x.lora_up.weight", "x.lora_down.weight"]).expect("kohya");
-        assert_eq!(n, Naming::Kohya);
-        assert_eq!(p[0].alpha.as_deref(), Some("x.alpha"));
+        assert_eq!(p.naming, Naming::Peft);
+        assert_eq!(p.modules.len(), 2);
+        assert_eq!(
+            p.modules[0].halves,
+            Some(("m.a.lora_A.weight".into(), "m.a.lora_B.weight".into()))
+        );
+        assert_eq!(p.modules[1].bias.as_deref(), Some("m.b.lora_B.bias"));
+        let p = pairs(["x.alpha", "x.lora_up.weight", "x.lora_down.weight"]).expect("kohya");
+        assert_eq!(p.naming, Naming::Kohya);
+        assert_eq!(p.modules[0].alpha.as_deref(), Some("x.alpha"));
+        let p = pairs([
+            "d.blocks.0.ffn.0.lora_down.weight",
+            "d.blocks.0.ffn.0.lora_up.weight",
+            "d.blocks.0.ffn.0.diff_b",
+            "d.blocks.0.ffn.2.diff_b",
+            "d.blocks.0.norm3.diff",
+            "d.blocks.0.norm3.diff_b",
+        ])
+        .expect("bias deltas");
+        assert_eq!(p.modules.len(), 2);
+        assert_eq!(p.modules[1].halves, None);
+        assert_eq!(
+            p.modules[1].bias.as_deref(),
+            Some("d.blocks.0.ffn.2.diff_b")
+        );
+        assert_eq!(
+            p.dropped.len(),
+            2,
+            "norm deltas are dropped: {:?}",
+            p.dropped
+        );
         for (bad, says) in [
             (vec!["m.lora_A.weight"], "no partner"),
-            (vec!["m.diff_b"], "bias delta"),
+            (vec!["m.proj.diff"], "full-weight delta"),
             (
                 vec!["m.lora_A.weight", "m.lora_B.weight", "m.weight"],
                 "not a LoRA",
@@ -247,7 +334,8 @@ mod tests {
                 vec!["a.lora_A.weight", "a.lora_B.weight", "b.lora_up.weight"],
                 "mixes",
             ),
-            (vec!["x.alpha"], "no lora_down"),
+            (vec!["x.alpha"], "no LoRA tensors"),
+            (vec!["x.alpha", "y.lora_B.bias"], "no lora_down"),
             (vec![], "no LoRA tensors"),
         ] {
             let e = pairs(bad.iter().copied()).expect_err("refused");

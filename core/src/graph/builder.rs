@@ -83,18 +83,19 @@ pub struct Graph {
     pub(crate) adapter_rows: Option<Vec<ValueId>>,
 }
 
-/// One low-rank path beside a linear: `y += scale * (x · downᵀ) · upᵀ` (a LoRA adapter's).
+/// One adapter's path beside a linear: `y += scale * (x · downᵀ) · upᵀ + bias_scale * bias`
+/// (a LoRA adapter's pair and bias delta).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LowRankPath {
-    /// `[rank, in]`.
-    pub down: ValueId,
-    /// `[out, rank]`.
-    pub up: ValueId,
-    /// The path's scaling.
+    /// `[rank, in]` and `[out, rank]` (`None`: a bias delta only).
+    pub pair: Option<(ValueId, ValueId)>,
+    /// The pair's scaling.
     pub scale: f32,
+    /// A bias delta `[out]` and its scale.
+    pub bias: Option<(ValueId, f32)>,
     /// The adapter it belongs to (an index into the model's adapters).
     pub adapter: usize,
-    /// Its rank.
+    /// Its rank (0 without a pair).
     pub rank: usize,
 }
 
@@ -207,9 +208,10 @@ impl Graph {
     }
 
     /// From here to the end of the current program, adapter `a`'s paths apply to the rows where
-    /// `rows[a]` (`[rows, r]`, r at least the adapter's largest rank, every column of a row the
-    /// same: 1 or 0) is 1: its values multiply the paths' `x · downᵀ`, so that rows of sequences
-    /// without the adapter get exactly the base linear's result. `None`: every row.
+    /// `rows[a]` (`[rows, r]`, r at least 1 and the adapter's largest rank, every column of a
+    /// row the same: 1 or 0) is 1: its values multiply the paths' `x · downᵀ` and their bias
+    /// deltas, so that rows of sequences without the adapter get exactly the base linear's
+    /// result. `None`: every row.
     pub fn select_adapter_rows(&mut self, rows: Option<Vec<ValueId>>) {
         self.adapter_rows = rows;
     }

@@ -90,7 +90,7 @@ pub struct Adapters {
 }
 
 impl Adapters {
-    /// The largest rank of adapter `a`'s paths (0 where it has none).
+    /// The largest rank of adapter `a`'s paths (0 where it has none: bias deltas only).
     pub fn max_rank(&self, a: usize) -> usize {
         self.paths
             .values()
@@ -102,19 +102,20 @@ impl Adapters {
     }
 }
 
-/// One adapter's low-rank path beside a linear: `y += scale * up(down(x))`.
+/// One adapter's path beside a linear: `y += scale * up(down(x)) + bias_scale * bias`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LowRank {
     /// The adapter, an index into [`Adapters::names`].
     pub adapter: usize,
-    /// The down projection `[rank, in]`, by its name in the index.
-    pub down: String,
-    /// The up projection `[out, rank]`, by its name in the index.
-    pub up: String,
-    /// The rank.
+    /// The down projection `[rank, in]` and the up projection `[out, rank]`, by their names in
+    /// the index (`None`: a bias delta only).
+    pub halves: Option<(String, String)>,
+    /// The rank (0 without halves).
     pub rank: usize,
-    /// The scaling (peft's `scaling` times the adapter's scale).
+    /// The scaling of the pair (peft's `scaling` times the adapter's scale).
     pub scale: f32,
+    /// A bias delta `[out]` by its name in the index, and its scale.
+    pub bias: Option<(String, f32)>,
 }
 
 /// An adapter file's tensors as a model's index will hold them: `(name in the index, the

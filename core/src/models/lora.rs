@@ -228,7 +228,7 @@ pub fn open_all(
     crate::io::folder::block_on(open_args(args, &folder_of))
 }
 
-/// kohya's module names (`lora_unet_` stripped) to the linears they cover, in row order.
+/// Module names of a file's own naming to the linears they cover, in row order.
 pub type KohyaMap = dyn Fn(&str) -> Option<Vec<String>>;
 
 /// Which keys of an adapter file are a model's, and how its family names fused modules.
@@ -242,6 +242,9 @@ pub struct Target<'a> {
     /// kohya's module names (`lora_unet_` stripped) to the family's linears they cover, in the
     /// order their rows are stacked.
     pub kohya: Option<&'a KohyaMap>,
+    /// The family's original module names under a prefix (`diffusion_model.` for the Wan
+    /// trainers' files) to its linears.
+    pub original: Option<(&'a str, &'a KohyaMap)>,
 }
 
 impl Target<'static> {
@@ -252,6 +255,7 @@ impl Target<'static> {
             component: None,
             others: &[],
             kohya: None,
+            original: None,
         }
     }
 }
@@ -275,12 +279,14 @@ pub struct Bound {
     pub bytes: u64,
     /// Its pairs that are not this model's (other components' keys), when allowed.
     pub unmatched: usize,
+    /// Deltas of norm layers it carries, dropped (as diffusers drops them).
+    pub dropped: usize,
 }
 
 /// Binds `adapters` to `model`: every pair is checked against the weight it adapts (rank,
-/// shapes, dtype), its scaling taken from the adapter's config, and the model's index returned
-/// with the adapters' tensors and paths ([`ModelIndex::with_adapters`]). A pair that is not the
-/// model's is an error naming its key, or, with `ignore_unmatched`, counted in [`Bound`].
+/// shapes), its scaling taken from the adapter's config, and the model's index returned with the
+/// adapters' tensors and paths ([`ModelIndex::with_adapters`]). A pair that is not the model's
+/// is an error naming its key, or, with `ignore_unmatched`, counted in [`Bound`].
 pub fn bind(
     model: &ModelIndex,
     adapters: &[AdapterFile],
@@ -297,27 +303,33 @@ pub fn bind(
             file: file.clone(),
             msg,
         };
-        let (naming, pairs) = pairs(a.index.tensors().map(|t| t.name.as_str())).map_err(bad)?;
+        let found = pairs(a.index.tensors().map(|t| t.name.as_str())).map_err(bad)?;
         let config = config_of(a, target)?;
-        let mut tensors: Vec<TensorEntry> = Vec::new();
-        let mut bound = Bound {
-            name: a.arg.name.clone(),
-            modules: 0,
-            bytes: 0,
-            unmatched: 0,
+        let mut b = Binder {
+            a,
+            ai,
+            model,
+            tensors: Vec::new(),
+            bound: Bound {
+                name: a.arg.name.clone(),
+                modules: 0,
+                bytes: 0,
+                unmatched: 0,
+                dropped: found.dropped.len(),
+            },
+            seen: Default::default(),
         };
-        let mut seen = std::collections::BTreeSet::new();
-        for p in &pairs {
-            let modules = match modules_of(p, naming, target) {
+        for p in &found.modules {
+            let modules = match modules_of(p, found.naming, target) {
                 Ok(m) => m,
                 Err(why) if ignore_unmatched && why.other_component => {
-                    bound.unmatched += 1;
+                    b.bound.unmatched += 1;
                     continue;
                 }
                 Err(why) => {
                     return Err(bad(format!(
                         "'{}': {}{}",
-                        p.down,
+                        p.key(),
                         why.msg,
                         if why.other_component {
                             " (--lora-ignore-unmatched skips such keys)"
@@ -327,112 +339,201 @@ pub fn bind(
                     )))
                 }
             };
-            let down = a.index.require(&p.down)?.clone();
-            let up = a.index.require(&p.up)?.clone();
-            let (rank, inp) = match down.shape[..] {
-                [r, i] if r > 0 => (r as usize, i as usize),
-                _ => {
-                    return Err(bad(format!(
-                        "'{}' is {:?}, not [rank, in]",
-                        p.down, down.shape
-                    )))
-                }
-            };
-            let out_total = match up.shape[..] {
-                [o, r] if r as usize == rank => o as usize,
-                _ => {
-                    return Err(bad(format!(
-                        "'{}' is {:?}, not [out, {rank}] (the rank of '{}')",
-                        p.up, up.shape, p.down
-                    )))
-                }
-            };
-            let scaling = match &p.alpha {
-                Some(al) => {
-                    let v = a.alphas.get(al).map(Vec::as_slice).unwrap_or(&[]);
-                    match *v {
-                        [x] if x.is_finite() && x > 0.0 => x as f64 / rank as f64,
-                        _ => return Err(bad(format!("'{al}' is {v:?}, not one positive number"))),
-                    }
-                }
-                None => config.scaling(&modules[0], rank),
-            };
-            let scale = (scaling * a.arg.scale as f64) as f32;
-            let down_name = format!("lora{ai}/{}", p.down);
-            tensors.push(TensorEntry {
-                name: down_name.clone(),
-                ..down.clone()
-            });
-            bound.bytes += down.len;
-            let elem = dtype_bits(up.dtype) / 8;
-            let mut row = 0usize;
-            for (part, m) in modules.iter().enumerate() {
-                if !seen.insert(m.clone()) {
-                    return Err(bad(format!("'{}': a second pair for {m}", p.down)));
-                }
-                let (out, w_in) = weight_shape(model, m)
-                    .map_err(|e| bad(format!("'{}' adapts {m}, but {e}", p.down)))?;
-                if w_in != inp || row + out > out_total {
-                    return Err(bad(format!(
-                        "'{}' / '{}' ([{rank}, {inp}] / [{out_total}, {rank}]) do not fit {m} \
-                         ([{out}, {w_in}]{})",
-                        p.down,
-                        p.up,
-                        if modules.len() > 1 {
-                            format!(", part {} of {}", part + 1, modules.len())
-                        } else {
-                            String::new()
-                        }
-                    )));
-                }
-                let up_name = if modules.len() == 1 {
-                    format!("lora{ai}/{}", p.up)
-                } else {
-                    format!("lora{ai}/{}[{row}..{}]", p.up, row + out)
-                };
-                let bytes = (out * rank) as u64 * elem;
-                tensors.push(TensorEntry {
-                    name: up_name.clone(),
-                    shape: vec![out as u64, rank as u64],
-                    offset: up.offset + (row * rank) as u64 * elem,
-                    len: bytes,
-                    ..up.clone()
-                });
-                bound.bytes += bytes;
-                row += out;
-                bound.modules += 1;
-                paths.entry(m.clone()).or_default().push(LowRank {
-                    adapter: ai,
-                    down: down_name.clone(),
-                    up: up_name,
-                    rank,
-                    scale,
-                });
-            }
-            if row != out_total {
-                return Err(bad(format!(
-                    "'{}' has {out_total} rows, the {} it adapts have {row} together",
-                    p.up,
-                    modules.join(", ")
-                )));
+            for (m, path) in b.module(p, &modules, &config).map_err(bad)? {
+                paths.entry(m).or_default().push(path);
             }
         }
-        if bound.modules == 0 {
+        if b.bound.modules == 0 {
             return Err(bad(format!(
-                "none of its {} pairs adapts {}",
-                pairs.len(),
+                "none of its {} modules is a linear of {}",
+                found.modules.len(),
                 model.root
             )));
         }
         names.push(a.arg.name.clone());
         added.push(AddedFile {
             file: a.index.clone(),
-            tensors,
+            tensors: b.tensors,
         });
-        report.push(bound);
+        report.push(b.bound);
     }
     let m = model.with_adapters(Adapters { names, paths }, added)?;
     Ok((m, report))
+}
+
+/// One adapter's tensors being bound to a model.
+struct Binder<'a> {
+    a: &'a AdapterFile,
+    ai: usize,
+    model: &'a ModelIndex,
+    /// The adapter's tensors the index will hold, renamed (rows cut for fused modules).
+    tensors: Vec<TensorEntry>,
+    bound: Bound,
+    seen: std::collections::BTreeSet<String>,
+}
+
+impl Binder<'_> {
+    /// The paths of one module of the file over the model's linears `modules` (several where
+    /// the file fuses them: each gets the shared down projection and its rows of the up
+    /// projection and of the bias delta).
+    fn module(
+        &mut self,
+        p: &Pair,
+        modules: &[String],
+        config: &LoraConfig,
+    ) -> std::result::Result<Vec<(String, LowRank)>, String> {
+        let (ai, idx) = (self.ai, &self.a.index);
+        let entry = |name: &str| idx.get(name).cloned().ok_or_else(|| format!("no '{name}'"));
+        // Shapes as a linear sees them: [rows, the product of the rest] (a Conv3d patch
+        // embedding's [out, c, t, h, w] included).
+        let flat = |e: &TensorEntry| -> (usize, usize) {
+            let rest: u64 = e.shape.iter().skip(1).product();
+            (
+                e.shape.first().copied().unwrap_or(0) as usize,
+                rest as usize,
+            )
+        };
+        let halves = match &p.halves {
+            Some((d, u)) => {
+                let (down, up) = (entry(d)?, entry(u)?);
+                let (rank, inp) = flat(&down);
+                let up_rank: u64 = up.shape.iter().skip(1).product();
+                if rank == 0 || down.shape.len() < 2 || up.shape.len() < 2 || up_rank != rank as u64
+                {
+                    return Err(format!(
+                        "'{d}' {:?} and '{u}' {:?} are not [rank, in] and [out, rank]",
+                        down.shape, up.shape
+                    ));
+                }
+                Some((down, up, rank, inp))
+            }
+            None => None,
+        };
+        let bias = match &p.bias {
+            Some(name) => {
+                let e = entry(name)?;
+                if e.shape.len() != 1 {
+                    return Err(format!("'{name}' is {:?}, not a bias [out]", e.shape));
+                }
+                Some(e)
+            }
+            None => None,
+        };
+        let out_total = match (&halves, &bias) {
+            (Some((_, up, _, _)), _) => up.shape[0] as usize,
+            (None, Some(b)) => b.shape[0] as usize,
+            (None, None) => return Err(format!("'{}' has neither halves nor a bias", p.key())),
+        };
+        if let (Some(b), true) = (&bias, halves.is_some()) {
+            if b.shape[0] as usize != out_total {
+                return Err(format!(
+                    "'{}' has {} values for {out_total} rows",
+                    b.name, b.shape[0]
+                ));
+            }
+        }
+        let rank = halves.as_ref().map_or(0, |h| h.2);
+        let adapter_scale = self.a.arg.scale as f64;
+        // kohya and the Wan trainers scale by their `.alpha`, which diffusers folds into the
+        // halves (the bias delta keeps the adapter's scale alone); peft by its config, bias
+        // included.
+        let (scaling, bias_scaling) = match &p.alpha {
+            Some(al) => {
+                let v = self.a.alphas.get(al).map(Vec::as_slice).unwrap_or(&[]);
+                match *v {
+                    [x] if x.is_finite() && x > 0.0 && rank > 0 => (x as f64 / rank as f64, 1.0),
+                    [_] if rank == 0 => (1.0, 1.0),
+                    _ => return Err(format!("'{al}' is {v:?}, not one positive number")),
+                }
+            }
+            None if rank > 0 => {
+                let s = config.scaling(&modules[0], rank);
+                (s, s)
+            }
+            None => (1.0, 1.0),
+        };
+        let down_name = halves.as_ref().map(|(down, ..)| {
+            let name = format!("lora{ai}/{}", down.name);
+            self.tensors.push(TensorEntry {
+                name: name.clone(),
+                ..down.clone()
+            });
+            self.bound.bytes += down.len;
+            name
+        });
+        let mut out = Vec::new();
+        let mut row = 0usize;
+        for (part, m) in modules.iter().enumerate() {
+            if !self.seen.insert(m.clone()) {
+                return Err(format!("'{}': a second pair for {m}", p.key()));
+            }
+            let (rows, w_in) = weight_shape(self.model, m)
+                .map_err(|e| format!("'{}' adapts {m}, but {e}", p.key()))?;
+            let fits = halves.as_ref().is_none_or(|h| h.3 == w_in);
+            if !fits || row + rows > out_total {
+                return Err(format!(
+                    "'{}' ({} rows{}) does not fit {m} ([{rows}, {w_in}]{})",
+                    p.key(),
+                    out_total,
+                    halves
+                        .as_ref()
+                        .map(|h| format!(", rank {}, {} inputs", h.2, h.3))
+                        .unwrap_or_default(),
+                    if modules.len() > 1 {
+                        format!(", part {} of {}", part + 1, modules.len())
+                    } else {
+                        String::new()
+                    }
+                ));
+            }
+            let mut cut = |e: &TensorEntry, per_row: u64| -> String {
+                let elem = dtype_bits(e.dtype) / 8;
+                let name = if modules.len() == 1 {
+                    format!("lora{ai}/{}", e.name)
+                } else {
+                    format!("lora{ai}/{}[{row}..{}]", e.name, row + rows)
+                };
+                let len = rows as u64 * per_row * elem;
+                let mut shape = vec![rows as u64];
+                if per_row > 1 || e.shape.len() > 1 {
+                    shape.push(per_row);
+                }
+                self.tensors.push(TensorEntry {
+                    name: name.clone(),
+                    shape,
+                    offset: e.offset + row as u64 * per_row * elem,
+                    len,
+                    ..e.clone()
+                });
+                self.bound.bytes += len;
+                name
+            };
+            let up_name = halves
+                .as_ref()
+                .map(|(_, up, rank, _)| cut(up, *rank as u64));
+            let bias_name = bias.as_ref().map(|b| cut(b, 1));
+            self.bound.modules += 1;
+            out.push((
+                m.clone(),
+                LowRank {
+                    adapter: ai,
+                    halves: down_name.clone().zip(up_name),
+                    rank,
+                    scale: (scaling * adapter_scale) as f32,
+                    bias: bias_name.map(|n| (n, (bias_scaling * adapter_scale) as f32)),
+                },
+            ));
+            row += rows;
+        }
+        if row != out_total {
+            return Err(format!(
+                "'{}' has {out_total} rows, the {} it adapts have {row} together",
+                p.key(),
+                modules.join(", ")
+            ));
+        }
+        Ok(out)
+    }
 }
 
 /// The scaling settings of an adapter for `target`: peft's `adapter_config.json`, diffusers'
@@ -471,7 +572,7 @@ struct Unmatched {
     other_component: bool,
 }
 
-/// The model's linears a pair adapts (several where kohya names a fused module).
+/// The model's linears a module of the file adapts (several where the file fuses them).
 fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String>, Unmatched> {
     let other = |msg: String| Unmatched {
         msg,
@@ -481,51 +582,54 @@ fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String
         msg,
         other_component: false,
     };
-    match naming {
-        Naming::Peft => {
-            let m = p
-                .module
-                .strip_prefix("base_model.model.")
-                .unwrap_or(&p.module);
-            if let Some(c) = target.component {
-                if let Some(rest) = m.strip_prefix(&format!("{c}.")) {
-                    return Ok(vec![rest.to_string()]);
-                }
-            }
-            if let Some(o) = target
-                .others
-                .iter()
-                .find(|o| m.starts_with(&format!("{o}.")))
-            {
-                return Err(other(format!(
-                    "a key of the pipeline's {o}, which adapters do not reach"
-                )));
-            }
-            Ok(vec![m.to_string()])
-        }
-        Naming::Kohya => {
-            let Some(rest) = p.module.strip_prefix("lora_unet_") else {
-                if p.module.starts_with("lora_te") {
-                    return Err(other(
-                        "a text encoder's key, which adapters do not reach".into(),
-                    ));
-                }
-                return Err(no(format!(
-                    "kohya module '{}' is not lora_unet_*",
-                    p.module
-                )));
-            };
-            let Some(map) = target.kohya else {
-                return Err(no(
-                    "kohya's naming, which this model kind does not use".into()
-                ));
-            };
-            map(rest).ok_or_else(|| {
+    let m = p
+        .module
+        .strip_prefix("base_model.model.")
+        .unwrap_or(&p.module);
+    if let Some(rest) = target
+        .component
+        .and_then(|c| m.strip_prefix(&format!("{c}.")))
+    {
+        return Ok(vec![rest.to_string()]);
+    }
+    if let Some((prefix, map)) = target.original {
+        if let Some(rest) = m.strip_prefix(prefix) {
+            return map(rest).ok_or_else(|| {
                 no(format!(
-                    "kohya module '{rest}' names no linear of this model"
+                    "'{rest}' (under {prefix}) names no linear of this model"
                 ))
-            })
+            });
         }
+    }
+    if let Some(rest) = m.strip_prefix("lora_unet_") {
+        let Some(map) = target.kohya else {
+            return Err(no(
+                "kohya's naming, which this model kind does not use".into()
+            ));
+        };
+        return map(rest).ok_or_else(|| {
+            no(format!(
+                "kohya module '{rest}' names no linear of this model"
+            ))
+        });
+    }
+    if m.starts_with("lora_te") {
+        return Err(other(
+            "a text encoder's key, which adapters do not reach".into(),
+        ));
+    }
+    if let Some(o) = target
+        .others
+        .iter()
+        .find(|o| m.starts_with(&format!("{o}.")))
+    {
+        return Err(other(format!(
+            "a key of the pipeline's {o}, which adapters do not reach"
+        )));
+    }
+    match naming {
+        Naming::Peft => Ok(vec![m.to_string()]),
+        Naming::Kohya => Err(no(format!("kohya module '{m}' is not lora_unet_*"))),
     }
 }
 
@@ -544,8 +648,12 @@ fn weight_shape(model: &ModelIndex, module: &str) -> std::result::Result<(usize,
             None => return Err(format!("the model has no {name}")),
         }
     };
+    // A weight the model computes as a linear over flattened inputs (Wan's Conv3d patch
+    // embedding, [out, c, t, h, w]) counts as [out, c * t * h * w].
     match shape[..] {
-        [o, i] => Ok((o as usize, i as usize)),
+        [o, ref rest @ ..] if !rest.is_empty() => {
+            Ok((o as usize, rest.iter().product::<u64>() as usize))
+        }
         _ => Err(format!("{name} is {shape:?}, not a linear's [out, in]")),
     }
 }

@@ -59,27 +59,35 @@ impl W {
         } else {
             Proj::Dense(g.dense_weight(grp, name, &[out, inp]), bias)
         };
-        let paths: Vec<LowRankPath> = model
-            .low_rank(module)
-            .iter()
-            .map(|p| {
-                let grp = g.pinned_group(&adapter_group(&model.adapters().names[p.adapter]));
-                LowRankPath {
-                    down: g.dense_weight(grp, &p.down, &[p.rank, inp]),
-                    up: g.dense_weight(grp, &p.up, &[out, p.rank]),
-                    scale: p.scale,
-                    adapter: p.adapter,
-                    rank: p.rank,
-                }
-            })
-            .collect();
+        let mut paths = Vec::new();
+        for p in model.low_rank(module) {
+            let grp = g.pinned_group(&adapter_group(&model.adapters().names[p.adapter]));
+            let pair = p.halves.as_ref().map(|(down, up)| {
+                (
+                    g.dense_weight(grp, down, &[p.rank, inp]),
+                    g.dense_weight(grp, up, &[out, p.rank]),
+                )
+            });
+            let bias = p
+                .bias
+                .as_ref()
+                .map(|(b, s)| (g.dense_weight(grp, b, &[out]), *s));
+            paths.push(LowRankPath {
+                pair,
+                scale: p.scale,
+                bias,
+                adapter: p.adapter,
+                rank: p.rank,
+            });
+        }
         let low_rank = (!paths.is_empty()).then(|| g.low_rank_set(paths));
         Ok(W { base, low_rank })
     }
 
-    /// `x · Wᵀ (+ b)`, plus `scale · (x · downᵀ) · upᵀ` per adapter, in adapter order (peft's
-    /// `result + lora_B(lora_A(x)) * scaling`); where the program selects rows per adapter
-    /// ([`Graph::select_adapter_rows`]), `x · downᵀ` is multiplied by the adapter's row mask.
+    /// `x · Wᵀ (+ b)`, plus `scale · (x · downᵀ) · upᵀ + bias_scale · bias` per adapter, in
+    /// adapter order (peft's `result + lora_B(lora_A(x)) * scaling`); where the program selects
+    /// rows per adapter ([`Graph::select_adapter_rows`]), `x · downᵀ` and the bias delta are
+    /// multiplied by the adapter's row mask.
     pub(crate) fn apply(self, g: &mut Graph, x: ValueId) -> Result<ValueId> {
         let mut y = match self.base {
             Proj::Q4(w, None) => g.op(OpKind::LinearQ4 { bias: false }, &[x], Some(w))?,
@@ -89,26 +97,42 @@ impl W {
         };
         if let Some(set) = self.low_rank {
             for p in g.low_rank_paths(set).to_vec() {
-                let mut h = g.op(OpKind::Linear { bias: false }, &[x, p.down], None)?;
-                if let Some(&rows) = g.adapter_rows().and_then(|r| r.get(p.adapter)) {
-                    let mask = if g.info(rows).shape.last() == Some(&p.rank) {
-                        rows
-                    } else {
-                        g.op(
-                            OpKind::Slice {
-                                axis: 1,
-                                start: 0,
-                                len: p.rank,
-                            },
-                            &[rows],
-                            None,
-                        )?
+                let rows = g.adapter_rows().and_then(|r| r.get(p.adapter)).copied();
+                let cols = |g: &mut Graph, m: ValueId, n: usize| -> Result<ValueId> {
+                    if g.info(m).shape.last() == Some(&n) {
+                        return Ok(m);
+                    }
+                    let slice = OpKind::Slice {
+                        axis: 1,
+                        start: 0,
+                        len: n,
                     };
-                    h = g.op(OpKind::Mul, &[h, mask], None)?;
+                    g.op(slice, &[m], None)
+                };
+                if let Some((down, up)) = p.pair {
+                    let mut h = g.op(OpKind::Linear { bias: false }, &[x, down], None)?;
+                    if let Some(m) = rows {
+                        let m = cols(g, m, p.rank)?;
+                        h = g.op(OpKind::Mul, &[h, m], None)?;
+                    }
+                    let d = g.op(OpKind::Linear { bias: false }, &[h, up], None)?;
+                    let d = g.op(OpKind::Scale { factor: p.scale }, &[d], None)?;
+                    y = g.op(OpKind::Add, &[y, d], None)?;
                 }
-                let d = g.op(OpKind::Linear { bias: false }, &[h, p.up], None)?;
-                let d = g.op(OpKind::Scale { factor: p.scale }, &[d], None)?;
-                y = g.op(OpKind::Add, &[y, d], None)?;
+                if let Some((b, s)) = p.bias {
+                    let b = g.op(OpKind::Scale { factor: s }, &[b], None)?;
+                    y = match rows {
+                        None => g.op(OpKind::Add, &[y, b], None)?,
+                        Some(m) => {
+                            // The rows' 0/1 column times the delta: [rows, 1] · [out, 1]ᵀ.
+                            let m = cols(g, m, 1)?;
+                            let out = g.info(b).shape[0];
+                            let b = reshape(g, b, &[out, 1])?;
+                            let d = g.op(OpKind::Linear { bias: false }, &[m, b], None)?;
+                            g.op(OpKind::Add, &[y, d], None)?
+                        }
+                    };
+                }
             }
         }
         Ok(y)

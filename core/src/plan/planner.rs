@@ -371,7 +371,12 @@ fn check_adapters_applied(graph: &Graph, model: &ModelIndex) -> Result<()> {
         .collect();
     for (module, paths) in &a.paths {
         for p in paths {
-            if !read.contains(p.down.as_str()) {
+            let first = match (&p.halves, &p.bias) {
+                (Some((down, _)), _) => down,
+                (None, Some((bias, _))) => bias,
+                (None, None) => continue,
+            };
+            if !read.contains(first.as_str()) {
                 return Err(Error::Invalid(format!(
                     "LoRA adapter '{}' adapts {module}, which this model does not compute as a \
                      linear layer (nibble applies adapters to linears only)",

@@ -13,6 +13,7 @@ pub fn transformer_target() -> Target<'static> {
         component: Some("transformer"),
         others: &OTHERS,
         kohya: Some(&kohya_modules),
+        original: None,
     }
 }
 

@@ -94,7 +94,8 @@ pub fn build_batched(model: &ModelIndex, shape: BatchShape) -> Result<BatchGraph
     let mut g = Graph::new();
     let w = weights(&mut g, model, &cfg)?;
     let a = model.adapters();
-    let ranks: Vec<usize> = (0..a.names.len()).map(|i| a.max_rank(i)).collect();
+    // A column at least: an adapter of bias deltas only selects its rows too.
+    let ranks: Vec<usize> = (0..a.names.len()).map(|i| a.max_rank(i).max(1)).collect();
     let rows = shape.context + 1;
     let info = ValueInfo::f32(&[cfg.kv_heads, rows, cfg.head_dim]);
     // caches[layer][slot] = (K, V)

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 mod config;
 mod graph;
+pub mod lora;
 #[cfg(feature = "text")]
 pub mod pipeline;
 #[cfg(feature = "text")]

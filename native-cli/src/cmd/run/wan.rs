@@ -26,11 +26,14 @@ const WAN_FPS: f64 = 16.0;
 
 /// Opens the folder and runs it on the chosen backend.
 pub fn run(o: &RunArgs) -> Result<()> {
-    if !o.lora.lora.is_empty() {
-        bail!("--lora is applied to language models and Flux pipelines; Wan pipelines do not take adapters yet");
-    }
-    let pipe = WanPipeline::open(&o.model, o.file_mode.into())
+    let mut pipe = WanPipeline::open(&o.model, o.file_mode.into())
         .with_context(|| format!("opening the Wan pipeline {}", o.model))?;
+    pipe.transformer = o.lora.bind(
+        &pipe.transformer,
+        nibble_core::models::wan::lora::transformer_target(),
+        o.file_mode.into(),
+        o.json,
+    )?;
     let d = &o.dit;
     if d.inputs.is_some()
         || d.preview.is_some()
