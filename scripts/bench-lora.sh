@@ -5,19 +5,21 @@
 # an 8 MiB ring; and, with --flux FOLDER (a Flux pipeline folder, such as the one `nibble demo`
 # writes under ~/.cache/nibble), seconds per denoising step after the first with 0, 1 and 2
 # adapters on every linear of the transformer's blocks, in the demo's memory settings (512 MiB
-# device budget, 4 x 32 MiB ring) and at its size. --flux-only skips the language model. A
-# benchmark, not a test.
+# device budget, 4 x 32 MiB ring; another with --budget SIZE) and at its size. --flux-only skips
+# the language model. A benchmark, not a test.
 #
-#   scripts/bench-lora.sh [RUNS] [--flux FOLDER [--flux-only]]
+#   scripts/bench-lora.sh [RUNS] [--flux FOLDER [--budget SIZE] [--flux-only]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=3
 flux=""
 llm=1
+budget=512MiB
 while [ $# -gt 0 ]; do
     case "$1" in
         --flux) flux="$2"; shift 2 ;;
         --flux-only) llm=0; shift ;;
+        --budget) budget="$2"; shift 2 ;;
         *) runs="$1"; shift ;;
     esac
 done
@@ -57,14 +59,14 @@ done
 if [ -n "$flux" ]; then
     python3 scripts/synth-lora.py "$flux/transformer" "$tmp/f1" --rank 16 --seed 1 --component transformer
     python3 scripts/synth-lora.py "$flux/transformer" "$tmp/f2" --rank 16 --seed 2 --component transformer
-    echo "== Flux pipeline $flux, CPU backend, 128x128 (the demo's size), 4 steps: seconds per step after the first"
+    echo "== Flux pipeline $flux, CPU backend, 128x128 (the demo's size), 4 steps, device budget $budget: seconds per step after the first"
     printf '%-10s %12s %16s\n' adapters s_per_step bytes_per_step
     for n in 0 1 2; do
         lora=()
         [ "$n" -ge 1 ] && lora+=(--lora "$tmp/f1/pytorch_lora_weights.safetensors")
         [ "$n" -ge 2 ] && lora+=(--lora "$tmp/f2/pytorch_lora_weights.safetensors")
         j=$("$nibble" run --model "$flux" --backend cpu --prompt "a paper boat on a pond" --height 128 \
-            --width 128 --steps 4 --max-sequence-length 64 --device-budget 512MiB --slots 4 \
+            --width 128 --steps 4 --max-sequence-length 64 --device-budget "$budget" --slots 4 \
             --slot-size 32MiB \
             --out "$tmp/o.png" --json "${lora[@]}" 2>"$tmp/err") || {
             printf '%-10s refused: %s\n' "$n" "$(tail -1 "$tmp/err")"

@@ -255,14 +255,32 @@ impl LoraArgs {
         mode: FileReadMode,
         quiet: bool,
     ) -> anyhow::Result<nibble_core::io::model::ModelIndex> {
+        Ok(self
+            .bind_pipeline(&[(model, target)], mode, quiet)?
+            .remove(0))
+    }
+
+    /// [`LoraArgs::bind`] over the models of a pipeline, each with its target.
+    pub fn bind_pipeline(
+        &self,
+        components: &[(
+            &nibble_core::io::model::ModelIndex,
+            nibble_core::models::lora::Target<'_>,
+        )],
+        mode: FileReadMode,
+        quiet: bool,
+    ) -> anyhow::Result<Vec<nibble_core::io::model::ModelIndex>> {
         use anyhow::Context;
         if self.lora.is_empty() {
-            return Ok(model.clone());
+            return Ok(components.iter().map(|(m, _)| (*m).clone()).collect());
         }
         let files = nibble_core::models::lora::open_all(&self.lora, mode)?;
-        let (bound, report) =
-            nibble_core::models::lora::bind(model, &files, target, self.lora_ignore_unmatched)
-                .context("binding the LoRA adapters")?;
+        let (bound, report) = nibble_core::models::lora::bind_pipeline(
+            components,
+            &files,
+            self.lora_ignore_unmatched,
+        )
+        .context("binding the LoRA adapters")?;
         if !quiet {
             for (r, f) in report.iter().zip(&files) {
                 let mut notes = String::new();

@@ -406,6 +406,115 @@ fn the_server_batches_sequences_with_different_adapters() {
     );
 }
 
+/// `(module, ΔW [out * in] row-major, Δb [out])`: a delta merged into a model's weights.
+type Delta = (String, Vec<f32>, Option<Vec<f32>>);
+
+/// Writes `dst`: the safetensors file `src` with each delta merged into f32 `module.weight` and
+/// `module.bias` (4-bit weights dequantized by `nibble dequant`, bf16 ones widened): the
+/// reference an adapter run must equal.
+fn merged_file(src: &Path, dst: &Path, deltas: &[Delta]) {
+    use nibble_tests::build::{build_file, f32_entry, RawEntry};
+    let base = ModelIndex::open(src).expect("model");
+    let weight = |m: &str| format!("{m}.weight");
+    let q4: Vec<&str> = deltas
+        .iter()
+        .map(|d| d.0.as_str())
+        .filter(|m| base.q4_key(&weight(m)).expect("keys").is_some())
+        .collect();
+    let deq_path = dst.with_extension("deq.safetensors");
+    let deq = (!q4.is_empty()).then(|| {
+        let mut args: Vec<String> = vec!["dequant".into(), src.display().to_string()];
+        for m in &q4 {
+            args.extend(["--tensor".into(), weight(m)]);
+        }
+        args.extend(["-o".into(), deq_path.display().to_string()]);
+        let o = nibble(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        ModelIndex::open(&deq_path).expect("dequantized")
+    });
+    let owned = |name: &str| {
+        deltas
+            .iter()
+            .any(|(m, ..)| name.starts_with(&weight(m)) || name == format!("{m}.bias"))
+    };
+    let mut tensors: Vec<RawEntry> = base
+        .tensors()
+        .filter(|t| !owned(&t.name))
+        .map(|t| {
+            let dtype = nibble_core::format::dtype::dtype_name(t.dtype);
+            (
+                t.name.clone(),
+                dtype,
+                t.shape.clone(),
+                base.read_bytes(t).expect("read"),
+            )
+        })
+        .collect();
+    for (m, dw, db) in deltas {
+        let (shape, w) = match deq.as_ref().and_then(|d| d.get(&weight(m)).map(|e| (d, e))) {
+            Some((d, e)) => (
+                base.quant_state_json(base.q4_key(&weight(m)).expect("k").expect("q4"))
+                    .expect("state")
+                    .shape
+                    .to_vec(),
+                d.read_f32(e).expect("deq"),
+            ),
+            None => {
+                let e = base.require(&weight(m)).expect("weight");
+                (e.shape.clone(), base.read_f32(e).expect("w"))
+            }
+        };
+        assert_eq!(w.len(), dw.len(), "{m}");
+        let w: Vec<f32> = w.iter().zip(dw).map(|(a, b)| a + b).collect();
+        tensors.push(f32_entry(&weight(m), &shape, &w));
+        let b = base
+            .get(&format!("{m}.bias"))
+            .map(|e| base.read_f32(e).expect("bias"));
+        let b = match (b, db) {
+            (Some(b), Some(d)) => Some(b.iter().zip(d).map(|(a, x)| a + x).collect()),
+            (None, Some(d)) => Some(d.clone()),
+            (b, None) => b,
+        };
+        if let Some(b) = b {
+            tensors.push(f32_entry(&format!("{m}.bias"), &[b.len() as u64], &b));
+        }
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    build_file(dst, &tensors);
+    let _ = std::fs::remove_file(&deq_path);
+}
+
+/// `k · up · down` for `up` `[out, r]` and `down` `[r, inp]`, row-major `[out, inp]`.
+fn low_rank_delta(
+    up: &[f32],
+    down: &[f32],
+    (out, r, inp): (usize, usize, usize),
+    k: f32,
+) -> Vec<f32> {
+    (0..out * inp)
+        .map(|j| {
+            let (o, c) = (j / inp, j % inp);
+            k * (0..r)
+                .map(|q| up[o * r + q] * down[q * inp + c])
+                .sum::<f32>()
+        })
+        .collect()
+}
+
+/// `[out, in]` of `module` in `m` (4-bit or dense; a Conv3d flattened).
+fn linear_shape(m: &ModelIndex, module: &str) -> (Vec<u64>, usize, usize) {
+    let name = format!("{module}.weight");
+    let shape = match m.q4_key(&name).expect("keys") {
+        Some(k) => m.quant_state_json(k).expect("state").shape.to_vec(),
+        None => m.require(&name).expect("weight").shape.clone(),
+    };
+    let (out, inp) = (
+        shape[0] as usize,
+        shape[1..].iter().product::<u64>() as usize,
+    );
+    (shape, out, inp)
+}
+
 /// A Wan LoRA as the trainers built on Wan's own code write it (`diffusion_model.` + Wan's module
 /// names, `lora_down`/`lora_up`, `.alpha`, `.diff_b` bias deltas, a zeroed norm delta) and as
 /// musubi-tuner writes it (`lora_unet_blocks_0_self_attn_q`), on the tiny Wan pipeline at scale
@@ -417,7 +526,8 @@ fn the_server_batches_sequences_with_different_adapters() {
 fn wan_adapters_equal_their_merged_weights() {
     use nibble_tests::build::{build_file, f32_entry, random_values, RawEntry};
     let src = shared("tiny-wan-pipeline/pipeline");
-    let base = ModelIndex::open(&src.join("transformer")).expect("transformer");
+    let file = src.join("transformer/diffusion_pytorch_model.safetensors");
+    let base = ModelIndex::open(&file).expect("transformer");
     let tmp = tempfile::tempdir().expect("tmp");
     // (Wan's name, diffusers' module, rank, with a bias delta)
     let mods = [
@@ -428,32 +538,10 @@ fn wan_adapters_equal_their_merged_weights() {
         ("head.head", "proj_out", 2, false),
         ("patch_embedding", "patch_embedding", 2, false),
     ];
-    let shape = |m: &str| -> Vec<u64> {
-        let name = format!("{m}.weight");
-        match base.q4_key(&name).expect("keys") {
-            Some(k) => base.quant_state_json(k).expect("state").shape.to_vec(),
-            None => base.require(&name).expect("weight").shape.clone(),
-        }
-    };
-    let deq = tmp.path().join("deq.safetensors");
-    let mut args: Vec<String> = vec![
-        "dequant".into(),
-        src.join("transformer").display().to_string(),
-    ];
-    for (_, m, _, _) in mods {
-        if base.q4_key(&format!("{m}.weight")).expect("keys").is_some() {
-            args.extend(["--tensor".into(), format!("{m}.weight")]);
-        }
-    }
-    args.extend(["-o".into(), deq.display().to_string()]);
-    let o = nibble(&args);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let deq = ModelIndex::open(&deq).expect("dequantized");
     let scale = 0.5f32;
-    let (mut wan, mut musubi, mut merged_w) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut wan, mut musubi, mut deltas) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (orig, m, r, with_bias)) in mods.into_iter().enumerate() {
-        let ws = shape(m);
-        let (out, inp) = (ws[0] as usize, ws[1..].iter().product::<u64>() as usize);
+        let (ws, out, inp) = linear_shape(&base, m);
         let down: Vec<f32> = random_values(r * inp, 10 + i as u64)
             .iter()
             .map(|v| v * 0.3)
@@ -495,32 +583,9 @@ fn wan_adapters_equal_their_merged_weights() {
                 &bias,
             ));
         }
-        // The merged weight and bias.
-        let w = match deq.get(&format!("{m}.weight")) {
-            Some(e) => deq.read_f32(e).expect("deq"),
-            None => base
-                .read_f32(base.require(&format!("{m}.weight")).expect("w"))
-                .expect("w"),
-        };
-        let k = scale * alpha / r as f32;
-        let w: Vec<f32> = (0..out * inp)
-            .map(|j| {
-                let (o, c) = (j / inp, j % inp);
-                w[j] + k
-                    * (0..r)
-                        .map(|q| up[o * r + q] * down[q * inp + c])
-                        .sum::<f32>()
-            })
-            .collect();
-        let b = base
-            .read_f32(base.require(&format!("{m}.bias")).expect("bias"))
-            .expect("b");
-        let b: Vec<f32> = b
-            .iter()
-            .zip(&bias)
-            .map(|(x, d)| x + if with_bias { scale * d } else { 0.0 })
-            .collect();
-        merged_w.push((m, ws, w, b));
+        let dw = low_rank_delta(&up, &down, (out, r, inp), scale * alpha / r as f32);
+        let db = with_bias.then(|| bias.iter().map(|b| scale * b).collect());
+        deltas.push((m.to_string(), dw, db));
     }
     wan.push(f32_entry(
         "diffusion_model.blocks.0.norm3.diff",
@@ -529,32 +594,12 @@ fn wan_adapters_equal_their_merged_weights() {
     ));
     build_file(&tmp.path().join("wan_lora.safetensors"), &wan);
     build_file(&tmp.path().join("musubi_lora.safetensors"), &musubi);
-    // The merged pipeline: a copy whose adapted weights are f32 with the deltas in.
     let merged = tmp.path().join("merged");
     nibble_tests::copy_dir(&src, &merged);
-    let mut tensors: Vec<RawEntry> = Vec::new();
-    for t in base.tensors() {
-        let owner = merged_w.iter().find(|(m, ..)| {
-            t.name.starts_with(&format!("{m}.weight")) || t.name == format!("{m}.bias")
-        });
-        if owner.is_none() {
-            let dtype = nibble_core::format::dtype::dtype_name(t.dtype);
-            tensors.push((
-                t.name.clone(),
-                dtype,
-                t.shape.clone(),
-                base.read_bytes(t).expect("read"),
-            ));
-        }
-    }
-    for (m, ws, w, b) in &merged_w {
-        tensors.push(f32_entry(&format!("{m}.weight"), ws, w));
-        tensors.push(f32_entry(&format!("{m}.bias"), &[b.len() as u64], b));
-    }
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    build_file(
+    merged_file(
+        &file,
         &merged.join("transformer/diffusion_pytorch_model.safetensors"),
-        &tensors,
+        &deltas,
     );
     let manifest: serde_json::Value = serde_json::from_slice(
         &std::fs::read(shared("tiny-wan-pipeline/manifest.json")).expect("manifest"),
@@ -639,4 +684,181 @@ fn wan_adapters_equal_their_merged_weights() {
         f32s(&b, "video_f32"),
         "musubi's names bind the same pairs"
     );
+}
+
+/// One LoRA file for a whole Flux pipeline: the transformer, CLIP (dense bf16) and T5 (4-bit),
+/// in diffusers' naming (`transformer.`, `text_encoder.`, `text_encoder_2.`) and in kohya's
+/// (`lora_unet_`, `lora_te1_`, `lora_te2_` with `.alpha`): at scale 0.6 the text embeddings, the
+/// final latents and the image equal those of the pipeline with the deltas merged into f32
+/// weights (within 1e-4 x max) and differ from the base's; the embedding cache keys the
+/// adapters, so a cached run without them does not reuse the adapted embeddings.
+#[test]
+fn flux_adapters_reach_the_text_encoders() {
+    use nibble_tests::build::{build_file, f32_entry, random_values};
+    let src = shared("tiny-flux-pipeline/pipeline");
+    let tmp = tempfile::tempdir().expect("tmp");
+    // (component, module, kohya name, rank)
+    let mods = [
+        (
+            "transformer",
+            "transformer_blocks.0.attn.to_out.0",
+            "lora_unet_double_blocks_0_img_attn_proj",
+            4,
+        ),
+        (
+            "text_encoder",
+            "text_model.encoder.layers.0.self_attn.q_proj",
+            "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+            2,
+        ),
+        (
+            "text_encoder",
+            "text_model.encoder.layers.1.mlp.fc2",
+            "lora_te1_text_model_encoder_layers_1_mlp_fc2",
+            3,
+        ),
+        (
+            "text_encoder_2",
+            "encoder.block.0.layer.0.SelfAttention.q",
+            "lora_te2_encoder_block_0_layer_0_SelfAttention_q",
+            2,
+        ),
+        (
+            "text_encoder_2",
+            "encoder.block.1.layer.1.DenseReluDense.wo",
+            "lora_te2_encoder_block_1_layer_1_DenseReluDense_wo",
+            2,
+        ),
+    ];
+    let file_of = |c: &str| {
+        let d = src.join(c);
+        ["model.safetensors", "diffusion_pytorch_model.safetensors"]
+            .iter()
+            .map(|f| d.join(f))
+            .find(|p| p.is_file())
+            .expect("a weights file")
+    };
+    let scale = 0.6f32;
+    let (mut diffusers, mut kohya) = (Vec::new(), Vec::new());
+    let mut deltas: std::collections::BTreeMap<&str, Vec<Delta>> = Default::default();
+    for (i, (c, m, k, r)) in mods.into_iter().enumerate() {
+        let base = ModelIndex::open(&file_of(c)).expect("component");
+        let (_, out, inp) = linear_shape(&base, m);
+        let down: Vec<f32> = random_values(r * inp, 40 + i as u64)
+            .iter()
+            .map(|v| v * 0.4)
+            .collect();
+        let up: Vec<f32> = random_values(out * r, 50 + i as u64)
+            .iter()
+            .map(|v| v * 0.4)
+            .collect();
+        diffusers.push(f32_entry(
+            &format!("{c}.{m}.lora_A.weight"),
+            &[r as u64, inp as u64],
+            &down,
+        ));
+        diffusers.push(f32_entry(
+            &format!("{c}.{m}.lora_B.weight"),
+            &[out as u64, r as u64],
+            &up,
+        ));
+        kohya.push(f32_entry(
+            &format!("{k}.lora_down.weight"),
+            &[r as u64, inp as u64],
+            &down,
+        ));
+        kohya.push(f32_entry(
+            &format!("{k}.lora_up.weight"),
+            &[out as u64, r as u64],
+            &up,
+        ));
+        // alpha = r: scaling 1, as diffusers reads the file without metadata.
+        kohya.push(f32_entry(&format!("{k}.alpha"), &[], &[r as f32]));
+        let dw = low_rank_delta(&up, &down, (out, r, inp), scale);
+        deltas.entry(c).or_default().push((m.to_string(), dw, None));
+    }
+    build_file(&tmp.path().join("diffusers.safetensors"), &diffusers);
+    build_file(&tmp.path().join("kohya.safetensors"), &kohya);
+    let merged = tmp.path().join("merged");
+    nibble_tests::copy_dir(&src, &merged);
+    for (c, d) in &deltas {
+        let f = file_of(c);
+        merged_file(&f, &merged.join(c).join(f.file_name().expect("name")), d);
+    }
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(shared("tiny-flux-pipeline/lora/manifest.json")).expect("manifest"),
+    )
+    .expect("json");
+    let cache = tmp.path().join("cache");
+    let run = |model: &Path, lora: Option<&str>, tag: &str, cached: bool| -> ModelIndex {
+        let r = &manifest["run"];
+        let num = |k: &str| r[k].as_u64().expect(k).to_string();
+        let inter = tmp.path().join(format!("{tag}.safetensors"));
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--model".into(),
+            model.display().to_string(),
+            "--prompt".into(),
+            r["prompt"].as_str().expect("prompt").into(),
+            "--height".into(),
+            num("height"),
+            "--width".into(),
+            num("width"),
+            "--steps".into(),
+            num("num_inference_steps"),
+            "--max-sequence-length".into(),
+            num("max_sequence_length"),
+            "--seed".into(),
+            num("generator_seed"),
+            "--out".into(),
+            tmp.path().join(format!("{tag}.png")).display().to_string(),
+            "--intermediates".into(),
+            inter.display().to_string(),
+            "--backend".into(),
+            "cpu".into(),
+            "--json".into(),
+        ];
+        if cached {
+            args.extend(["--embed-cache".into(), cache.display().to_string()]);
+        }
+        if let Some(l) = lora {
+            args.extend([
+                "--lora".into(),
+                format!("{}:{scale}", tmp.path().join(l).display()),
+            ]);
+        }
+        let o = nibble(&args);
+        assert!(
+            o.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        ModelIndex::open(&inter).expect("intermediates")
+    };
+    let want = run(&merged, None, "merged", false);
+    let plain = run(&src, None, "base", true);
+    for file in ["diffusers.safetensors", "kohya.safetensors"] {
+        let got = run(&src, Some(file), file, true);
+        for n in [
+            "pooled_prompt_embeds",
+            "prompt_embeds",
+            "final_latents_packed",
+            "image_f32",
+        ] {
+            let e = rel(&f32s(&got, n), &f32s(&want, n));
+            let moved = rel(&f32s(&plain, n), &f32s(&want, n));
+            println!("{file} {n}: {e:e} x max from the merged weights, the base {moved:e} away");
+            assert!(
+                e <= 1e-4,
+                "{file}: {n} error {e:e} x max against the merged weights"
+            );
+            assert!(
+                moved > 1e-3,
+                "{file}: the adapters move {n} ({moved:e} x max)"
+            );
+        }
+    }
+    // The base again through the cache the adapted runs wrote to: its own embeddings.
+    let again = run(&src, None, "again", true);
+    assert_eq!(f32s(&again, "prompt_embeds"), f32s(&plain, "prompt_embeds"));
 }

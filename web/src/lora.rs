@@ -21,6 +21,17 @@ pub(crate) async fn bind(
     target: Target<'_>,
     traffic: &SharedTraffic,
 ) -> nibble_core::Result<ModelIndex> {
+    Ok(bind_pipeline(&[(model, target)], settings, traffic)
+        .await?
+        .remove(0))
+}
+
+/// [`bind`] over the models of a pipeline, each with its target.
+pub(crate) async fn bind_pipeline(
+    components: &[(&ModelIndex, Target<'_>)],
+    settings: &Value,
+    traffic: &SharedTraffic,
+) -> nibble_core::Result<Vec<ModelIndex>> {
     let list: Vec<String> = match settings.get("lora") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => s.split(',').map(|x| x.trim().to_string()).collect(),
@@ -44,7 +55,7 @@ pub(crate) async fn bind(
         .map(|s| AdapterArg::parse(s))
         .collect::<nibble_core::Result<Vec<_>>>()?;
     if args.is_empty() {
-        return Ok(model.clone());
+        return Ok(components.iter().map(|(m, _)| (*m).clone()).collect());
     }
     let t = traffic.clone();
     let folder_of = move |s: &str| -> nibble_core::Result<AdapterFolder> {
@@ -57,6 +68,6 @@ pub(crate) async fn bind(
         .get("loraIgnoreUnmatched")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let (bound, _) = lora::bind(model, &files, target, ignore)?;
+    let (bound, _) = lora::bind_pipeline(components, &files, ignore)?;
     Ok(bound)
 }

@@ -314,16 +314,27 @@ impl Nibble {
                 return to_js(&v);
             }
             let mut pipe = FluxPipeline::open_in(&url, &folder).await.map_err(js_err)?;
-            // Binding checks every pair against the weight it adapts (its quant state).
-            pipe.transformer.load_quant_states().await.map_err(js_err)?;
-            pipe.transformer = crate::lora::bind(
-                &pipe.transformer,
-                &settings,
-                nibble_core::models::flux::lora::transformer_target(),
-                &traffic,
-            )
-            .await
-            .map_err(js_err)?;
+            {
+                // Binding checks every pair against the weight it adapts (its quant state).
+                use nibble_core::models::flux::lora::{clip_target, t5_target, transformer_target};
+                for m in [&pipe.transformer, &pipe.text_encoder, &pipe.text_encoder_2] {
+                    m.load_quant_states().await.map_err(js_err)?;
+                }
+                let mut bound = crate::lora::bind_pipeline(
+                    &[
+                        (&pipe.transformer, transformer_target()),
+                        (&pipe.text_encoder, clip_target()),
+                        (&pipe.text_encoder_2, t5_target()),
+                    ],
+                    &settings,
+                    &traffic,
+                )
+                .await
+                .map_err(js_err)?;
+                pipe.text_encoder_2 = bound.pop().ok_or_else(|| js_err("three models"))?;
+                pipe.text_encoder = bound.pop().ok_or_else(|| js_err("three models"))?;
+                pipe.transformer = bound.pop().ok_or_else(|| js_err("three models"))?;
+            }
             let models = [
                 ("text_encoder", &pipe.text_encoder),
                 ("text_encoder_2", &pipe.text_encoder_2),

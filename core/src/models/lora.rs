@@ -239,9 +239,10 @@ pub struct Target<'a> {
     pub component: Option<&'a str>,
     /// The other components' prefixes: their keys are for another model of the pipeline.
     pub others: &'a [&'a str],
-    /// kohya's module names (`lora_unet_` stripped) to the family's linears they cover, in the
-    /// order their rows are stacked.
-    pub kohya: Option<&'a KohyaMap>,
+    /// kohya's prefixes of this model (`lora_unet_` for a diffusion transformer, `lora_te1_`
+    /// for CLIP) and its module names (prefix stripped) to the family's linears they cover, in
+    /// the order their rows are stacked.
+    pub kohya: Option<(&'a [&'a str], &'a KohyaMap)>,
     /// The family's original module names under a prefix (`diffusion_model.` for the Wan
     /// trainers' files) to its linears.
     pub original: Option<(&'a str, &'a KohyaMap)>,
@@ -293,72 +294,118 @@ pub fn bind(
     target: Target<'_>,
     ignore_unmatched: bool,
 ) -> Result<(ModelIndex, Vec<Bound>)> {
-    let mut names = Vec::new();
-    let mut paths: BTreeMap<String, Vec<LowRank>> = BTreeMap::new();
-    let mut added = Vec::new();
-    let mut report = Vec::new();
+    let (mut models, report) = bind_pipeline(&[(model, target)], adapters, ignore_unmatched)?;
+    Ok((models.remove(0), report))
+}
+
+/// [`bind`] over the models of a pipeline (the transformer and the text encoders), each with its
+/// target: every module of every adapter file must be one model's (else an error naming its key,
+/// or with `ignore_unmatched` a count); a model no adapter reaches is returned as it was.
+pub fn bind_pipeline(
+    components: &[(&ModelIndex, Target<'_>)],
+    adapters: &[AdapterFile],
+    ignore_unmatched: bool,
+) -> Result<(Vec<ModelIndex>, Vec<Bound>)> {
+    let mut report: Vec<Bound> = adapters
+        .iter()
+        .map(|a| Bound {
+            name: a.arg.name.clone(),
+            modules: 0,
+            bytes: 0,
+            unmatched: 0,
+            dropped: 0,
+        })
+        .collect();
+    let found = adapters
+        .iter()
+        .map(|a| {
+            pairs(a.index.tensors().map(|t| t.name.as_str())).map_err(|msg| Error::Model {
+                file: a.index.root.clone(),
+                msg,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Per adapter and module of its file: the first reason a model gave for not taking it,
+    // while no model has taken it.
+    let mut untaken: Vec<Vec<Option<String>>> =
+        found.iter().map(|f| vec![None; f.modules.len()]).collect();
+    let mut taken: Vec<Vec<bool>> = found.iter().map(|f| vec![false; f.modules.len()]).collect();
+    let mut out = Vec::with_capacity(components.len());
+    for &(model, target) in components {
+        let mut paths: BTreeMap<String, Vec<LowRank>> = BTreeMap::new();
+        let mut added = Vec::new();
+        for (ai, a) in adapters.iter().enumerate() {
+            let bad = |msg: String| Error::Model {
+                file: a.index.root.clone(),
+                msg,
+            };
+            let config = config_of(a, target)?;
+            let mut b = Binder {
+                a,
+                ai,
+                model,
+                tensors: Vec::new(),
+                bound: report[ai].clone(),
+                seen: Default::default(),
+            };
+            for (pi, p) in found[ai].modules.iter().enumerate() {
+                let modules = match modules_of(p, found[ai].naming, target) {
+                    Ok(m) => m,
+                    Err(why) if why.other_component => {
+                        untaken[ai][pi].get_or_insert(why.msg);
+                        continue;
+                    }
+                    Err(why) => return Err(bad(format!("'{}': {}", p.key(), why.msg))),
+                };
+                taken[ai][pi] = true;
+                for (m, path) in b.module(p, &modules, &config).map_err(bad)? {
+                    paths.entry(m).or_default().push(path);
+                }
+            }
+            report[ai] = b.bound;
+            added.push(AddedFile {
+                file: a.index.clone(),
+                tensors: b.tensors,
+            });
+        }
+        out.push(if paths.is_empty() {
+            model.clone()
+        } else {
+            let names = adapters.iter().map(|a| a.arg.name.clone()).collect();
+            model.with_adapters(Adapters { names, paths }, added)?
+        });
+    }
     for (ai, a) in adapters.iter().enumerate() {
-        let file = a.index.root.clone();
         let bad = |msg: String| Error::Model {
-            file: file.clone(),
+            file: a.index.root.clone(),
             msg,
         };
-        let found = pairs(a.index.tensors().map(|t| t.name.as_str())).map_err(bad)?;
-        let config = config_of(a, target)?;
-        let mut b = Binder {
-            a,
-            ai,
-            model,
-            tensors: Vec::new(),
-            bound: Bound {
-                name: a.arg.name.clone(),
-                modules: 0,
-                bytes: 0,
-                unmatched: 0,
-                dropped: found.dropped.len(),
-            },
-            seen: Default::default(),
-        };
-        for p in &found.modules {
-            let modules = match modules_of(p, found.naming, target) {
-                Ok(m) => m,
-                Err(why) if ignore_unmatched && why.other_component => {
-                    b.bound.unmatched += 1;
-                    continue;
-                }
-                Err(why) => {
-                    return Err(bad(format!(
-                        "'{}': {}{}",
-                        p.key(),
-                        why.msg,
-                        if why.other_component {
-                            " (--lora-ignore-unmatched skips such keys)"
-                        } else {
-                            ""
-                        }
-                    )))
-                }
-            };
-            for (m, path) in b.module(p, &modules, &config).map_err(bad)? {
-                paths.entry(m).or_default().push(path);
+        for (pi, p) in found[ai].modules.iter().enumerate() {
+            if taken[ai][pi] {
+                continue;
             }
+            if !ignore_unmatched {
+                return Err(bad(format!(
+                    "'{}': {} (--lora-ignore-unmatched skips such keys)",
+                    p.key(),
+                    untaken[ai][pi]
+                        .as_deref()
+                        .unwrap_or("no model of the run takes it")
+                )));
+            }
+            report[ai].unmatched += 1;
         }
-        if b.bound.modules == 0 {
+        report[ai].dropped = found[ai].dropped.len();
+        if report[ai].modules == 0 {
+            let roots: Vec<&str> = components.iter().map(|(m, _)| m.root.as_str()).collect();
             return Err(bad(format!(
                 "none of its {} modules is a linear of {}",
-                found.modules.len(),
-                model.root
+                found[ai].modules.len(),
+                roots.join(", ")
             )));
         }
-        names.push(a.arg.name.clone());
-        added.push(AddedFile {
-            file: a.index.clone(),
-            tensors: b.tensors,
-        });
-        report.push(b.bound);
     }
-    let m = model.with_adapters(Adapters { names, paths }, added)?;
-    Ok((m, report))
+    Ok((out, report))
 }
 
 /// One adapter's tensors being bound to a model.
@@ -601,22 +648,21 @@ fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String
             });
         }
     }
-    if let Some(rest) = m.strip_prefix("lora_unet_") {
-        let Some(map) = target.kohya else {
+    if let Some((prefixes, map)) = target.kohya {
+        if let Some(rest) = prefixes.iter().find_map(|p| m.strip_prefix(p)) {
+            return map(rest)
+                .ok_or_else(|| no(format!("kohya module '{m}' names no linear of this model")));
+        }
+    }
+    if m.starts_with("lora_unet_") || m.starts_with("lora_te") {
+        if target.kohya.is_none() && target.component.is_none() {
             return Err(no(
                 "kohya's naming, which this model kind does not use".into()
             ));
-        };
-        return map(rest).ok_or_else(|| {
-            no(format!(
-                "kohya module '{rest}' names no linear of this model"
-            ))
-        });
-    }
-    if m.starts_with("lora_te") {
-        return Err(other(
-            "a text encoder's key, which adapters do not reach".into(),
-        ));
+        }
+        return Err(other(format!(
+            "kohya module '{m}' is another model's of the pipeline"
+        )));
     }
     if let Some(o) = target
         .others
@@ -629,7 +675,9 @@ fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String
     }
     match naming {
         Naming::Peft => Ok(vec![m.to_string()]),
-        Naming::Kohya => Err(no(format!("kohya module '{m}' is not lora_unet_*"))),
+        Naming::Kohya => Err(no(format!(
+            "kohya module '{m}' has no lora_unet_ / lora_te prefix"
+        ))),
     }
 }
 

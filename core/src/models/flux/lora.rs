@@ -1,6 +1,8 @@
-//! How LoRA files name the Flux transformer's linears: diffusers' keys carry the component
-//! (`transformer.`), kohya sd-scripts name BFL's original modules, some fused (`qkv`,
-//! `linear1`), which map onto the diffusers modules here in the order their rows are stacked.
+//! How LoRA files name the Flux pipeline's linears: diffusers' keys carry the component
+//! (`transformer.`, `text_encoder.` for CLIP, `text_encoder_2.` for T5), kohya sd-scripts name
+//! BFL's original transformer modules (`lora_unet_`), some fused (`qkv`, `linear1`), which map
+//! onto the diffusers modules here in the order their rows are stacked, and the text encoders'
+//! modules with underscores (`lora_te1_`, `lora_te2_`).
 
 use crate::models::lora::Target;
 
@@ -12,9 +14,72 @@ pub fn transformer_target() -> Target<'static> {
     Target {
         component: Some("transformer"),
         others: &OTHERS,
-        kohya: Some(&kohya_modules),
+        kohya: Some((&["lora_unet_"], &kohya_modules)),
         original: None,
     }
+}
+
+/// The other models of a Flux pipeline, as seen from CLIP's and T5's bindings.
+const NOT_CLIP: [&str; 2] = ["transformer", "text_encoder_2"];
+const NOT_T5: [&str; 2] = ["transformer", "text_encoder"];
+
+/// Binding target of CLIP (`text_encoder/`): diffusers' `text_encoder.` keys, kohya's
+/// `lora_te1_`.
+pub fn clip_target() -> Target<'static> {
+    Target {
+        component: Some("text_encoder"),
+        others: &NOT_CLIP,
+        kohya: Some((&["lora_te1_", "lora_te_"], &clip_kohya_modules)),
+        original: None,
+    }
+}
+
+/// Binding target of T5 (`text_encoder_2/`): diffusers' `text_encoder_2.` keys, kohya's
+/// `lora_te2_`.
+pub fn t5_target() -> Target<'static> {
+    Target {
+        component: Some("text_encoder_2"),
+        others: &NOT_T5,
+        kohya: Some((&["lora_te2_"], &t5_kohya_modules)),
+        original: None,
+    }
+}
+
+/// CLIP's linears by kohya's names (`text_model_encoder_layers_0_self_attn_q_proj`).
+pub fn clip_kohya_modules(name: &str) -> Option<Vec<String>> {
+    let rest = name.strip_prefix("text_model_encoder_layers_")?;
+    let (i, part) = rest.split_once('_')?;
+    let i: usize = i.parse().ok()?;
+    let leaf = match part {
+        "self_attn_q_proj" => "self_attn.q_proj",
+        "self_attn_k_proj" => "self_attn.k_proj",
+        "self_attn_v_proj" => "self_attn.v_proj",
+        "self_attn_out_proj" => "self_attn.out_proj",
+        "mlp_fc1" => "mlp.fc1",
+        "mlp_fc2" => "mlp.fc2",
+        _ => return None,
+    };
+    Some(vec![format!("text_model.encoder.layers.{i}.{leaf}")])
+}
+
+/// T5's linears by kohya's names (`encoder_block_0_layer_0_SelfAttention_q`).
+pub fn t5_kohya_modules(name: &str) -> Option<Vec<String>> {
+    let rest = name.strip_prefix("encoder_block_")?;
+    let (i, rest) = rest.split_once("_layer_")?;
+    let (j, part) = rest.split_once('_')?;
+    let (i, j): (usize, usize) = (i.parse().ok()?, j.parse().ok()?);
+    let leaf = match part {
+        "SelfAttention_q"
+        | "SelfAttention_k"
+        | "SelfAttention_v"
+        | "SelfAttention_o"
+        | "DenseReluDense_wi"
+        | "DenseReluDense_wo"
+        | "DenseReluDense_wi_0"
+        | "DenseReluDense_wi_1" => part.replacen('_', ".", 1),
+        _ => return None,
+    };
+    Some(vec![format!("encoder.block.{i}.layer.{j}.{leaf}")])
 }
 
 /// The diffusers linears a kohya module (without `lora_unet_`) covers, or `None` where it
@@ -104,6 +169,18 @@ mod tests {
         assert_eq!(
             kohya_modules("guidance_in_out_layer").expect("guidance"),
             ["time_text_embed.guidance_embedder.linear_2"]
+        );
+        assert_eq!(
+            clip_kohya_modules("text_model_encoder_layers_3_self_attn_out_proj").expect("clip"),
+            ["text_model.encoder.layers.3.self_attn.out_proj"]
+        );
+        assert_eq!(
+            t5_kohya_modules("encoder_block_1_layer_1_DenseReluDense_wi_0").expect("t5"),
+            ["encoder.block.1.layer.1.DenseReluDense.wi_0"]
+        );
+        assert_eq!(
+            t5_kohya_modules("encoder_block_0_layer_0_SelfAttention_o").expect("t5"),
+            ["encoder.block.0.layer.0.SelfAttention.o"]
         );
         for none in [
             "final_layer_adaLN_modulation_1",

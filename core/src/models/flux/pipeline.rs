@@ -149,6 +149,8 @@ impl FluxPipeline {
         h.update(b"nibble flux embeds v1\0");
         for m in [&self.text_encoder, &self.text_encoder_2] {
             h.update(m.config.as_ref().map(|c| c.to_string()).unwrap_or_default());
+            // LoRA adapters on an encoder change its outputs: their paths and scales count.
+            h.update(format!("{:?}\0", m.adapters()));
             let source = m.source();
             for (i, s) in m.shards.iter().enumerate() {
                 let hd = &s.header;

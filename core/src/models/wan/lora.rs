@@ -17,7 +17,7 @@ pub fn transformer_target() -> Target<'static> {
     Target {
         component: Some("transformer"),
         others: &OTHERS,
-        kohya: Some(&kohya_modules),
+        kohya: Some((&["lora_unet_"], &kohya_modules)),
         original: Some(("diffusion_model.", &original_modules)),
     }
 }

@@ -21,12 +21,21 @@ use nibble_core::models::flux::pipeline::VaeTiling;
 pub fn run(o: &RunArgs) -> Result<()> {
     let mut pipe = FluxPipeline::open(&o.model, o.file_mode.into())
         .with_context(|| format!("opening the Flux pipeline {}", o.model))?;
-    pipe.transformer = o.lora.bind(
-        &pipe.transformer,
-        nibble_core::models::flux::lora::transformer_target(),
-        o.file_mode.into(),
-        o.json,
-    )?;
+    {
+        use nibble_core::models::flux::lora::{clip_target, t5_target, transformer_target};
+        let mut bound = o.lora.bind_pipeline(
+            &[
+                (&pipe.transformer, transformer_target()),
+                (&pipe.text_encoder, clip_target()),
+                (&pipe.text_encoder_2, t5_target()),
+            ],
+            o.file_mode.into(),
+            o.json,
+        )?;
+        pipe.text_encoder_2 = bound.pop().expect("three models");
+        pipe.text_encoder = bound.pop().expect("three models");
+        pipe.transformer = bound.pop().expect("three models");
+    }
     if !o.text.prompt_ids.is_empty() || o.text.chat {
         bail!("a Flux pipeline takes --prompt TEXT (tokenized by its CLIP and T5 tokenizers)");
     }
