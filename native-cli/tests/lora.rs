@@ -24,20 +24,7 @@ fn nibble(args: &[String]) -> Output {
         .expect("run nibble")
 }
 
-fn f32s(m: &ModelIndex, name: &str) -> Vec<f32> {
-    m.read_f32(m.require(name).unwrap_or_else(|e| panic!("{name}: {e}")))
-        .expect("read")
-}
-
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let m = want.iter().fold(0f32, |a, b| a.max(b.abs())) as f64;
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs() as f64)
-        .fold(0.0, f64::max)
-        / m.max(1e-30)
-}
+use nibble_tests::{max_err_rel_to_max as rel, tensor_f32 as f32s};
 
 /// Runs the fixture's call with `lora` (none: the base) and returns the `--json` report and the
 /// intermediates, after checking latents, image and PNG against condition `cond`.
@@ -516,10 +503,12 @@ fn linear_shape(m: &ModelIndex, module: &str) -> (Vec<u64>, usize, usize) {
 }
 
 /// A Wan LoRA as the trainers built on Wan's own code write it (`diffusion_model.` + Wan's module
-/// names, `lora_down`/`lora_up`, `.alpha`, `.diff_b` bias deltas, a zeroed norm delta) and as
+/// names, `lora_down`/`lora_up`, `.alpha`, `.diff_b` bias deltas, a `.diff` full-weight delta, a
+/// zeroed norm delta) and as
 /// musubi-tuner writes it (`lora_unet_blocks_0_self_attn_q`), on the tiny Wan pipeline at scale
 /// 0.5: the final latents and the video equal those of the same pipeline whose adapted weights
-/// and biases were merged in f32 (`W + 0.5 · alpha/r · up·down`, `b + 0.5 · diff_b`), within
+/// and biases were merged in f32 (`W + 0.5 · alpha/r · up·down (+ 0.5 · diff)`,
+/// `b + 0.5 · diff_b`), within
 /// 1e-4 x max, and differ from the base's. The Conv3d patch embedding's pair is flattened as
 /// its linear is.
 #[test]
@@ -592,6 +581,22 @@ fn wan_adapters_equal_their_merged_weights() {
         &[32],
         &[0.0; 32],
     ));
+    // A full-weight delta on a linear of its own: `W + 0.5 · diff`.
+    let (_, out, inp) = linear_shape(&base, "blocks.1.ffn.net.0.proj");
+    let diff: Vec<f32> = random_values(out * inp, 60)
+        .iter()
+        .map(|v| v * 0.05)
+        .collect();
+    wan.push(f32_entry(
+        "diffusion_model.blocks.1.ffn.0.diff",
+        &[out as u64, inp as u64],
+        &diff,
+    ));
+    deltas.push((
+        "blocks.1.ffn.net.0.proj".to_string(),
+        diff.iter().map(|d| scale * d).collect(),
+        None,
+    ));
     build_file(&tmp.path().join("wan_lora.safetensors"), &wan);
     build_file(&tmp.path().join("musubi_lora.safetensors"), &musubi);
     let merged = tmp.path().join("merged");
@@ -641,10 +646,12 @@ fn wan_adapters_equal_their_merged_weights() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{tag}: {err}");
         if lora.is_some() {
-            assert!(
-                err.contains(&format!("{} linears", mods.len())),
-                "{tag}: {err}"
-            );
+            let n = if tag == "wan" {
+                mods.len() + 1
+            } else {
+                mods.len()
+            };
+            assert!(err.contains(&format!("{n} linears")), "{tag}: {err}");
         }
         ModelIndex::open(&inter).expect("intermediates")
     };
@@ -665,7 +672,7 @@ fn wan_adapters_equal_their_merged_weights() {
     // gives the same video bit for bit.
     let no_bias: Vec<RawEntry> = wan
         .iter()
-        .filter(|t| !t.0.ends_with(".diff_b"))
+        .filter(|t| !t.0.ends_with(".diff_b") && !t.0.ends_with(".diff"))
         .cloned()
         .collect();
     build_file(&tmp.path().join("wan_nobias.safetensors"), &no_bias);

@@ -5,6 +5,7 @@ pub mod batch;
 pub mod build;
 pub mod gguf;
 pub mod http_server;
+pub mod llama;
 pub mod process;
 pub mod text;
 pub mod video;
@@ -144,6 +145,12 @@ pub fn max_err_rel_to_max(got: &[f32], want: &[f32]) -> f64 {
     } else {
         e / m
     }
+}
+
+/// Tensor `name` of `m` as f32 (any float dtype), or a panic naming it.
+pub fn tensor_f32(m: &ModelIndex, name: &str) -> Vec<f32> {
+    m.read_f32(m.require(name).unwrap_or_else(|e| panic!("{name}: {e}")))
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 /// sha256 (hex) of little-endian f32 bytes with -0.0 canonicalized, as the fixture manifests use.

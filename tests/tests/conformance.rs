@@ -208,9 +208,22 @@ fn cases(op: &OpKind) -> Vec<Case> {
             if *bias {
                 big.push(t(&[150], 69));
             }
+            // LoRA's pairs: a rank-4 down and up projection, and the rank-1 product that
+            // applies a bias delta to the rows of a batch that run the adapter.
+            let mut down = vec![t(&[7, 65], 70), t(&[4, 65], 71)];
+            let mut up = vec![t(&[7, 4], 72), t(&[33, 4], 73)];
+            let mut rank1 = vec![t(&[7, 1], 74), t(&[33, 1], 75)];
+            if *bias {
+                down.push(t(&[4], 76));
+                up.push(t(&[33], 77));
+                rank1.push(t(&[33], 78));
+            }
             vec![
                 c("7x65 by 33x65", inputs),
                 c("9x200 by 150x200 (threads)", big),
+                c("LoRA down: 7x65 by 4x65", down),
+                c("LoRA up: 7x4 by 33x4", up),
+                c("rank 1: 7x1 by 33x1", rank1),
             ]
         }
         OpKind::MatMul { transpose_b } => {

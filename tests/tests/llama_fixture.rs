@@ -9,8 +9,8 @@ use nibble_core::backend::cpu_ref::CpuRefBackend;
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
-use nibble_core::models::llama::{self, Decoder, LlamaShape};
-use nibble_core::plan::Budgets;
+use nibble_core::models::llama::{self, LlamaShape};
+use nibble_tests::llama::{all_logits, decoder, opts};
 use nibble_tests::*;
 
 fn model() -> ModelIndex {
@@ -24,50 +24,10 @@ fn ids(e: &Expected, name: &str) -> Vec<u32> {
         .collect()
 }
 
-fn opts(streamed: bool) -> ExecOptions {
-    let budgets = if streamed {
-        Budgets {
-            device_bytes: 0,
-            ring_slots: 2,
-            slot_bytes: 64 << 10,
-            host_tier_bytes: 0,
-        }
-    } else {
-        Budgets {
-            device_bytes: 1 << 30,
-            ring_slots: 4,
-            slot_bytes: 1 << 20,
-            host_tier_bytes: 0,
-        }
-    };
-    ExecOptions {
-        budgets,
-        readers: 2,
-        stream_all: streamed,
-        naive: false,
-    }
-}
-
 fn argmax(v: &[f32]) -> u32 {
     (0..v.len())
         .max_by(|&a, &b| v[a].total_cmp(&v[b]))
         .expect("non-empty") as u32
-}
-
-/// A decoder for `shape`; at the smallest budget (every layer streamed) when `o` has none.
-fn decoder<B: Backend>(
-    m: &ModelIndex,
-    make: &mut impl FnMut() -> B,
-    shape: LlamaShape,
-    o: ExecOptions,
-) -> Decoder<B> {
-    let lg = llama::build(m, shape).expect("graph");
-    let mut o = o;
-    if o.budgets.device_bytes == 0 {
-        o.budgets.device_bytes =
-            nibble_core::plan::min_device_bytes(&lg.graph, m, &mut make()).expect("min budget");
-    }
-    Decoder::from_graph(lg, m, make(), o).expect("decoder")
 }
 
 /// Logits `[T, vocab]` of every position of a token sequence, and the plan's
@@ -78,13 +38,7 @@ fn forward<B: Backend>(
     tokens: &[u32],
     o: ExecOptions,
 ) -> (Vec<f32>, (usize, usize)) {
-    let shape = LlamaShape {
-        prompt: tokens.len(),
-        capacity: tokens.len(),
-        all_logits: true,
-        hidden_states: false,
-    };
-    let mut d = decoder(m, make, shape, o);
+    let mut d = decoder(m, make, all_logits(tokens.len()), o);
     let counts = d.executor().plan().counts();
     (d.prefill(tokens).expect("prefill").0, counts)
 }

@@ -10,10 +10,11 @@ use nibble_core::backend::cpu_ref::CpuRefBackend;
 use nibble_core::backend::Backend;
 use nibble_core::exec::ExecOptions;
 use nibble_core::io::model::ModelIndex;
-use nibble_core::models::llama::{self, Decoder, LlamaShape};
+use nibble_core::models::llama::LlamaShape;
 use nibble_core::models::lora::{self, AdapterArg, Target};
-use nibble_core::plan::Budgets;
+use nibble_tests::batch::argmax;
 use nibble_tests::build::{build_file, f32_entry, RawEntry};
+use nibble_tests::llama::{all_logits, decoder, opts};
 use nibble_tests::*;
 
 fn base() -> ModelIndex {
@@ -55,41 +56,6 @@ const CONDITIONS: [(&str, &[&str]); 5] = [
     ("scaled", &["all_linear:0.5"]),
 ];
 
-fn opts(streamed: bool) -> ExecOptions {
-    ExecOptions {
-        budgets: Budgets {
-            device_bytes: if streamed { 0 } else { 1 << 30 },
-            ring_slots: if streamed { 2 } else { 4 },
-            slot_bytes: if streamed { 64 << 10 } else { 1 << 20 },
-            host_tier_bytes: 0,
-        },
-        readers: 2,
-        stream_all: streamed,
-        naive: false,
-    }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len())
-        .max_by(|&a, &b| v[a].total_cmp(&v[b]))
-        .expect("non-empty") as u32
-}
-
-fn decoder<B: Backend>(
-    m: &ModelIndex,
-    make: &mut impl FnMut() -> B,
-    shape: LlamaShape,
-    o: ExecOptions,
-) -> Decoder<B> {
-    let lg = llama::build(m, shape).expect("graph");
-    let mut o = o;
-    if o.budgets.device_bytes == 0 {
-        o.budgets.device_bytes =
-            nibble_core::plan::min_device_bytes(&lg.graph, m, &mut make()).expect("min budget");
-    }
-    Decoder::from_graph(lg, m, make(), o).expect("decoder")
-}
-
 /// Greedy tokens through the KV cache and the bytes each decode step streamed.
 fn greedy<B: Backend>(
     m: &ModelIndex,
@@ -125,13 +91,7 @@ fn check_backend<B: Backend>(mut make: impl FnMut() -> B, label: &str) {
             .expect("logits");
         let tokens_want = ids(&e, &format!("{cond}.greedy_tokens"));
         for streamed in [false, true] {
-            let shape = LlamaShape {
-                prompt: seq.len(),
-                capacity: seq.len(),
-                all_logits: true,
-                hidden_states: false,
-            };
-            let mut d = decoder(&m, &mut make, shape, opts(streamed));
+            let mut d = decoder(&m, &mut make, all_logits(seq.len()), opts(streamed));
             let (logits, _) = d.prefill(&seq).expect("prefill");
             let err = max_err_rel_to_max(&logits, &want);
             assert!(
@@ -183,13 +143,12 @@ fn peft_adapters_on_wgpu() {
 fn an_adapter_moves_the_logits() {
     let e = expected();
     let seq = ids(&e, "attn_qv.full_sequence_ids");
-    let shape = LlamaShape {
-        prompt: seq.len(),
-        capacity: seq.len(),
-        all_logits: true,
-        hidden_states: false,
-    };
-    let mut d = decoder(&base(), &mut CpuRefBackend::new, shape, opts(false));
+    let mut d = decoder(
+        &base(),
+        &mut CpuRefBackend::new,
+        all_logits(seq.len()),
+        opts(false),
+    );
     let (plain, _) = d.prefill(&seq).expect("prefill");
     let want = e.f32("attn_qv.full_sequence_logits").expect("logits");
     assert!(max_err_rel_to_max(&plain, &want) > 1e-3);

@@ -15,8 +15,9 @@
 //! The scaling of a pair is `alpha / r` (`alpha / sqrt(r)` with rsLoRA) as peft's `LoraLayer`
 //! computes it, times the adapter's own scale. Bias deltas (peft's `lora_B.bias`, the Wan
 //! trainers' `.diff_b`) are added to the linear's output; deltas of norm layers (`.diff`,
-//! `.diff_b` of a `norm*` module) are dropped as diffusers drops them; full-weight deltas of
-//! other layers and embedding adapters are refused by name, not skipped.
+//! `.diff_b` of a `norm*` module) are dropped as diffusers drops them; full-weight deltas (`.diff`)
+//! of other layers are applied beside the linear as ComfyUI applies them (`W + s · diff`);
+//! embedding adapters, DoRA and LyCORIS tensors are refused by name, not skipped.
 
 use std::collections::BTreeMap;
 
@@ -42,15 +43,19 @@ pub struct Pair {
     /// A bias delta `[out]` added to the linear's output: peft's `lora_B.bias` (`lora_bias`) or
     /// the `.diff_b` Wan trainers write.
     pub bias: Option<String>,
+    /// A full-weight delta `[out, in]` (`.diff`, as the Wan trainers write for a few layers),
+    /// applied as `x · diffᵀ` beside the linear.
+    pub full: Option<String>,
 }
 
 impl Pair {
     /// The name that stands for the module in messages: its first tensor's.
     pub fn key(&self) -> &str {
-        match (&self.halves, &self.bias) {
-            (Some((d, _)), _) => d,
-            (None, Some(b)) => b,
-            (None, None) => &self.module,
+        match (&self.halves, &self.bias, &self.full) {
+            (Some((d, _)), ..) => d,
+            (None, Some(b), _) => b,
+            (None, None, Some(f)) => f,
+            (None, None, None) => &self.module,
         }
     }
 }
@@ -76,6 +81,7 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
         up: Option<String>,
         alpha: Option<String>,
         bias: Option<String>,
+        full: Option<String>,
     }
     let mut modules: BTreeMap<String, Parts> = BTreeMap::new();
     let mut naming: Option<(Naming, String)> = None;
@@ -99,15 +105,12 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
                 continue;
             }
             (m, 3, None)
-        } else if name.ends_with(".diff")
-            && name
-                .trim_end_matches(".diff")
-                .rsplit('.')
-                .next()
-                .is_some_and(|l| l.contains("norm"))
-        {
-            dropped.push(name.to_string());
-            continue;
+        } else if let Some(m) = name.strip_suffix(".diff") {
+            if m.rsplit('.').next().is_some_and(|l| l.contains("norm")) {
+                dropped.push(name.to_string());
+                continue;
+            }
+            (m, 4, None)
         } else {
             return Err(unsupported(name));
         };
@@ -131,17 +134,23 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
             0 => &mut e.down,
             1 => &mut e.up,
             2 => &mut e.alpha,
-            _ => &mut e.bias,
+            3 => &mut e.bias,
+            _ => &mut e.full,
         };
         if let Some(prev) = slot.replace(name.to_string()) {
             return Err(format!(
-                "'{name}' and '{prev}': two bias deltas for one module"
+                "'{name}' and '{prev}': two deltas of one kind for one module"
             ));
         }
     }
     let naming = match naming {
         Some((n, _)) => n,
-        None if modules.values().any(|p| p.bias.is_some()) => Naming::Peft,
+        None if modules
+            .values()
+            .any(|p| p.bias.is_some() || p.full.is_some()) =>
+        {
+            Naming::Peft
+        }
         None => {
             return Err("no LoRA tensors (lora_A/lora_B or lora_down/lora_up) in the file".into())
         }
@@ -157,7 +166,7 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
             }
             (None, None) => None,
         };
-        if halves.is_none() && p.bias.is_none() {
+        if halves.is_none() && p.bias.is_none() && p.full.is_none() {
             return Err(format!(
                 "'{}' belongs to no lora_down/lora_up pair",
                 p.alpha.unwrap_or(module)
@@ -168,6 +177,7 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
             halves,
             alpha: p.alpha,
             bias: p.bias,
+            full: p.full,
         });
     }
     Ok(Pairs {
@@ -178,9 +188,7 @@ pub fn pairs<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Pairs, Stri
 }
 
 fn unsupported(name: &str) -> String {
-    let what = if name.ends_with(".diff") {
-        "a full-weight delta (.diff) of a layer other than a norm, which nibble does not apply"
-    } else if name.contains("lora_embedding_") {
+    let what = if name.contains("lora_embedding_") {
         "an embedding adapter, which nibble does not apply"
     } else if name.contains(".dora_scale") || name.contains("magnitude_vector") {
         "a DoRA magnitude, which nibble does not apply"
@@ -188,7 +196,7 @@ fn unsupported(name: &str) -> String {
         "a LyCORIS (LoHa / LoKr) tensor, which nibble does not apply"
     } else {
         "not a LoRA tensor (expected <module>.lora_A.weight / .lora_B.weight, or \
-         <module>.lora_down.weight / .lora_up.weight / .alpha, or a .diff_b bias delta)"
+         <module>.lora_down.weight / .lora_up.weight / .alpha, or .diff_b / .diff deltas)"
     };
     format!("'{name}': {what}")
 }
@@ -308,10 +316,12 @@ mod tests {
             "d.blocks.0.ffn.0.diff_b",
             "d.blocks.0.ffn.2.diff_b",
             "d.blocks.0.norm3.diff",
+            "d.head.head.diff",
             "d.blocks.0.norm3.diff_b",
         ])
         .expect("bias deltas");
-        assert_eq!(p.modules.len(), 2);
+        assert_eq!(p.modules.len(), 3);
+        assert_eq!(p.modules[2].full.as_deref(), Some("d.head.head.diff"));
         assert_eq!(p.modules[1].halves, None);
         assert_eq!(
             p.modules[1].bias.as_deref(),
@@ -325,7 +335,6 @@ mod tests {
         );
         for (bad, says) in [
             (vec!["m.lora_A.weight"], "no partner"),
-            (vec!["m.proj.diff"], "full-weight delta"),
             (
                 vec!["m.lora_A.weight", "m.lora_B.weight", "m.weight"],
                 "not a LoRA",

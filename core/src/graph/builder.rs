@@ -93,6 +93,8 @@ pub struct LowRankPath {
     pub scale: f32,
     /// A bias delta `[out]` and its scale.
     pub bias: Option<(ValueId, f32)>,
+    /// A full-weight delta `[out, in]` and its scale.
+    pub full: Option<(ValueId, f32)>,
     /// The adapter it belongs to (an index into the model's adapters).
     pub adapter: usize,
     /// Its rank (0 without a pair).

@@ -102,7 +102,8 @@ impl Adapters {
     }
 }
 
-/// One adapter's path beside a linear: `y += scale * up(down(x)) + bias_scale * bias`.
+/// One adapter's path beside a linear:
+/// `y += scale * up(down(x)) + bias_scale * bias + full_scale * x · fullᵀ`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LowRank {
     /// The adapter, an index into [`Adapters::names`].
@@ -116,6 +117,8 @@ pub struct LowRank {
     pub scale: f32,
     /// A bias delta `[out]` by its name in the index, and its scale.
     pub bias: Option<(String, f32)>,
+    /// A full-weight delta `[out, in]` by its name in the index, and its scale.
+    pub full: Option<(String, f32)>,
 }
 
 /// An adapter file's tensors as a model's index will hold them: `(name in the index, the

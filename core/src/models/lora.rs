@@ -466,11 +466,28 @@ impl Binder<'_> {
             }
             None => None,
         };
-        let out_total = match (&halves, &bias) {
-            (Some((_, up, _, _)), _) => up.shape[0] as usize,
-            (None, Some(b)) => b.shape[0] as usize,
-            (None, None) => return Err(format!("'{}' has neither halves nor a bias", p.key())),
+        let full = match &p.full {
+            Some(name) => {
+                let e = entry(name)?;
+                if e.shape.len() < 2 {
+                    return Err(format!("'{name}' is {:?}, not a weight [out, in]", e.shape));
+                }
+                Some(e)
+            }
+            None => None,
         };
+        let out_total = match (&halves, &bias, &full) {
+            (Some((_, up, _, _)), ..) => up.shape[0] as usize,
+            (None, Some(b), _) => b.shape[0] as usize,
+            (None, None, Some(f)) => f.shape[0] as usize,
+            (None, None, None) => return Err(format!("'{}' has no pair and no delta", p.key())),
+        };
+        if let Some(f) = full.as_ref().filter(|f| f.shape[0] as usize != out_total) {
+            return Err(format!(
+                "'{}' has {} rows, not {out_total}",
+                f.name, f.shape[0]
+            ));
+        }
         if let (Some(b), true) = (&bias, halves.is_some()) {
             if b.shape[0] as usize != out_total {
                 return Err(format!(
@@ -516,7 +533,8 @@ impl Binder<'_> {
             }
             let (rows, w_in) = weight_shape(self.model, m)
                 .map_err(|e| format!("'{}' adapts {m}, but {e}", p.key()))?;
-            let fits = halves.as_ref().is_none_or(|h| h.3 == w_in);
+            let fits = halves.as_ref().is_none_or(|h| h.3 == w_in)
+                && full.as_ref().is_none_or(|f| flat(f).1 == w_in);
             if !fits || row + rows > out_total {
                 return Err(format!(
                     "'{}' ({} rows{}) does not fit {m} ([{rows}, {w_in}]{})",
@@ -559,6 +577,7 @@ impl Binder<'_> {
                 .as_ref()
                 .map(|(_, up, rank, _)| cut(up, *rank as u64));
             let bias_name = bias.as_ref().map(|b| cut(b, 1));
+            let full_name = full.as_ref().map(|f| cut(f, flat(f).1 as u64));
             self.bound.modules += 1;
             out.push((
                 m.clone(),
@@ -568,6 +587,8 @@ impl Binder<'_> {
                     rank,
                     scale: (scaling * adapter_scale) as f32,
                     bias: bias_name.map(|n| (n, (bias_scaling * adapter_scale) as f32)),
+                    // ComfyUI's `W + strength · diff`.
+                    full: full_name.map(|n| (n, adapter_scale as f32)),
                 },
             ));
             row += rows;

@@ -72,10 +72,15 @@ impl W {
                 .bias
                 .as_ref()
                 .map(|(b, s)| (g.dense_weight(grp, b, &[out]), *s));
+            let full = p
+                .full
+                .as_ref()
+                .map(|(f, s)| (g.dense_weight(grp, f, &[out, inp]), *s));
             paths.push(LowRankPath {
                 pair,
                 scale: p.scale,
                 bias,
+                full,
                 adapter: p.adapter,
                 rank: p.rank,
             });
@@ -117,6 +122,18 @@ impl W {
                     }
                     let d = g.op(OpKind::Linear { bias: false }, &[h, up], None)?;
                     let d = g.op(OpKind::Scale { factor: p.scale }, &[d], None)?;
+                    y = g.op(OpKind::Add, &[y, d], None)?;
+                }
+                if let Some((f, s)) = p.full {
+                    if rows.is_some() {
+                        return Err(crate::error::Error::Invalid(
+                            "a full-weight delta (.diff) cannot be chosen per sequence of a \
+                             batch: bind it to the model alone (nibble run)"
+                                .into(),
+                        ));
+                    }
+                    let d = g.op(OpKind::Linear { bias: false }, &[x, f], None)?;
+                    let d = g.op(OpKind::Scale { factor: s }, &[d], None)?;
                     y = g.op(OpKind::Add, &[y, d], None)?;
                 }
                 if let Some((b, s)) = p.bias {

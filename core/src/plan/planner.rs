@@ -371,10 +371,11 @@ fn check_adapters_applied(graph: &Graph, model: &ModelIndex) -> Result<()> {
         .collect();
     for (module, paths) in &a.paths {
         for p in paths {
-            let first = match (&p.halves, &p.bias) {
-                (Some((down, _)), _) => down,
-                (None, Some((bias, _))) => bias,
-                (None, None) => continue,
+            let first = match (&p.halves, &p.bias, &p.full) {
+                (Some((down, _)), ..) => down,
+                (None, Some((bias, _)), _) => bias,
+                (None, None, Some((full, _))) => full,
+                (None, None, None) => continue,
             };
             if !read.contains(first.as_str()) {
                 return Err(Error::Invalid(format!(
