@@ -121,7 +121,7 @@ impl W {
                         h = g.op(OpKind::Mul, &[h, m], None)?;
                     }
                     let d = g.op(OpKind::Linear { bias: false }, &[h, up], None)?;
-                    let d = g.op(OpKind::Scale { factor: p.scale }, &[d], None)?;
+                    let d = scaled(g, d, p.scale)?;
                     y = g.op(OpKind::Add, &[y, d], None)?;
                 }
                 if let Some((f, s)) = p.full {
@@ -133,11 +133,11 @@ impl W {
                         ));
                     }
                     let d = g.op(OpKind::Linear { bias: false }, &[x, f], None)?;
-                    let d = g.op(OpKind::Scale { factor: s }, &[d], None)?;
+                    let d = scaled(g, d, s)?;
                     y = g.op(OpKind::Add, &[y, d], None)?;
                 }
                 if let Some((b, s)) = p.bias {
-                    let b = g.op(OpKind::Scale { factor: s }, &[b], None)?;
+                    let b = scaled(g, b, s)?;
                     y = match rows {
                         None => g.op(OpKind::Add, &[y, b], None)?,
                         Some(m) => {
@@ -154,6 +154,14 @@ impl W {
         }
         Ok(y)
     }
+}
+
+/// `factor · x`; `x` itself for a factor of 1 (the same bits, one op less per adapted linear).
+fn scaled(g: &mut Graph, x: ValueId, factor: f32) -> Result<ValueId> {
+    if factor == 1.0 {
+        return Ok(x);
+    }
+    g.op(OpKind::Scale { factor }, &[x], None)
 }
 
 /// The weight group of an adapter's tensors (one per adapter, pinned resident).
