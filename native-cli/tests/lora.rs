@@ -695,7 +695,8 @@ fn wan_adapters_equal_their_merged_weights() {
 
 /// One LoRA file for a whole Flux pipeline: the transformer, CLIP (dense bf16) and T5 (4-bit),
 /// in diffusers' naming (`transformer.`, `text_encoder.`, `text_encoder_2.`) and in kohya's
-/// (`lora_unet_`, `lora_te1_`, `lora_te2_` with `.alpha`): at scale 0.6 the text embeddings, the
+/// (`lora_unet_`, `lora_te1_`, `lora_te2_` with `.alpha`), and with the transformer's keys
+/// unprefixed: at scale 0.6 the text embeddings, the
 /// final latents and the image equal those of the pipeline with the deltas merged into f32
 /// weights (within 1e-4 x max) and differ from the base's; the embedding cache keys the
 /// adapters, so a cached run without them does not reuse the adapted embeddings.
@@ -746,7 +747,7 @@ fn flux_adapters_reach_the_text_encoders() {
             .expect("a weights file")
     };
     let scale = 0.6f32;
-    let (mut diffusers, mut kohya) = (Vec::new(), Vec::new());
+    let (mut diffusers, mut kohya, mut unprefixed) = (Vec::new(), Vec::new(), Vec::new());
     let mut deltas: std::collections::BTreeMap<&str, Vec<Delta>> = Default::default();
     for (i, (c, m, k, r)) in mods.into_iter().enumerate() {
         let base = ModelIndex::open(&file_of(c)).expect("component");
@@ -769,6 +770,19 @@ fn flux_adapters_reach_the_text_encoders() {
             &[out as u64, r as u64],
             &up,
         ));
+        // The transformer's keys without their component (as peft saves a transformer alone).
+        let pre = if c == "transformer" {
+            m.to_string()
+        } else {
+            format!("{c}.{m}")
+        };
+        let a = [r as u64, inp as u64];
+        unprefixed.push(f32_entry(&format!("{pre}.lora_A.weight"), &a, &down));
+        unprefixed.push(f32_entry(
+            &format!("{pre}.lora_B.weight"),
+            &[out as u64, r as u64],
+            &up,
+        ));
         kohya.push(f32_entry(
             &format!("{k}.lora_down.weight"),
             &[r as u64, inp as u64],
@@ -786,6 +800,7 @@ fn flux_adapters_reach_the_text_encoders() {
     }
     build_file(&tmp.path().join("diffusers.safetensors"), &diffusers);
     build_file(&tmp.path().join("kohya.safetensors"), &kohya);
+    build_file(&tmp.path().join("unprefixed.safetensors"), &unprefixed);
     let merged = tmp.path().join("merged");
     nibble_tests::copy_dir(&src, &merged);
     for (c, d) in &deltas {
@@ -844,7 +859,11 @@ fn flux_adapters_reach_the_text_encoders() {
     };
     let want = run(&merged, None, "merged", false);
     let plain = run(&src, None, "base", true);
-    for file in ["diffusers.safetensors", "kohya.safetensors"] {
+    for file in [
+        "diffusers.safetensors",
+        "kohya.safetensors",
+        "unprefixed.safetensors",
+    ] {
         let got = run(&src, Some(file), file, true);
         for n in [
             "pooled_prompt_embeds",

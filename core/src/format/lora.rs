@@ -237,6 +237,15 @@ impl LoraConfig {
                 Some(serde_json::Value::Object(m)) => m
                     .iter()
                     .map(|(name, v)| {
+                        // peft matches these keys as regular expressions; nibble as module
+                        // names (or dotted suffixes), so a key that needs a regex is refused
+                        // rather than silently not matching.
+                        if name.contains(['\\', '*', '[', '(', '^', '$', '+', '?', '|', '{']) {
+                            return Err(format!(
+                                "{prefix}{k}[{name}] is a regular expression; nibble matches \
+                                 module names and dotted suffixes only"
+                            ));
+                        }
                         v.as_f64()
                             .filter(|x| x.is_finite() && *x > 0.0)
                             .map(|x| (name.clone(), x))
@@ -375,6 +384,9 @@ mod tests {
             "transformer.use_rslora": false});
         let c = LoraConfig::of_json(&j, "transformer.").expect("config");
         assert_eq!(c.scaling("x", 4), 2.0);
+        let j = serde_json::json!({"alpha_pattern": {"layers\\.[0-3]\\..*q_proj": 32}});
+        let e = LoraConfig::of_json(&j, "").expect_err("a regex pattern");
+        assert!(e.contains("regular expression"), "{e}");
         let j = serde_json::json!({"use_dora": true});
         assert!(LoraConfig::of_json(&j, "").is_err());
     }

@@ -64,7 +64,14 @@ impl AdapterArg {
             }
         };
         let (source, scale) = match rest.rsplit_once(':') {
-            Some((p, s)) if !exists && !s.contains('/') => {
+            // Not the port of a URL without a path (`http://host:8000`).
+            Some((p, s))
+                if !exists
+                    && !s.contains('/')
+                    && !p.ends_with("://")
+                    && p.split_once("://")
+                        .is_none_or(|(_, host)| host.contains(['/', ':'])) =>
+            {
                 if p.is_empty() {
                     return Err(bad("no file or folder given before the scale".into()));
                 }
@@ -183,8 +190,17 @@ pub async fn open_args(
     let mut out: Vec<AdapterFile> = Vec::new();
     for a in args {
         let mut a = a.clone();
+        // A name an earlier adapter has gets the first `-2`, `-3`, ... suffix that no adapter
+        // has or is given.
         if out.iter().any(|o| o.arg.name == a.name) {
-            a.name = format!("{}-{}", a.name, out.len() + 1);
+            let base = a.name.clone();
+            let taken =
+                |n: &str| out.iter().any(|o| o.arg.name == n) || args.iter().any(|o| o.name == n);
+            let mut k = 2;
+            while taken(&format!("{base}-{k}")) {
+                k += 1;
+            }
+            a.name = format!("{base}-{k}");
         }
         let (folder, file) = folder_of(a.source.trim_end_matches('/'))?;
         out.push(open_in(a, folder, file.as_deref()).await?);
@@ -246,6 +262,9 @@ pub struct Target<'a> {
     /// The family's original module names under a prefix (`diffusion_model.` for the Wan
     /// trainers' files) to its linears.
     pub original: Option<(&'a str, &'a KohyaMap)>,
+    /// Whether keys without a component prefix are this model's (a pipeline's transformer, a
+    /// model on its own), not its text encoders'.
+    pub unprefixed: bool,
 }
 
 impl Target<'static> {
@@ -257,6 +276,7 @@ impl Target<'static> {
             others: &[],
             kohya: None,
             original: None,
+            unprefixed: true,
         }
     }
 }
@@ -695,7 +715,10 @@ fn modules_of(p: &Pair, naming: Naming, target: Target<'_>) -> Result<Vec<String
         )));
     }
     match naming {
-        Naming::Peft => Ok(vec![m.to_string()]),
+        Naming::Peft if target.unprefixed => Ok(vec![m.to_string()]),
+        Naming::Peft => Err(other(format!(
+            "'{m}' names no component of the pipeline, and is left to its transformer"
+        ))),
         Naming::Kohya => Err(no(format!(
             "kohya module '{m}' has no lora_unet_ / lora_te prefix"
         ))),
@@ -748,6 +771,10 @@ mod tests {
             (a.source.as_str(), a.scale),
             ("https://host:8080/a.safetensors", -1.5)
         );
+        let a = AdapterArg::parse("http://host:8000").expect("a port, no path");
+        assert_eq!((a.source.as_str(), a.scale), ("http://host:8000", 1.0));
+        let a = AdapterArg::parse("http://host:8000:0.5").expect("a port and a scale");
+        assert_eq!((a.source.as_str(), a.scale), ("http://host:8000", 0.5));
         for bad in ["x:abc", "x:inf", ":0.5", ""] {
             assert!(AdapterArg::parse(bad).is_err(), "{bad}");
         }

@@ -371,16 +371,17 @@ fn check_adapters_applied(graph: &Graph, model: &ModelIndex) -> Result<()> {
         .collect();
     for (module, paths) in &a.paths {
         for p in paths {
-            let first = match (&p.halves, &p.bias, &p.full) {
-                (Some((down, _)), ..) => down,
-                (None, Some((bias, _)), _) => bias,
-                (None, None, Some((full, _))) => full,
-                (None, None, None) => continue,
-            };
-            if !read.contains(first.as_str()) {
+            // Every tensor: the parts of a fused module share their down projection.
+            let names = p
+                .halves
+                .iter()
+                .flat_map(|(d, u)| [d, u])
+                .chain(p.bias.iter().map(|b| &b.0))
+                .chain(p.full.iter().map(|f| &f.0));
+            if let Some(missing) = names.into_iter().find(|n| !read.contains(n.as_str())) {
                 return Err(Error::Invalid(format!(
-                    "LoRA adapter '{}' adapts {module}, which this model does not compute as a \
-                     linear layer (nibble applies adapters to linears only)",
+                    "LoRA adapter '{}' adapts {module} ({missing}), which this model does not \
+                     compute as a linear layer (nibble applies adapters to linears only)",
                     a.names[p.adapter]
                 )));
             }

@@ -16,6 +16,7 @@ pub fn transformer_target() -> Target<'static> {
         others: &OTHERS,
         kohya: Some((&["lora_unet_"], &kohya_modules)),
         original: None,
+        unprefixed: true,
     }
 }
 
@@ -31,6 +32,7 @@ pub fn clip_target() -> Target<'static> {
         others: &NOT_CLIP,
         kohya: Some((&["lora_te1_", "lora_te_"], &clip_kohya_modules)),
         original: None,
+        unprefixed: false,
     }
 }
 
@@ -42,6 +44,7 @@ pub fn t5_target() -> Target<'static> {
         others: &NOT_T5,
         kohya: Some((&["lora_te2_"], &t5_kohya_modules)),
         original: None,
+        unprefixed: false,
     }
 }
 

@@ -19,6 +19,7 @@ pub fn transformer_target() -> Target<'static> {
         others: &OTHERS,
         kohya: Some((&["lora_unet_"], &kohya_modules)),
         original: Some(("diffusion_model.", &original_modules)),
+        unprefixed: true,
     }
 }
 
