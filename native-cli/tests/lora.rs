@@ -221,34 +221,32 @@ fn two_adapters_on_a_language_model() {
 /// naming the key.
 #[test]
 fn an_adapter_for_another_model_is_refused() {
-    let o = nibble(&[
-        "run".into(),
-        "--model".into(),
-        shared("tiny-llama-nf4/model").display().to_string(),
-        "--prompt-ids".into(),
-        "1,2".into(),
-        "--lora".into(),
-        shared("tiny-flux-pipeline/lora/kohya/lora_kohya.safetensors")
-            .display()
-            .to_string(),
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("lora_unet_") && err.contains("kohya"), "{err}");
-    let o = nibble(&[
-        "run".into(),
-        "--model".into(),
-        shared("tiny-llama-nf4/model").display().to_string(),
-        "--prompt-ids".into(),
-        "1,2".into(),
-        "--lora".into(),
-        shared("tiny-flux-pipeline/lora/diffusers/pytorch_lora_weights.safetensors")
-            .display()
-            .to_string(),
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("transformer."), "names the key: {err}");
+    for (file, says) in [
+        ("kohya/lora_kohya.safetensors", ["lora_unet_", "kohya"]),
+        (
+            "diffusers/pytorch_lora_weights.safetensors",
+            ["transformer.", "model has no"],
+        ),
+    ] {
+        let o = nibble(&[
+            "run".into(),
+            "--model".into(),
+            shared("tiny-llama-nf4/model").display().to_string(),
+            "--prompt-ids".into(),
+            "1,2".into(),
+            "--lora".into(),
+            shared("tiny-flux-pipeline/lora")
+                .join(file)
+                .display()
+                .to_string(),
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{file}: {err}");
+        assert!(
+            says.iter().all(|s| err.contains(s)),
+            "{file}: names the key: {err}"
+        );
+    }
 }
 
 /// `nibble serve --lora`: two adapters named at start, listed by /v1/models, selected per
