@@ -469,6 +469,14 @@ fn merged_file(src: &Path, dst: &Path, deltas: &[Delta]) {
     let _ = std::fs::remove_file(&deq_path);
 }
 
+/// `n` seeded values in [-k, k).
+fn small_values(n: usize, seed: u64, k: f32) -> Vec<f32> {
+    nibble_tests::build::random_values(n, seed)
+        .iter()
+        .map(|v| v * k)
+        .collect()
+}
+
 /// `k · up · down` for `up` `[out, r]` and `down` `[r, inp]`, row-major `[out, inp]`.
 fn low_rank_delta(
     up: &[f32],
@@ -511,7 +519,7 @@ fn linear_shape(m: &ModelIndex, module: &str) -> (Vec<u64>, usize, usize) {
 /// its linear is.
 #[test]
 fn wan_adapters_equal_their_merged_weights() {
-    use nibble_tests::build::{build_file, f32_entry, random_values, RawEntry};
+    use nibble_tests::build::{build_file, f32_entry, RawEntry};
     let src = shared("tiny-wan-pipeline/pipeline");
     let file = src.join("transformer/diffusion_pytorch_model.safetensors");
     let base = ModelIndex::open(&file).expect("transformer");
@@ -529,19 +537,10 @@ fn wan_adapters_equal_their_merged_weights() {
     let (mut wan, mut musubi, mut deltas) = (Vec::new(), Vec::new(), Vec::new());
     for (i, (orig, m, r, with_bias)) in mods.into_iter().enumerate() {
         let (ws, out, inp) = linear_shape(&base, m);
-        let down: Vec<f32> = random_values(r * inp, 10 + i as u64)
-            .iter()
-            .map(|v| v * 0.3)
-            .collect();
-        let up: Vec<f32> = random_values(out * r, 20 + i as u64)
-            .iter()
-            .map(|v| v * 0.3)
-            .collect();
+        let down: Vec<f32> = small_values(r * inp, 10 + i as u64, 0.3);
+        let up: Vec<f32> = small_values(out * r, 20 + i as u64, 0.3);
         let alpha = 2.0 * r as f32;
-        let bias: Vec<f32> = random_values(out, 30 + i as u64)
-            .iter()
-            .map(|v| v * 0.1)
-            .collect();
+        let bias: Vec<f32> = small_values(out, 30 + i as u64, 0.1);
         // Conv3d halves keep their trailing dims, as the trainers save them.
         let (dshape, ushape): (Vec<u64>, Vec<u64>) = if ws.len() > 2 {
             let mut d = vec![r as u64];
@@ -581,10 +580,7 @@ fn wan_adapters_equal_their_merged_weights() {
     ));
     // A full-weight delta on a linear of its own: `W + 0.5 · diff`.
     let (_, out, inp) = linear_shape(&base, "blocks.1.ffn.net.0.proj");
-    let diff: Vec<f32> = random_values(out * inp, 60)
-        .iter()
-        .map(|v| v * 0.05)
-        .collect();
+    let diff: Vec<f32> = small_values(out * inp, 60, 0.05);
     wan.push(f32_entry(
         "diffusion_model.blocks.1.ffn.0.diff",
         &[out as u64, inp as u64],
@@ -700,7 +696,7 @@ fn wan_adapters_equal_their_merged_weights() {
 /// adapters, so a cached run without them does not reuse the adapted embeddings.
 #[test]
 fn flux_adapters_reach_the_text_encoders() {
-    use nibble_tests::build::{build_file, f32_entry, random_values};
+    use nibble_tests::build::{build_file, f32_entry};
     let src = shared("tiny-flux-pipeline/pipeline");
     let tmp = tempfile::tempdir().expect("tmp");
     // (component, module, kohya name, rank)
@@ -750,14 +746,8 @@ fn flux_adapters_reach_the_text_encoders() {
     for (i, (c, m, k, r)) in mods.into_iter().enumerate() {
         let base = ModelIndex::open(&file_of(c)).expect("component");
         let (_, out, inp) = linear_shape(&base, m);
-        let down: Vec<f32> = random_values(r * inp, 40 + i as u64)
-            .iter()
-            .map(|v| v * 0.4)
-            .collect();
-        let up: Vec<f32> = random_values(out * r, 50 + i as u64)
-            .iter()
-            .map(|v| v * 0.4)
-            .collect();
+        let down: Vec<f32> = small_values(r * inp, 40 + i as u64, 0.4);
+        let up: Vec<f32> = small_values(out * r, 50 + i as u64, 0.4);
         diffusers.push(f32_entry(
             &format!("{c}.{m}.lora_A.weight"),
             &[r as u64, inp as u64],

@@ -658,21 +658,24 @@ impl ModelIndex {
             )));
         }
         let base = self;
+        // The chain numbers files part by part: each part's files must be its shards.
+        let files_are_shards = |m: &ModelIndex| -> Result<()> {
+            if m.source.files().len() == m.shards.len() {
+                return Ok(());
+            }
+            Err(Error::Invalid(format!(
+                "{}: {} files read for {} shards",
+                m.root,
+                m.source.files().len(),
+                m.shards.len()
+            )))
+        };
+        files_are_shards(base)?;
         let mut shards = base.shards.clone();
         let mut sources = vec![base.source.clone()];
         for a in added {
             let first = shards.len();
-            // The chain numbers files part by part: each part's files must be its shards.
-            for m in [base, &a.file] {
-                if m.source.files().len() != m.shards.len() {
-                    return Err(Error::Invalid(format!(
-                        "{}: {} files read for {} shards",
-                        m.root,
-                        m.source.files().len(),
-                        m.shards.len()
-                    )));
-                }
-            }
+            files_are_shards(&a.file)?;
             for (si, sh) in a.file.shards.iter().enumerate() {
                 let mut header = sh.header.clone();
                 header.tensors = a

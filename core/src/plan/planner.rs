@@ -361,14 +361,7 @@ fn check_adapters_applied(graph: &Graph, model: &ModelIndex) -> Result<()> {
     if a.paths.is_empty() {
         return Ok(());
     }
-    let read: std::collections::HashSet<&str> = graph
-        .sources
-        .iter()
-        .filter_map(|s| match s {
-            Source::Dense { tensor, .. } => Some(tensor.as_str()),
-            _ => None,
-        })
-        .collect();
+    let read: std::collections::HashSet<&str> = graph.weight_names().0.into_iter().collect();
     for (module, paths) in &a.paths {
         for p in paths {
             // Every tensor: the parts of a fused module share their down projection.
