@@ -594,6 +594,9 @@ impl WgpuBackend {
 fn piece_step(k: u64, blocksize: u64, align: u64) -> Option<u64> {
     (1..=1u64 << 20).find(|&s| {
         let e = s * k;
-        e % blocksize == 0 && e % 2 == 0 && (e / 2) % align == 0 && (e / blocksize * 4) % align == 0
+        e.is_multiple_of(blocksize)
+            && e.is_multiple_of(2)
+            && (e / 2).is_multiple_of(align)
+            && (e / blocksize * 4).is_multiple_of(align)
     })
 }

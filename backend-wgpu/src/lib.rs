@@ -606,7 +606,7 @@ impl Backend for WgpuBackend {
         self.staging_room(bytes.len().div_ceil(4) as u64 * 4)
             .map_err(core_err)?;
         let r = self.resident()?;
-        if bytes.len() % 4 == 0 {
+        if bytes.len().is_multiple_of(4) {
             self.queue.write_buffer(&r.pool, offset, bytes);
         } else {
             // Copies must be whole words; the pool region is padded to the next alignment.

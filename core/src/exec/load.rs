@@ -153,7 +153,7 @@ impl<B: Backend> Executor<B> {
     ) -> Result<()> {
         let es = element_size(dtype);
         let at = part.tensor_offset as usize;
-        if at % es != 0 || bytes.len() % es != 0 {
+        if !at.is_multiple_of(es) || !bytes.len().is_multiple_of(es) {
             return Err(Error::Invalid(format!(
                 "{}: a ring slot split an element; use a slot size that is a multiple of 8",
                 part.tensor
@@ -549,7 +549,7 @@ fn finite_stored(bytes: &[u8], dtype: Dtype, tensor: &str) -> Result<()> {
         _ => {
             // Other float widths (f64) are checked as they are widened to f32.
             let n = crate::format::dtype::dtype_bits(dtype) as usize / 8;
-            if n == 0 || bytes.len() % n != 0 {
+            if n == 0 || !bytes.len().is_multiple_of(n) {
                 return Ok(());
             }
             let mut vals = vec![0f32; bytes.len() / n];

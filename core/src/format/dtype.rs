@@ -22,7 +22,7 @@ pub fn bytes_to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
         Dtype::F64 => 8,
         _ => return None,
     };
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return None;
     }
     let chunks = bytes.chunks_exact(size);

@@ -312,7 +312,7 @@ pub fn quantize_4bit(
         for (k, &v) in block.iter().enumerate() {
             let i = bi * bs + k;
             let q = search.code(v * inv);
-            packed[i / 2] |= if i % 2 == 0 { q << 4 } else { q };
+            packed[i / 2] |= if i.is_multiple_of(2) { q << 4 } else { q };
         }
     }
     if values.len() % 2 == 1 {

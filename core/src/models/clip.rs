@@ -80,7 +80,7 @@ impl ClipConfig {
             },
             eos_token_id: f.eos_token_id.unwrap_or(2),
         };
-        if c.hidden % c.heads != 0 {
+        if !c.hidden.is_multiple_of(c.heads) {
             return Err(Error::Model {
                 file,
                 msg: format!(

@@ -382,7 +382,7 @@ impl<S: ByteSource> Prefetcher<S> {
         self.cur.bytes += spec.len as u64;
         self.cur.stall += waited;
         self.next_consume += 1;
-        if self.next_consume % per == 0 {
+        if self.next_consume.is_multiple_of(per) {
             let now = Instant::now();
             let mut st = self.cur;
             st.step = seq / per;

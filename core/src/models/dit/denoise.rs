@@ -139,8 +139,8 @@ impl DitInputs {
     pub fn check(&self, cfg: &DitConfig) -> Result<()> {
         let (n, t) = (self.image_tokens(), self.text_tokens());
         if n == 0
-            || self.img_ids.len() % 3 != 0
-            || self.txt_ids.len() % 3 != 0
+            || !self.img_ids.len().is_multiple_of(3)
+            || !self.txt_ids.len().is_multiple_of(3)
             || self.x0.len() != n * cfg.in_channels
             || self.context.len() != t * cfg.joint_dim
             || self.pooled.len() != cfg.pooled_dim

@@ -145,7 +145,7 @@ impl WanConfig {
                 f.rope_max_seq_len.unwrap_or(1024),
             )?,
         };
-        if c.head_dim % 2 != 0 || c.head_dim < 6 || c.freq_dim % 2 != 0 {
+        if !c.head_dim.is_multiple_of(2) || c.head_dim < 6 || !c.freq_dim.is_multiple_of(2) {
             return Err(bad(format!(
                 "attention_head_dim {} and freq_dim {}: even, and a head of at least 6",
                 c.head_dim, c.freq_dim

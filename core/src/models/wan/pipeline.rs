@@ -281,7 +281,11 @@ impl WanPipeline {
         let s = self.vae_config.spatial_scale();
         let (pt, ph, pw) = self.config.patch;
         let (sh, sw) = (s * ph, s * pw);
-        if req.height == 0 || req.width == 0 || req.height % sh != 0 || req.width % sw != 0 {
+        if req.height == 0
+            || req.width == 0
+            || !req.height.is_multiple_of(sh)
+            || !req.width.is_multiple_of(sw)
+        {
             return Err(Error::Invalid(format!(
                 "{} x {} pixels: height must be a multiple of {sh} and width of {sw} (the VAE's \
                  {s} times the patch); for example {} x {}",
@@ -292,7 +296,7 @@ impl WanPipeline {
             )));
         }
         let per = self.vae_config.frames(2) - 1;
-        if req.frames == 0 || (req.frames - 1) % per != 0 {
+        if req.frames == 0 || !(req.frames - 1).is_multiple_of(per) {
             let k = req.frames.saturating_sub(1) / per;
             return Err(Error::Invalid(format!(
                 "{} frames: a Wan video has {per}k + 1 frames (for example {} or {})",
@@ -302,7 +306,7 @@ impl WanPipeline {
             )));
         }
         let f = (req.frames - 1) / per + 1;
-        if f % pt != 0 {
+        if !f.is_multiple_of(pt) {
             return Err(Error::Invalid(format!(
                 "{} latent frames are not a whole number of {pt}-frame patches",
                 f

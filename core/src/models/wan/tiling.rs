@@ -39,7 +39,9 @@ impl WanTiling {
     /// Refuses a tiling whose tiles would not meet: tile and stride must be multiples of the
     /// VAE's `scale` (8) with the stride at most the tile.
     pub fn check(&self, scale: usize) -> Result<()> {
-        let ok = |t: usize, s: usize| t > 0 && s > 0 && s <= t && t % scale == 0 && s % scale == 0;
+        let ok = |t: usize, s: usize| {
+            t > 0 && s > 0 && s <= t && t.is_multiple_of(scale) && s.is_multiple_of(scale)
+        };
         if !ok(self.tile.0, self.stride.0) || !ok(self.tile.1, self.stride.1) {
             return Err(Error::Invalid(format!(
                 "VAE tiles of {} x {} pixels every {} x {}: tile and stride must be multiples of \

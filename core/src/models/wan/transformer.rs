@@ -160,7 +160,7 @@ impl<B: Backend> WanTransformer<B> {
     ) -> Result<Self> {
         let grid = patch_grid(&cfg, dims)?;
         let b = if guidance.is_some() { 2 } else { 1 };
-        if text.is_empty() || text.len() % (b * cfg.text_dim) != 0 {
+        if text.is_empty() || !text.len().is_multiple_of(b * cfg.text_dim) {
             return Err(Error::Invalid(format!(
                 "{} text values are not {b} sequences of {}-wide states",
                 text.len(),

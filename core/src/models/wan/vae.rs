@@ -680,7 +680,7 @@ impl<B: crate::backend::Backend> WanVaeDecoder<B> {
         let (h, w) = self.dims;
         let plane = h * w;
         let zc = self.cfg.z_dim;
-        if z.is_empty() || z.len() % (zc * plane) != 0 {
+        if z.is_empty() || !z.len().is_multiple_of(zc * plane) {
             return Err(Error::Invalid(format!(
                 "{} latent values are not frames of {zc} x {h} x {w}",
                 z.len()

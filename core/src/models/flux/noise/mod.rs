@@ -115,7 +115,7 @@ pub fn torch_randn(n: usize, seed: u64, math: NoiseMath) -> Vec<f32> {
     for block in data.chunks_exact_mut(16) {
         fill_16(block, math);
     }
-    if n % 16 != 0 {
+    if !n.is_multiple_of(16) {
         let tail = &mut data[n - 16..];
         for v in tail.iter_mut() {
             *v = g.uniform_f32();
