@@ -605,6 +605,52 @@ fn run_generates_the_fixture_greedy_tokens_and_writes_logits() {
 }
 
 #[test]
+fn every_gemm_instruction_set_gives_the_same_logits_bit_for_bit() {
+    // The prompt (more rows than the GEMV takes) runs every linear on the blocked GEMM; each
+    // instruction set this CPU has, forced by NIBBLE_CPU_ISA, must write the same bytes.
+    let dir = fixtures().join("tiny-llama-nf4");
+    let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))
+        .expect("expected");
+    let b = exp
+        .read_bytes(exp.require("prompt_ids").expect("prompt_ids"))
+        .expect("read");
+    let prompt: Vec<String> = b
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8")).to_string())
+        .collect();
+    assert!(prompt.len() > nibble_core::backend::cpu::GEMV_MAX_ROWS);
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = dir.join("model");
+    let mut files = Vec::new();
+    for isa in nibble_core::backend::cpu::gemm::Isa::all_present() {
+        let out = tmp.path().join(format!("{}.safetensors", isa.name()));
+        let o = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .env("NIBBLE_CPU_ISA", isa.name())
+            .args([
+                "run",
+                "--model",
+                model.to_str().expect("utf8"),
+                "--prompt-ids",
+            ])
+            .arg(prompt.join(","))
+            .args(["--max-tokens", "2", "--backend", "cpu", "--logits-out"])
+            .arg(&out)
+            .output()
+            .expect("run nibble");
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!("GEMM {}", isa.name())),
+            "the backend line names the forced instruction set: {}",
+            stderr(&o)
+        );
+        files.push((isa.name(), std::fs::read(&out).expect("logits")));
+    }
+    for (name, bytes) in &files[1..] {
+        assert!(bytes == &files[0].1, "{name} differs from {}", files[0].0);
+    }
+}
+
+#[test]
 fn run_denoises_the_fixture_dit_like_diffusers_euler() {
     let dir = fixtures().join("tiny-dit-nf4");
     let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))

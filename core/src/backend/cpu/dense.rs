@@ -2,9 +2,11 @@
 //! convolution's im2col GEMM (`image`), which import it from here so that neither imports the
 //! other.
 
-use super::{dot_tile_rows, split, Out, Rows, ThreadPool};
+use super::gemm::{self, Bf16Rows, F32Rows};
+use super::{dot_tile_rows, split, Out, Rows, ThreadPool, GEMV_MAX_ROWS};
 
-/// `out[M,N] = x[M,K] · w[N,K]^T (+ b)`, f32 tiles, columns split across threads.
+/// `out[M,N] = x[M,K] · w[N,K]^T (+ b)`: the blocked GEMM ([`gemm`]) for more than
+/// [`GEMV_MAX_ROWS`] rows, f32 dot-product tiles with columns split across threads for fewer.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn dense_linear(
     pool: &ThreadPool,
@@ -16,6 +18,14 @@ pub(super) fn dense_linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
+    if m > GEMV_MAX_ROWS {
+        let isa = gemm::isa();
+        match w {
+            Rows::F32(w) => gemm::gemm(pool, isa, x, m, k, &F32Rows { w, k }, n, bias, out),
+            Rows::Bf16(w) => gemm::gemm(pool, isa, x, m, k, &Bf16Rows { w, k }, n, bias, out),
+        }
+        return;
+    }
     let o = Out(out.as_mut_ptr());
     let tasks = if (m * n * k) < 1 << 16 {
         1

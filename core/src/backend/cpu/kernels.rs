@@ -32,34 +32,6 @@ pub fn pair_order(x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Dequantizes one 4-bit row of `k` elements (k a multiple of `bs`, `bs` a multiple of 16) into
-/// paired order: `packed` holds k/2 bytes, `absmax` k/bs scales.
-pub fn dequant_row_paired(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if have_avx2() {
-        // SAFETY: AVX2 and FMA are present; lengths are checked by the slices below.
-        unsafe { avx2::dequant_row_paired(packed, absmax, bs, code, out) };
-        return;
-    }
-    for (b, &a) in absmax.iter().enumerate() {
-        let scaled: [f32; 16] = std::array::from_fn(|i| code[i] * a);
-        let bytes = &packed[b * bs / 2..(b + 1) * bs / 2];
-        let o = &mut out[b * bs..(b + 1) * bs];
-        for (c, chunk) in bytes.chunks_exact(8).enumerate() {
-            for (i, &byte) in chunk.iter().enumerate() {
-                o[c * 16 + i] = scaled[(byte >> 4) as usize];
-                o[c * 16 + 8 + i] = scaled[(byte & 15) as usize];
-            }
-        }
-    }
-}
-
 /// Where element `e` of each 32-element chunk sits in the "lane" order the GEMV decodes into:
 /// the order of 32 floats assembled from byte-plane lookups without crossing 128-bit lanes.
 pub const LANE_ORDER: [usize; 32] = [
@@ -182,7 +154,7 @@ pub fn pv_tile4(
 ) {
     assert!(p.len() >= 3 * ps + kn && v.len() >= kn * d && acc.len() >= 3 * accs + d);
     #[cfg(target_arch = "x86_64")]
-    if have_avx2() && d % 16 == 0 {
+    if have_avx2() && d.is_multiple_of(16) {
         // SAFETY: AVX2 and FMA are present; the bounds were checked above.
         return unsafe { avx2::pv_tile4(p, ps, v, d, kn, acc, accs) };
     }
@@ -467,50 +439,6 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// 16-entry table lookup of 8 indices (0..15): two in-lane permutes and a blend on bit 3.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn lut(lo: __m256, hi: __m256, idx: __m256i) -> __m256 {
-        let a = _mm256_permutevar8x32_ps(lo, idx);
-        let b = _mm256_permutevar8x32_ps(hi, idx);
-        _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn scaled_tables(code: &[f32; 16], a: f32) -> (__m256, __m256) {
-        let s = _mm256_set1_ps(a);
-        (
-            _mm256_mul_ps(_mm256_loadu_ps(code.as_ptr()), s),
-            _mm256_mul_ps(_mm256_loadu_ps(code.as_ptr().add(8)), s),
-        )
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dequant_row_paired(
-        packed: &[u8],
-        absmax: &[f32],
-        bs: usize,
-        code: &[f32; 16],
-        out: &mut [f32],
-    ) {
-        let k = absmax.len() * bs;
-        assert!(packed.len() >= k / 2 && out.len() >= k && bs % 16 == 0);
-        let m4 = _mm256_set1_epi32(15);
-        let (p, o) = (packed.as_ptr(), out.as_mut_ptr());
-        for (b, &a) in absmax.iter().enumerate() {
-            let (tl, th) = scaled_tables(code, a);
-            for c in 0..bs / 16 {
-                let off = b * bs + c * 16;
-                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(off / 2) as *const __m128i));
-                let hi = _mm256_srli_epi32(v, 4);
-                let lo = _mm256_and_si256(v, m4);
-                _mm256_storeu_ps(o.add(off), lut(tl, th, hi));
-                _mm256_storeu_ps(o.add(off + 8), lut(tl, th, lo));
-            }
-        }
-    }
-
     /// The code table's f32 bit patterns as four byte planes, each in both 128-bit lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -565,7 +493,7 @@ mod avx2 {
         out: &mut [f32],
     ) {
         let k = absmax.len() * bs;
-        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs % 32 == 0);
+        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs.is_multiple_of(32));
         let xs: [*const f32; M] = std::array::from_fn(|m| {
             assert!(xp[m].len() >= k);
             xp[m].as_ptr()
@@ -804,26 +732,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn paired_dequant_is_code_times_absmax() {
-        let (bs, k) = (32usize, 64usize);
-        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 37 % 256) as u8).collect();
-        let absmax = [0.5f32, -1.25];
-        let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.0 - 1.0);
-        let mut out = vec![0f32; k];
-        dequant_row_paired(&packed, &absmax, bs, &code, &mut out);
-        for e in 0..k {
-            let byte = packed[e / 2];
-            let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
-            let want = code[q as usize] * absmax[e / bs];
-            let (g, r) = (e / 16, e % 16);
-            let paired = g * 16 + if r % 2 == 0 { r / 2 } else { 8 + r / 2 };
-            assert_eq!(out[paired].to_bits(), want.to_bits(), "element {e}");
-        }
-    }
-
-    /// The softmax weights: within 2 ulp of `f32::exp` over the range attention meets (scores
-    /// at or below the running maximum), masked entries 0, ragged tails included.
     #[test]
     fn shifted_exp_is_within_two_ulp_and_masks_to_zero() {
         for n in [1usize, 7, 8, 29, 1000] {

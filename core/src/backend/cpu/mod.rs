@@ -1,12 +1,15 @@
 //! The optimized CPU backend (`cpu`): the product path on machines without a GPU, separate from
 //! the `cpu_ref` oracle and checked against it by the conformance suite. Ops run in place on one
-//! arena (no copies per op); the 4-bit linear decodes weights with AVX2 table lookups (exactly
-//! bitsandbytes' dequantized values) into FMA dot products for few rows and into cache-sized f32
-//! tiles for a register-blocked GEMM for many; the dense linear, matmul and attention (blocked, online softmax:
-//! [`attention`]) use the same FMA tiles; heavy ops are split across a fixed pool of threads (all cores).
+//! arena (no copies per op). A linear of a few rows (decode) decodes 4-bit weights with AVX2
+//! table lookups (exactly bitsandbytes' dequantized values) into FMA dot products; a linear or
+//! matmul of more rows runs the blocked GEMM ([`gemm`]: packed weight panels, a register-tiled
+//! micro-kernel on the widest instruction set present, the same bits on every CPU); attention is
+//! blocked with an online softmax ([`attention`]) on the FMA dot tiles; heavy ops are split
+//! across a fixed pool of threads (all cores).
 
 mod attention;
 mod dense;
+pub mod gemm;
 mod image;
 pub mod kernels;
 mod ops;
@@ -20,17 +23,14 @@ use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
 use kernels::{
-    axpy, dequant_row_paired, dot, dot_tile, dot_tile_rows, exp_shifted, lane_order, pair_order,
-    pv_tile4, q4_row_dots, Rows,
+    axpy, dot, dot_tile, dot_tile_rows, exp_shifted, lane_order, pair_order, pv_tile4, q4_row_dots,
+    Rows,
 };
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
 /// (decode); above, it dequantizes tiles of rows and runs the GEMM tiles.
 pub const GEMV_MAX_ROWS: usize = 4;
-
-/// Weight rows dequantized per GEMM tile (per thread, `TILE_ROWS * K * 4` bytes of scratch).
-const TILE_ROWS: usize = 24;
 
 /// The optimized CPU backend.
 #[derive(Debug)]
@@ -124,11 +124,13 @@ impl CpuBackend {
         }
     }
 
-    /// "cpu (N threads, AVX2)".
+    /// "cpu (N threads, GEMM avx512f, AVX2+FMA)": the GEMM's instruction set, then the other
+    /// kernels'.
     pub fn describe(&self) -> String {
         format!(
-            "{} threads, {}",
+            "{} threads, GEMM {}, {}",
             self.threads.threads(),
+            gemm::isa().name(),
             if kernels::have_avx2() {
                 "AVX2+FMA"
             } else {
@@ -158,7 +160,7 @@ impl CpuBackend {
 
     fn region_f32(&self, r: PoolRegion) -> Result<&[f32]> {
         let b = self.region(r)?;
-        if (b.as_ptr() as usize) % 4 != 0 {
+        if !(b.as_ptr() as usize).is_multiple_of(4) {
             return Err(Error::Invalid("cpu: misaligned f32 pool region".into()));
         }
         // SAFETY: aligned, in bounds, and every bit pattern is a valid f32.
@@ -233,8 +235,9 @@ impl Backend for CpuBackend {
     fn workspace(&self, ops: &[OpShapes<'_>]) -> Workspace {
         // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear
         // (m x k), a matmul's transposed operand (n x k), a convolution band's columns. Each
-        // worker (and the caller) keeps a dequantized tile of TILE_ROWS x k; a convolution
-        // also allocates its band's products while it runs.
+        // worker (and the caller) keeps the GEMM's packed weight block ([`gemm::panel_bytes`])
+        // for every linear, matmul and convolution; a convolution also allocates its band's
+        // products while it runs.
         let (mut shared, mut tile, mut transient) = (0u64, 0u64, 0u64);
         for o in ops {
             let shape = |i: usize| o.inputs.get(i).map(|v| v.shape.clone()).unwrap_or_default();
@@ -246,15 +249,21 @@ impl Backend for CpuBackend {
                         x.last().copied().unwrap_or(0),
                     );
                     shared = shared.max((m * k * 4) as u64);
-                    tile = tile.max((TILE_ROWS * k * 4) as u64);
+                    tile = tile.max(gemm::panel_bytes(k) as u64);
+                }
+                OpKind::Linear { .. } | OpKind::MatMul { transpose_b: true } => {
+                    let k = shape(0).last().copied().unwrap_or(0);
+                    tile = tile.max(gemm::panel_bytes(k) as u64);
                 }
                 OpKind::MatMul { transpose_b: false } => {
                     let (a, b) = (shape(0), shape(1));
                     if let (Some(&k), Some(&n)) = (a.last(), b.last()) {
                         shared = shared.max((n * k * 4) as u64);
+                        tile = tile.max(gemm::panel_bytes(k) as u64);
                     }
                 }
                 OpKind::Conv2d { kernel, pad, .. } => {
+                    tile = tile.max(gemm::panel_bytes(usize::MAX) as u64);
                     let (x, w) = (shape(0), shape(1));
                     if x.len() == 3 && !w.is_empty() {
                         let (cols, tmp) =
@@ -351,7 +360,7 @@ impl HostMemory for CpuBackend {
     fn write_bf16(&mut self, dst: ArenaSlice, first: usize, bytes: &[u8]) -> Result<()> {
         self.check(dst)?;
         let n = bytes.len() / 2;
-        if bytes.len() % 2 != 0 || first + n > dst.len * 2 {
+        if !bytes.len().is_multiple_of(2) || first + n > dst.len * 2 {
             return Err(Error::Invalid(format!(
                 "cpu: {} bf16 bytes at element {first} do not fit {dst:?}",
                 bytes.len()

@@ -410,10 +410,6 @@ fn permute(x: &[f32], ins: &[usize], perm: &[usize], out: &mut [f32]) {
     }
 }
 
-thread_local! {
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 impl CpuBackend {
     fn q4_state(&self, v: &Q4View) -> Result<crate::format::bnb::QuantState> {
         Ok(crate::format::bnb::QuantState {
@@ -521,50 +517,14 @@ impl CpuBackend {
             });
             return Ok(());
         }
-        pool.run(tasks, &|t| {
-            let (n0, n1) = split(n, tasks, t, TILE_ROWS);
-            SCRATCH.with(|s| {
-                let mut w = s.borrow_mut();
-                if w.len() < TILE_ROWS * k {
-                    w.resize(TILE_ROWS * k, 0.0);
-                }
-                let mut tile = [0f32; 12];
-                let mut j0 = n0;
-                while j0 < n1 {
-                    let rows = (n1 - j0).min(TILE_ROWS);
-                    for r in 0..rows {
-                        let j = j0 + r;
-                        dequant_row_paired(
-                            &packed[j * k / 2..(j + 1) * k / 2],
-                            &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
-                            bs,
-                            &code,
-                            &mut w[r * k..(r + 1) * k],
-                        );
-                    }
-                    let mut i = 0;
-                    while i < m {
-                        let mr = (m - i).min(4);
-                        let mut r = 0;
-                        while r < rows {
-                            let nr = (rows - r).min(3);
-                            dot_tile(&xp[i * k..], k, mr, &w[r * k..], k, nr, k, &mut tile, 3);
-                            for a in 0..mr {
-                                for c in 0..nr {
-                                    let j = j0 + r + c;
-                                    let s = tile[a * 3 + c] + bias.map_or(0.0, |b| b[j]);
-                                    // SAFETY: column j belongs to this task only.
-                                    unsafe { o.range((i + a) * n + j, 1)[0] = s };
-                                }
-                            }
-                            r += nr;
-                        }
-                        i += mr;
-                    }
-                    j0 += rows;
-                }
-            });
-        });
+        let w = gemm::Nf4Rows {
+            packed,
+            absmax,
+            bs,
+            k,
+            code: &code,
+        };
+        gemm::gemm(pool, gemm::isa(), xp, m, k, &w, n, bias, out);
         Ok(())
     }
 }

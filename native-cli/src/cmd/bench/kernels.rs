@@ -24,6 +24,15 @@ struct Bench {
     bytes: f64,
 }
 
+impl Bench {
+    /// Whether the CPU backend runs it on the blocked GEMM (a 4-bit linear of more rows than
+    /// the GEMV takes).
+    fn on_gemm(&self) -> bool {
+        matches!(self.op, OpKind::LinearQ4 { .. })
+            && self.inputs[0][0] > nibble_core::backend::cpu::GEMV_MAX_ROWS
+    }
+}
+
 fn benches(quick: bool, big_gemv: bool) -> Vec<Bench> {
     let t = if quick { 512 } else { 4096 };
     let lin = |m: usize, n: usize, k: usize| Bench {
@@ -292,10 +301,12 @@ fn report<B: Backend>(
                 .map(|(k, v)| format!("{k} {v:.1} GFLOP/s"))
                 .collect();
             eprintln!(
-                "peaks: FMA {}; memory stream {:.2} GB/s; roof for these kernels: {} ({:.1} \
-                 GFLOP/s), ridge at {:.1} flop/byte",
+                "peaks: FMA {}; memory stream {:.2} GB/s; roof for the GEMM: {} ({:.1} GFLOP/s), \
+                 for the other kernels: {} ({:.1} GFLOP/s), ridge at {:.1} flop/byte",
                 fma.join(", "),
                 p.stream_gb_s,
+                p.gemm.0,
+                p.gemm.1,
                 p.used.0,
                 p.used.1,
                 p.used.1 / p.stream_gb_s.max(1e-9)
@@ -322,7 +333,7 @@ fn report<B: Backend>(
         let (gb_s, gflop_s) = (b.bytes / s / 1e9, b.flops / s / 1e9);
         let placed = peaks
             .as_ref()
-            .map(|p| p.place(b.flops, b.bytes, gflop_s, gb_s));
+            .map(|p| p.place(b.on_gemm(), b.flops, b.bytes, gflop_s, gb_s));
         if !as_json {
             eprintln!(
                 "{:<44} {:>12.3} {:>6} {:>10.2} {:>10.2}{}",

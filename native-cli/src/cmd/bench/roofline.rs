@@ -2,8 +2,9 @@
 //! FMA-bound loop for each vector width the CPU has (AVX2 + FMA, AVX-512F), on every core at
 //! once, and a memory-bound stream (a sum over 256 MiB on every core). Each kernel is then bound
 //! by compute or by memory according to its arithmetic intensity against the ridge point, and
-//! reported as the fraction of that peak it reaches. The CPU backend's kernels use AVX2 + FMA,
-//! so that width's peak is the compute roof.
+//! reported as the fraction of that peak it reaches. The blocked GEMM (a linear of more than a
+//! few rows) runs the widest instruction set present ([`nibble_core::backend::cpu::gemm::isa`]),
+//! so that width's peak is its compute roof; the other kernels use AVX2 + FMA.
 
 use std::time::Instant;
 
@@ -16,17 +17,27 @@ pub struct Peaks {
     pub stream_gb_s: f64,
     /// The width the CPU backend's kernels use, and its peak (the compute roof).
     pub used: (&'static str, f64),
+    /// The width the blocked GEMM uses, and its peak (the GEMM's compute roof).
+    pub gemm: (&'static str, f64),
 }
 
 impl Peaks {
     /// What bounds a kernel of `flops` and `bytes` and the fraction of that roof a measured
-    /// `gflop_s` / `gb_s` reaches.
-    pub fn place(&self, flops: f64, bytes: f64, gflop_s: f64, gb_s: f64) -> (&'static str, f64) {
-        let ridge = self.used.1 / self.stream_gb_s.max(1e-9);
+    /// `gflop_s` / `gb_s` reaches; `gemm` for a kernel that runs on the blocked GEMM.
+    pub fn place(
+        &self,
+        gemm: bool,
+        flops: f64,
+        bytes: f64,
+        gflop_s: f64,
+        gb_s: f64,
+    ) -> (&'static str, f64) {
+        let roof = if gemm { self.gemm.1 } else { self.used.1 };
+        let ridge = roof / self.stream_gb_s.max(1e-9);
         if flops / bytes.max(1.0) < ridge {
             ("memory", gb_s / self.stream_gb_s.max(1e-9))
         } else {
-            ("compute", gflop_s / self.used.1.max(1e-9))
+            ("compute", gflop_s / roof.max(1e-9))
         }
     }
 
@@ -38,7 +49,8 @@ impl Peaks {
             .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
             .collect();
         serde_json::json!({"fma_gflop_s": fma, "stream_gb_s": self.stream_gb_s,
-            "compute_roof": {"width": self.used.0, "gflop_s": self.used.1}})
+            "compute_roof": {"width": self.used.0, "gflop_s": self.used.1},
+            "gemm_roof": {"width": self.gemm.0, "gflop_s": self.gemm.1}})
     }
 }
 
@@ -87,10 +99,13 @@ pub fn measure_cpu(threads: usize) -> Peaks {
         .or_else(|| fma.iter().find(|(k, _)| *k == "portable"))
         .copied()
         .unwrap_or(("portable", 1.0));
+    let isa = nibble_core::backend::cpu::gemm::isa().name();
+    let gemm = fma.iter().find(|(k, _)| *k == isa).copied().unwrap_or(used);
     Peaks {
         fma_gflop_s: fma,
         stream_gb_s: stream_gb_s(threads),
         used,
+        gemm,
     }
 }
 
@@ -211,12 +226,15 @@ mod tests {
     #[test]
     fn a_kernel_is_placed_under_the_roof_it_is_bound_by() {
         let p = Peaks {
-            fma_gflop_s: vec![("avx2+fma", 100.0)],
+            fma_gflop_s: vec![("avx2+fma", 100.0), ("avx512f", 200.0)],
             stream_gb_s: 10.0,
             used: ("avx2+fma", 100.0),
+            gemm: ("avx512f", 200.0),
         };
         // Ridge at 10 flop/byte: a GEMV (0.5 flop/byte) is memory-bound, a GEMM compute-bound.
-        assert_eq!(p.place(1e6, 2e6, 4.0, 8.0), ("memory", 0.8));
-        assert_eq!(p.place(1e9, 1e6, 70.0, 0.07), ("compute", 0.7));
+        assert_eq!(p.place(false, 1e6, 2e6, 4.0, 8.0), ("memory", 0.8));
+        assert_eq!(p.place(false, 1e9, 1e6, 70.0, 0.07), ("compute", 0.7));
+        // The GEMM under its own width's roof.
+        assert_eq!(p.place(true, 1e9, 1e6, 70.0, 0.07), ("compute", 0.35));
     }
 }

@@ -1,0 +1,703 @@
+//! The CPU backend's blocked GEMM: `out[i][j] = sum_k a[i][k] * w[j][k] (+ bias[j])` for many
+//! activation rows (prefill, DiT tokens), with the weight given as rows that are dequantized (4-bit)
+//! into packed panels once per block and reused across every activation row.
+//!
+//! Blocking (per task, a range of columns or of rows): columns in blocks of [`NC`], the reduction
+//! in blocks of [`KC`]; each `NC x KC` weight block is packed into slivers of `nr` columns
+//! (`kc x nr`, column-contiguous per k, zero past the last column), then every activation row
+//! block of [`MC`] rows runs the register-tiled micro-kernel (`MR` rows by one sliver) over it.
+//!
+//! Determinism: every output element is, per reduction block of [`KC`], one chain of fused
+//! multiply-adds from +0 in one fixed order, and the blocks' sums are added in order
+//! (`((b0 + b1) + b2) ...`). The vector width only decides how many columns are computed side by
+//! side, so AVX-512, AVX2 + FMA and the portable path (`f32::mul_add`) give the same bits on
+//! every CPU; the split across threads, row blocks and tiles does not change any sum either.
+//! (Adding a block's sum at its end, not carrying the chain through `out`, lets the kernel
+//! prefetch the output tile while it computes.)
+
+use super::{split, Out, ThreadPool};
+
+/// The most activation rows per micro-kernel tile (AVX-512's; AVX2's is 6: [`Isa::mr`]).
+pub const MR: usize = 12;
+/// Reduction elements per packed block (a sliver of `KC x nr` stays in L1).
+pub const KC: usize = 192;
+/// Weight rows per packed block.
+pub const NC: usize = 768;
+/// Activation rows per block (`MC x KC` of activations stays in L2; a multiple of 6 and 12).
+pub const MC: usize = 576;
+
+/// The instruction set the GEMM's micro-kernel uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// `f32::mul_add` loops: any CPU.
+    Portable,
+    /// 256-bit FMA: 16 columns per sliver.
+    Avx2,
+    /// 512-bit FMA: 32 columns per sliver.
+    Avx512,
+}
+
+impl Isa {
+    /// Its name in `describe` and the benches.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2+fma",
+            Isa::Avx512 => "avx512f",
+        }
+    }
+
+    /// Columns per sliver.
+    pub fn nr(self) -> usize {
+        match self {
+            Isa::Avx512 => 32,
+            _ => 16,
+        }
+    }
+
+    /// Activation rows per tile: 2 x `mr` accumulators plus the two weight vectors and a
+    /// broadcast fill the register file (32 zmm, 16 ymm).
+    pub fn mr(self) -> usize {
+        match self {
+            Isa::Avx512 => 12,
+            _ => 6,
+        }
+    }
+
+    /// Whether this CPU can run it.
+    pub fn present(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::kernels::have_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every instruction set this CPU can run, widest first.
+    pub fn all_present() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|i| i.present())
+            .collect()
+    }
+
+    /// Parses `avx512`, `avx2` or `portable`.
+    pub fn parse(s: &str) -> Option<Isa> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "avx512" | "avx512f" | "avx-512" => Some(Isa::Avx512),
+            "avx2" | "avx2+fma" => Some(Isa::Avx2),
+            "portable" | "scalar" => Some(Isa::Portable),
+            _ => None,
+        }
+    }
+}
+
+/// The GEMM's instruction set in this process: the widest the CPU has, or the one named by
+/// `NIBBLE_CPU_ISA` (`avx512`, `avx2`, `portable`) when the CPU has it, to test or time a
+/// fallback. The results are the same bits either way.
+pub fn isa() -> Isa {
+    use std::sync::OnceLock;
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let best = Isa::all_present()[0];
+        match std::env::var("NIBBLE_CPU_ISA")
+            .ok()
+            .as_deref()
+            .map(Isa::parse)
+        {
+            Some(Some(asked)) if asked.present() => asked,
+            Some(_) => {
+                eprintln!(
+                    "warning: NIBBLE_CPU_ISA is not one this CPU runs (avx512, avx2, portable \
+                     where present); using {}",
+                    best.name()
+                );
+                best
+            }
+            None => best,
+        }
+    })
+}
+
+/// Bytes of packed operands one task keeps: `NC x KC` weights at the widest sliver and
+/// `MC x KC` activations.
+pub fn panel_bytes(k: usize) -> usize {
+    (NC.div_ceil(32) * 32 + MC) * k.min(KC) * 4
+}
+
+/// Weight rows the GEMM packs: `pack` writes columns `j0 .. j0 + cols` (`cols <= nr`) at
+/// reduction positions `k0 .. k0 + kc` to `out[kk * nr + c]`, zeros in columns `cols .. nr`.
+pub trait Weights: Sync {
+    /// Packs one sliver.
+    fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]);
+    /// The reduction length's granularity: block boundaries fall on multiples of it.
+    fn k_step(&self) -> usize {
+        1
+    }
+}
+
+/// 4-bit rows in the paired order of [`super::kernels::pair_order`] (the activations are permuted
+/// the same way): for every 8 packed bytes, the 8 high nibbles then the 8 low nibbles; each value
+/// `code[q] * absmax[block]` exactly as bitsandbytes dequantizes it.
+pub struct Nf4Rows<'a> {
+    /// `n * k / 2` packed bytes.
+    pub packed: &'a [u8],
+    /// One scale per `bs` elements.
+    pub absmax: &'a [f32],
+    /// Block size (a multiple of 16 that divides `k`).
+    pub bs: usize,
+    /// Row length.
+    pub k: usize,
+    /// The 16-entry code table.
+    pub code: &'a [f32; 16],
+}
+
+impl Weights for Nf4Rows<'_> {
+    fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
+        debug_assert!(k0.is_multiple_of(16) && kc.is_multiple_of(16) && cols <= nr);
+        for c in 0..cols {
+            let base = (j0 + c) * self.k + k0;
+            let mut block = usize::MAX;
+            let mut scaled = [0f32; 16];
+            for g in 0..kc / 16 {
+                let e = base + 16 * g;
+                if e / self.bs != block {
+                    block = e / self.bs;
+                    let a = self.absmax[block];
+                    scaled = std::array::from_fn(|q| self.code[q] * a);
+                }
+                let bytes = &self.packed[e / 2..e / 2 + 8];
+                let o = &mut out[16 * g * nr + c..];
+                for (i, &byte) in bytes.iter().enumerate() {
+                    o[i * nr] = scaled[(byte >> 4) as usize];
+                    o[(8 + i) * nr] = scaled[(byte & 15) as usize];
+                }
+            }
+        }
+        zero_tail(cols, kc, nr, out);
+    }
+    fn k_step(&self) -> usize {
+        16
+    }
+}
+
+/// f32 weight rows (stride `k`), in their own order.
+pub struct F32Rows<'a> {
+    /// `n * k` values.
+    pub w: &'a [f32],
+    /// Row length.
+    pub k: usize,
+}
+
+impl Weights for F32Rows<'_> {
+    fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
+        for c in 0..cols {
+            let row = &self.w[(j0 + c) * self.k + k0..][..kc];
+            for (kk, &v) in row.iter().enumerate() {
+                out[kk * nr + c] = v;
+            }
+        }
+        zero_tail(cols, kc, nr, out);
+    }
+}
+
+/// bf16 weight rows (stride `k`), widened exactly to f32.
+pub struct Bf16Rows<'a> {
+    /// `n * k` values.
+    pub w: &'a [u16],
+    /// Row length.
+    pub k: usize,
+}
+
+impl Weights for Bf16Rows<'_> {
+    fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
+        for c in 0..cols {
+            let row = &self.w[(j0 + c) * self.k + k0..][..kc];
+            for (kk, &v) in row.iter().enumerate() {
+                out[kk * nr + c] = f32::from_bits((v as u32) << 16);
+            }
+        }
+        zero_tail(cols, kc, nr, out);
+    }
+}
+
+fn zero_tail(cols: usize, kc: usize, nr: usize, out: &mut [f32]) {
+    if cols < nr {
+        for kk in 0..kc {
+            out[kk * nr + cols..(kk + 1) * nr].fill(0.0);
+        }
+    }
+}
+
+thread_local! {
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out (m x n) = a (m x k) · wᵀ (+ bias)` on `pool`'s threads with the micro-kernel of `isa`
+/// (which must be present). `a` and `out` are row-major and dense.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    pool: &ThreadPool,
+    isa: Isa,
+    a: &[f32],
+    m: usize,
+    k: usize,
+    w: &dyn Weights,
+    n: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    assert!(
+        isa.present(),
+        "the GEMM's {} kernel needs a CPU that has it",
+        isa.name()
+    );
+    assert!(a.len() >= m * k && out.len() >= m * n && k.is_multiple_of(w.k_step()));
+    if m == 0 || n == 0 {
+        return;
+    }
+    let nr = isa.nr();
+    let threads = pool.threads();
+    let tasks = if m * n * k < 1 << 18 { 1 } else { threads };
+    // Columns across tasks when there are enough of them (each task packs only its own), else
+    // rows (each task packs every column).
+    let by_cols = n >= 2 * nr * tasks || m < isa.mr() * tasks;
+    let o = Out(out.as_mut_ptr());
+    pool.run(tasks, &|t| {
+        let ((m0, m1), (n0, n1)) = if by_cols {
+            ((0, m), split(n, tasks, t, nr))
+        } else {
+            (split(m, tasks, t, isa.mr()), (0, n))
+        };
+        if m0 >= m1 || n0 >= n1 {
+            return;
+        }
+        PANEL.with(|p| {
+            let mut panel = p.borrow_mut();
+            let need = (NC.div_ceil(nr) * nr + MC) * k.min(KC);
+            if panel.len() < need {
+                panel.resize(need, 0.0);
+            }
+            // SAFETY: rows m0..m1 x columns n0..n1 of `out` belong to this task only.
+            unsafe { block(isa, a, k, w, (m0, m1), (n0, n1), o, n, &mut panel) };
+        });
+        if let Some(b) = bias {
+            for i in m0..m1 {
+                // SAFETY: as above.
+                let row = unsafe { o.range(i * n + n0, n1 - n0) };
+                for (v, &b) in row.iter_mut().zip(&b[n0..n1]) {
+                    *v += b;
+                }
+            }
+        }
+    });
+}
+
+// `block`, `micro` and `portable` are pointer kernels whose callers own the bounds (each says
+// what it needs); an `unsafe` block around every pointer step would add nothing.
+
+/// One task's rows and columns.
+///
+/// # Safety
+/// `out` (row stride `ldc`) covers rows `m0..m1` by columns `n0..n1`, which no other task touches.
+#[allow(clippy::too_many_arguments)]
+#[allow(unsafe_op_in_unsafe_fn)]
+unsafe fn block(
+    isa: Isa,
+    a: &[f32],
+    k: usize,
+    w: &dyn Weights,
+    (m0, m1): (usize, usize),
+    (n0, n1): (usize, usize),
+    out: Out,
+    ldc: usize,
+    panel: &mut [f32],
+) {
+    let (nr, mr_max) = (isa.nr(), isa.mr());
+    let (panel, apanel) = panel.split_at_mut(NC.div_ceil(nr) * nr * k.min(KC));
+    for jc in (n0..n1).step_by(NC) {
+        let nc = (n1 - jc).min(NC);
+        let slivers = nc.div_ceil(nr);
+        for pc in (0..k).step_by(KC) {
+            let kc = (k - pc).min(KC);
+            for s in 0..slivers {
+                let j = jc + s * nr;
+                let cols = (jc + nc - j).min(nr);
+                w.pack(
+                    j,
+                    cols,
+                    pc,
+                    kc,
+                    nr,
+                    &mut panel[s * kc * nr..(s + 1) * kc * nr],
+                );
+            }
+            for ic in (m0..m1).step_by(MC) {
+                let i1 = (ic + MC).min(m1);
+                // The rows' block, tile by tile, each `kc x mr` with its rows side by side: the
+                // micro-kernel reads it in order (rows `k` apart would share cache sets).
+                for (t, i) in (ic..i1).step_by(mr_max).enumerate() {
+                    let rows = (i1 - i).min(mr_max);
+                    let tile = &mut apanel[t * kc * mr_max..(t + 1) * kc * mr_max];
+                    for r in 0..rows {
+                        let src = &a[(i + r) * k + pc..(i + r) * k + pc + kc];
+                        for (kk, &v) in src.iter().enumerate() {
+                            tile[kk * mr_max + r] = v;
+                        }
+                    }
+                }
+                for s in 0..slivers {
+                    let j = jc + s * nr;
+                    let cols = (jc + nc - j).min(nr);
+                    let b = panel[s * kc * nr..].as_ptr();
+                    for (t, i) in (ic..i1).step_by(mr_max).enumerate() {
+                        let mr = (i1 - i).min(mr_max);
+                        let ap = apanel[t * kc * mr_max..].as_ptr();
+                        let cp = out.0.add(i * ldc + j);
+                        // SAFETY: the packed tile holds kc x mr_max values, the sliver kc x nr;
+                        // the output tile lies in this task's part of `out`.
+                        micro(isa, mr, ap, b, kc, cp, ldc, pc > 0, cols);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One `mr x cols` tile: `c = (load ? c + s : s)` where `s = a · b` is a chain of fused
+/// multiply-adds from +0 in k order.
+///
+/// # Safety
+/// `isa` is present; `a` is a packed tile of `kc x isa.mr()` (row r of step kk at
+/// `kk * isa.mr() + r`), `b` a sliver of `kc x nr`, `c` `mr` rows (stride `ldc`) of `cols` values.
+#[allow(clippy::too_many_arguments)]
+#[allow(unsafe_op_in_unsafe_fn)]
+unsafe fn micro(
+    isa: Isa,
+    mr: usize,
+    a: *const f32,
+    b: *const f32,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    cols: usize,
+) {
+    let lda = isa.mr();
+    macro_rules! by_rows {
+        ($f:ident) => {
+            match mr {
+                1 => x86::$f::<1>(a, lda, b, kc, c, ldc, load, cols),
+                2 => x86::$f::<2>(a, lda, b, kc, c, ldc, load, cols),
+                3 => x86::$f::<3>(a, lda, b, kc, c, ldc, load, cols),
+                4 => x86::$f::<4>(a, lda, b, kc, c, ldc, load, cols),
+                5 => x86::$f::<5>(a, lda, b, kc, c, ldc, load, cols),
+                6 => x86::$f::<6>(a, lda, b, kc, c, ldc, load, cols),
+                7 => x86::$f::<7>(a, lda, b, kc, c, ldc, load, cols),
+                8 => x86::$f::<8>(a, lda, b, kc, c, ldc, load, cols),
+                9 => x86::$f::<9>(a, lda, b, kc, c, ldc, load, cols),
+                10 => x86::$f::<10>(a, lda, b, kc, c, ldc, load, cols),
+                11 => x86::$f::<11>(a, lda, b, kc, c, ldc, load, cols),
+                _ => x86::$f::<12>(a, lda, b, kc, c, ldc, load, cols),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => by_rows!(micro512),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if mr <= 6 => by_rows!(micro256),
+        _ => portable(mr, a, lda, b, isa.nr(), kc, c, ldc, load, cols),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[allow(unsafe_op_in_unsafe_fn)]
+/// # Safety
+/// As [`micro`].
+unsafe fn portable(
+    mr: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    nr: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    cols: usize,
+) {
+    let mut acc = [0f32; 32];
+    for r in 0..mr {
+        let acc = &mut acc[..cols];
+        acc.fill(0.0);
+        for kk in 0..kc {
+            let x = *a.add(kk * lda + r);
+            let row = std::slice::from_raw_parts(b.add(kk * nr), cols);
+            for (v, &w) in acc.iter_mut().zip(row) {
+                *v = x.mul_add(w, *v);
+            }
+        }
+        for (j, &v) in acc.iter().enumerate() {
+            let o = c.add(r * ldc + j);
+            *o = if load { *o + v } else { v };
+        }
+    }
+}
+
+// Intrinsics kernels whose callers check the instruction set and the bounds.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_op_in_unsafe_fn, clippy::too_many_arguments)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn micro512<const R: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        kc: usize,
+        c: *mut f32,
+        ldc: usize,
+        load: bool,
+        cols: usize,
+    ) {
+        let mask = if cols >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << cols) - 1
+        };
+        let (m0, m1) = (mask as __mmask16, (mask >> 16) as __mmask16);
+        let mut lo = [_mm512_setzero_ps(); R];
+        let mut hi = [_mm512_setzero_ps(); R];
+        if load {
+            for r in 0..R {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
+            }
+        }
+        for kk in 0..kc {
+            // The sliver and the tile a few steps ahead, from L2 into L1.
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * 32) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * 32 + 16) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add((kk + 8) * lda) as *const i8);
+            let b0 = _mm512_loadu_ps(b.add(kk * 32));
+            let b1 = _mm512_loadu_ps(b.add(kk * 32 + 16));
+            for r in 0..R {
+                let x = _mm512_set1_ps(*a.add(kk * lda + r));
+                lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
+                hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
+            }
+        }
+        if load {
+            for r in 0..R {
+                lo[r] = _mm512_add_ps(lo[r], _mm512_maskz_loadu_ps(m0, c.add(r * ldc)));
+                hi[r] = _mm512_add_ps(hi[r], _mm512_maskz_loadu_ps(m1, c.add(r * ldc + 16)));
+            }
+        }
+        for r in 0..R {
+            _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
+            _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, hi[r]);
+        }
+    }
+
+    /// `R x 16` tile, two ymm accumulators per row.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn micro256<const R: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        kc: usize,
+        c: *mut f32,
+        ldc: usize,
+        load: bool,
+        cols: usize,
+    ) {
+        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.min(8) as i32), idx);
+        let m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.saturating_sub(8) as i32), idx);
+        let mut lo = [_mm256_setzero_ps(); R];
+        let mut hi = [_mm256_setzero_ps(); R];
+        if load {
+            for r in 0..R {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
+            }
+        }
+        for kk in 0..kc {
+            let b0 = _mm256_loadu_ps(b.add(kk * 16));
+            let b1 = _mm256_loadu_ps(b.add(kk * 16 + 8));
+            for r in 0..R {
+                let x = _mm256_broadcast_ss(&*a.add(kk * lda + r));
+                lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+            }
+        }
+        if load {
+            for r in 0..R {
+                lo[r] = _mm256_add_ps(lo[r], _mm256_maskload_ps(c.add(r * ldc), m0));
+                hi[r] = _mm256_add_ps(hi[r], _mm256_maskload_ps(c.add(r * ldc + 8), m1));
+            }
+        }
+        for r in 0..R {
+            _mm256_maskstore_ps(c.add(r * ldc), m0, lo[r]);
+            _mm256_maskstore_ps(c.add(r * ldc + 8), m1, hi[r]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// The element formula: per block of KC, one fused multiply-add chain from +0 in k order;
+    /// the blocks' sums added in order.
+    fn chain(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut total = 0f32;
+                for k0 in (0..k).step_by(KC) {
+                    let mut s = 0f32;
+                    for kk in k0..(k0 + KC).min(k) {
+                        s = a[i * k + kk].mul_add(w[j * k + kk], s);
+                    }
+                    total = if k0 == 0 { s } else { total + s };
+                }
+                out[i * n + j] = total;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_chain_bit_for_bit() {
+        let pool = ThreadPool::global();
+        // Edges in every direction: rows not a multiple of MR or MC, columns not a multiple of
+        // any sliver or NC, reductions over several KC blocks with a short last one.
+        for &(m, n, k) in &[
+            (1, 1, 16),
+            (7, 33, 48),
+            (MC + 14, 40, KC + 16),
+            (13, NC + 32, 2 * KC + 16),
+            (30, 70, 272),
+        ] {
+            let (a, w) = (vals(m * k, 1), vals(n * k, 2));
+            let want = chain(&a, &w, m, n, k);
+            for isa in Isa::all_present() {
+                let mut out = vec![f32::NAN; m * n];
+                gemm(
+                    pool,
+                    isa,
+                    &a,
+                    m,
+                    k,
+                    &F32Rows { w: &w, k },
+                    n,
+                    None,
+                    &mut out,
+                );
+                let same = out
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{} differs from the chain at {m}x{n}x{k}", isa.name());
+            }
+        }
+    }
+
+    #[test]
+    fn nf4_panels_hold_bitsandbytes_values_in_paired_order() {
+        let (n, k, bs) = (37, 256, 64);
+        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 + 11) as u8).collect();
+        let absmax = vals(n * k / bs, 3);
+        let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
+        let w = Nf4Rows {
+            packed: &packed,
+            absmax: &absmax,
+            bs,
+            k,
+            code: &code,
+        };
+        // Dequantized rows by the element formula, then paired like the activations.
+        let mut rows = vec![0f32; n * k];
+        for e in 0..n * k {
+            let byte = packed[e / 2];
+            let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
+            rows[e] = code[q as usize] * absmax[e / bs];
+        }
+        let mut paired = vec![0f32; n * k];
+        super::super::kernels::pair_order(&rows, &mut paired);
+        let m = 9;
+        let a = vals(m * k, 4);
+        let want = chain(&a, &paired, m, n, k);
+        let bias = vals(n, 5);
+        for isa in Isa::all_present() {
+            let mut out = vec![0f32; m * n];
+            gemm(
+                ThreadPool::global(),
+                isa,
+                &a,
+                m,
+                k,
+                &w,
+                n,
+                Some(&bias),
+                &mut out,
+            );
+            for i in 0..m * n {
+                assert_eq!(
+                    out[i].to_bits(),
+                    (want[i] + bias[i % n]).to_bits(),
+                    "{}",
+                    isa.name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rows_are_widened_exactly() {
+        let (m, n, k) = (8, 40, 64);
+        let w = vals(n * k, 6);
+        let w16: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let wide: Vec<f32> = w16
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        let a = vals(m * k, 7);
+        let want = chain(&a, &wide, m, n, k);
+        let mut out = vec![0f32; m * n];
+        let rows = Bf16Rows { w: &w16, k };
+        gemm(
+            ThreadPool::global(),
+            isa(),
+            &a,
+            m,
+            k,
+            &rows,
+            n,
+            None,
+            &mut out,
+        );
+        assert!(out
+            .iter()
+            .zip(&want)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+}
