@@ -33,6 +33,9 @@ pub enum Fault {
     /// Send headers and half of every body of 2 bytes or more (none of a range that does not
     /// start at 0: a resumed read), then keep the connection open and silent for a minute.
     StallMidBody,
+    /// Send headers and the first byte of every body of 2 bytes or more (a resumed read's
+    /// too), then keep the connection open and silent for a minute: each request progresses.
+    Trickle,
     /// Answer ranges with a Content-Range that gives no total (`bytes a-b/*`).
     NoTotal,
     /// Answer ranges with a Content-Range whose total is not the file's length.
@@ -187,9 +190,11 @@ fn serve_conn(
         let len = data.len() as u64;
         let resumed = range.is_some_and(|(a, _)| a > 0);
         let send = |out: &mut TcpStream, head: String, body: &[u8]| -> bool {
-            if fault_now == Fault::StallMidBody && body.len() >= 2 {
+            if matches!(fault_now, Fault::StallMidBody | Fault::Trickle) && body.len() >= 2 {
                 let _ = out.write_all(head.as_bytes());
-                if !resumed {
+                if fault_now == Fault::Trickle {
+                    let _ = out.write_all(&body[..1]);
+                } else if !resumed {
                     let _ = out.write_all(&body[..body.len() / 2]);
                 }
                 let _ = out.flush();

@@ -278,6 +278,37 @@ fn a_small_file_that_stalls_ends_within_one_deadline() {
     assert!(e.to_string().contains("config.json"), "{e}");
 }
 
+/// #32 fault 24, range reads: a server that sends one byte per request and then stalls makes
+/// progress on every attempt (which does not count against the retries), so only a deadline
+/// for the read as a whole ends it: the range's own plus `timeout` per retry.
+#[test]
+fn a_range_that_trickles_ends_within_the_reads_deadline() {
+    for opening in [true, false] {
+        let (srv, _) = server(Fault::None);
+        let url = format!("{}/model/model.safetensors", srv.base);
+        let m = if opening {
+            srv.set_fault(Fault::Trickle);
+            None
+        } else {
+            Some(ModelIndex::open_url(&url, quick()).expect("open"))
+        };
+        srv.set_fault(Fault::Trickle);
+        let t0 = std::time::Instant::now();
+        let e = match &m {
+            None => ModelIndex::open_url(&url, quick()).map(|_| ()),
+            Some(m) => m.read_bytes(m.require("big.weight").expect("t")).map(|_| ()),
+        }
+        .expect_err("a trickling server");
+        // quick(): 1 s + the range at 1 GiB/s, plus 1 s for its one retry.
+        assert!(
+            t0.elapsed() < Duration::from_secs(4),
+            "took {:?}",
+            t0.elapsed()
+        );
+        assert!(e.to_string().contains("giving up"), "{e}");
+    }
+}
+
 #[test]
 fn a_validator_that_vanishes_is_a_change() {
     let (srv, _) = server(Fault::EtagVanishesAfter(2));

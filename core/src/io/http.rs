@@ -14,7 +14,7 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::io::folder::{percent_encode_path, BoxFuture, ModelFolder, OpenedFile};
@@ -227,7 +227,7 @@ impl HttpClient {
     /// call in about `timeout`, not `limit / min_rate` per attempt.
     pub fn get_small(&self, url: &str, limit: u64) -> Result<Option<Vec<u8>>> {
         let mut attempt = 0;
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let mut expect = limit.min(1 << 20);
         loop {
             let left = self.deadline(expect).saturating_sub(started.elapsed());
@@ -346,9 +346,28 @@ impl HttpClient {
         let mut got = 0usize;
         let mut attempt = 0u32;
         let mut total_seen = known_len;
+        // Attempts that progress do not count against the retries, so the read as a whole has
+        // a deadline too: the whole range's, plus `timeout` for each retry allowed. A server
+        // that sends a byte per attempt cannot keep a read going forever.
+        let started = Instant::now();
+        let overall = self
+            .deadline(buf.len() as u64)
+            .saturating_add(self.opts.timeout.saturating_mul(self.opts.retries));
         loop {
             let start = offset + got as u64;
             let end = offset + buf.len() as u64 - 1;
+            let left = overall.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::Model {
+                    file: url,
+                    msg: format!(
+                        "{what} at offset {offset}: giving up: {} of {} bytes within {:.0} s",
+                        got,
+                        buf.len(),
+                        overall.as_secs_f64()
+                    ),
+                });
+            }
             self.requests.fetch_add(1, Ordering::Relaxed);
             let before = got;
             let outcome: Attempt = (|| {
@@ -357,7 +376,7 @@ impl HttpClient {
                     .get(&url)
                     .header("Range", format!("bytes={start}-{end}"))
                     .config()
-                    .timeout_global(Some(self.deadline(end + 1 - start)))
+                    .timeout_global(Some(self.deadline(end + 1 - start).min(left)))
                     .build()
                     .call()
                 {
