@@ -130,3 +130,49 @@ fn byte_fallback_characters_come_out_whole_and_equal_the_decode() {
         }
     }
 }
+
+/// The server's completion text path (`engine::Completion`, what each sampled token goes
+/// through before it is sent): the fault's exact sequence, a 4-byte character as byte tokens
+/// followed by a 3-byte one (a panic on a slice inside a character, then U+FFFD per byte),
+/// gives whole characters in every piece, and the pieces add up to the decode; the end of
+/// sequence token sends what was held; a stop string after a character ends the text there.
+#[test]
+fn the_servers_text_path_sends_whole_characters_equal_to_the_decode() {
+    use nibble_core::models::llama::engine::Completion;
+    let tok = byte_fallback();
+    let (a, b) = (WORD_A, WORD_A + 1);
+    let mut ids = byte_ids("\u{1f600}");
+    ids.extend(byte_ids("\u{20ac}"));
+    ids.extend([a, b]);
+    ids.extend(byte_ids("\u{20ac}"));
+    for eos_last in [false, true] {
+        let mut c = Completion::default();
+        let mut pieces = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let last = !eos_last && i + 1 == ids.len();
+            let (piece, stopped) = c.next(&tok, Some(id), last, &[]).expect("next");
+            assert!(!stopped && !piece.contains('\u{fffd}'), "{piece:?}");
+            pieces.push(piece);
+        }
+        if eos_last {
+            pieces.push(c.next(&tok, None, true, &[]).expect("eos").0);
+        }
+        assert_eq!(pieces.concat(), tok.decode(&ids, true).expect("decode"));
+        assert_eq!(pieces.concat(), "\u{1f600}\u{20ac} ab\u{20ac}");
+    }
+    // A stop string that begins with a multi-byte character.
+    let mut c = Completion::default();
+    let stop = vec!["\u{20ac} a".to_string()];
+    let mut sent = String::new();
+    let mut stopped = false;
+    for (i, &id) in ids.iter().enumerate() {
+        let (piece, s) = c.next(&tok, Some(id), i + 1 == ids.len(), &stop).expect("next");
+        sent.push_str(&piece);
+        if s {
+            stopped = true;
+            break;
+        }
+    }
+    assert!(stopped, "the stop string was seen");
+    assert_eq!(sent, "\u{1f600}");
+}

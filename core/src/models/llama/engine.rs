@@ -181,11 +181,47 @@ struct Seq {
     /// The last sampled token, to be fed by the next decode pass.
     next: Option<u32>,
     sampler: Sampler,
-    /// The completion's text so far, as the detokenizer released it (whole characters only).
+    out: Completion,
+}
+
+/// A completion's text as the server sends it: tokens through the incremental detokenizer that
+/// `nibble run` uses ([`TextStream`]: whole characters only, byte-fallback runs held until they
+/// close), then held back while the tail may begin a stop string. The pieces joined equal the
+/// decoded tokens, up to a stop string.
+#[derive(Debug, Default)]
+pub struct Completion {
+    /// The text so far, as the detokenizer released it.
     text: String,
     detok: TextStream,
     /// Bytes of `text` sent so far.
     sent: usize,
+}
+
+impl Completion {
+    /// Takes the next token (`None`: the end-of-sequence token, which has no text); `last` when
+    /// the completion ends with it. Returns the text to send now and whether a stop string
+    /// ended the completion.
+    pub fn next(
+        &mut self,
+        tok: &TextTokenizer,
+        id: Option<u32>,
+        last: bool,
+        stop: &[String],
+    ) -> crate::error::Result<(String, bool)> {
+        if let Some(id) = id {
+            let piece = self.detok.push(tok, id)?;
+            self.text.push_str(&piece);
+        }
+        if last {
+            let tail = self.detok.finish(tok)?;
+            self.text.push_str(&tail);
+        }
+        // The last piece includes what was held back for a stop string that did not come.
+        let (upto, stopped) = sendable(&self.text, self.sent, stop, last);
+        let piece = self.text[self.sent..upto.max(self.sent)].to_string();
+        self.sent = upto.max(self.sent);
+        Ok((piece, stopped))
+    }
 }
 
 /// The engine: the decoder, the tokenizer and the sequences.
@@ -308,9 +344,7 @@ impl<B: Backend> Engine<B> {
                 fed: 0,
                 tokens: Vec::new(),
                 next: None,
-                text: String::new(),
-                detok: TextStream::default(),
-                sent: 0,
+                out: Completion::default(),
             });
         }
         self.gauges();
@@ -471,32 +505,18 @@ impl<B: Backend> Engine<B> {
         }
         let generated = seq.tokens.len() + usize::from(eos);
         let last = eos || generated >= seq.job.max_tokens;
-        let piece = if eos {
-            Ok(String::new())
-        } else {
-            seq.detok.push(&self.tok, id)
-        };
-        let tail = if last {
-            seq.detok.finish(&self.tok)
-        } else {
-            Ok(String::new())
-        };
-        match (piece, tail) {
-            (Ok(p), Ok(t)) => {
-                seq.text.push_str(&p);
-                seq.text.push_str(&t);
+        let stopped = match seq
+            .out
+            .next(&self.tok, (!eos).then_some(id), last, &seq.job.stop)
+        {
+            Ok((piece, stopped)) => {
+                if !piece.is_empty() {
+                    let _ = seq.job.events.send(Event::Text(piece));
+                }
+                stopped
             }
-            (Err(e), _) | (_, Err(e)) => return self.fail(slot, e.to_string()),
-        }
-        // The last piece includes what was held back for a stop string that did not come.
-        let (upto, stopped) = sendable(&seq.text, seq.sent, &seq.job.stop, last);
-        if upto > seq.sent {
-            let _ = seq
-                .job
-                .events
-                .send(Event::Text(seq.text[seq.sent..upto].to_string()));
-            seq.sent = upto;
-        }
+            Err(e) => return self.fail(slot, e.to_string()),
+        };
         let finish = if stopped || eos {
             Some("stop")
         } else if last {
