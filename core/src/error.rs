@@ -352,3 +352,19 @@ pub fn zeroed<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>> {
     v.resize(n, T::default());
     Ok(v)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_planned_allocation_is_an_error_naming_it() {
+        // 1 PiB: more than any allocator here grants, so `try_reserve` is refused, not the
+        // process aborted.
+        let e = zeroed::<u8>(1 << 50, "the test's arena").expect_err("1 PiB");
+        assert!(e.to_string().contains("the test's arena"), "{e}");
+        assert!(e.to_string().contains("refused"), "{e}");
+        let v = zeroed::<f32>(1000, "a small one").expect("1000 floats");
+        assert!(v.len() == 1000 && v.iter().all(|&x| x == 0.0));
+    }
+}

@@ -239,7 +239,9 @@ impl RangeSource for FileSource {
                     let mut b = b.borrow_mut();
                     if b.bytes().len() < span {
                         // Grows once per reader thread up to the largest read (one ring slot).
-                        *b = crate::io::source::HostSlot::new(span);
+                        *b = crate::io::source::HostSlot::try_new(span).map_err(|e| {
+                            Error::Invalid(format!("the O_DIRECT bounce buffer of {name}: {e}"))
+                        })?;
                     }
                     let bounce = &mut b.bytes_mut()[..span];
                     let n = pread_full(f, start, bounce).map_err(|e| Error::io(name, e))?;

@@ -452,10 +452,11 @@ impl SynthModel {
         self.tensors.iter().map(|(n, k)| bytes_of(n, k)).sum()
     }
 
-    fn data(&self, name: &str, spec: &TensorSpec, kind: &Kind) -> Vec<u8> {
-        let len = spec.byte_len().unwrap_or(0) as usize;
+    fn data(&self, name: &str, spec: &TensorSpec, kind: &Kind) -> Result<Vec<u8>> {
+        let len = usize::try_from(spec.byte_len().unwrap_or(0))
+            .map_err(|_| Error::Invalid(format!("{name}: too large for this machine")))?;
         let mut rng = Rng::new(self.seed, &spec.name);
-        let mut out = vec![0u8; len];
+        let mut out: Vec<u8> = crate::error::zeroed(len, &format!("synth's buffer for {name}"))?;
         match kind {
             Kind::Dense(_, center) => {
                 let scale = if *center == 0.0 { 0.02 } else { 0.05 };
@@ -494,7 +495,7 @@ impl SynthModel {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
     /// Writes config.json and the shards into `dir`, calling `progress(bytes_done, total)`.
@@ -545,7 +546,7 @@ impl SynthModel {
             )?;
             for (i, s) in &specs {
                 let (name, kind) = &self.tensors[*i];
-                let bytes = self.data(name, s, kind);
+                let bytes = self.data(name, s, kind)?;
                 w.write_tensor(&s.name, &bytes)?;
                 done += bytes.len() as u64;
                 progress(done, total);
