@@ -103,18 +103,24 @@ pub(super) async fn embeddings(
             app.dims
         ));
     }
+    // Counted, then admitted, before a single input is tokenized: neither a request of many
+    // inputs nor many requests make work beyond the cap and the queue.
+    if r.input.count() > MAX_INPUTS {
+        return bad(format!(
+            "input: {} inputs in one request; at most {MAX_INPUTS}",
+            r.input.count()
+        ));
+    }
+    if !app.shared.admit() {
+        return unavailable();
+    }
+    let _place = Place(&app.shared);
     let inputs = match prompts(&app, r.input, true) {
         Ok(i) => i,
         Err(r) => return r,
     };
     if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
         return bad("input: every input needs at least one token");
-    }
-    if inputs.len() > MAX_INPUTS {
-        return bad(format!(
-            "input: {} inputs in one request; at most {MAX_INPUTS}",
-            inputs.len()
-        ));
     }
     let vocab = app.vocab;
     for ids in &inputs {
@@ -129,10 +135,6 @@ pub(super) async fn embeddings(
             return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
         }
     }
-    if !app.shared.admit() {
-        return unavailable();
-    }
-    let _place = Place(&app.shared);
     let tokens: usize = inputs.iter().map(Vec::len).sum();
     let (tx, rx) = tokio::sync::oneshot::channel();
     if jobs.send(EmbedJob { inputs, reply: tx }).is_err() {

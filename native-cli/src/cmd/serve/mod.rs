@@ -74,10 +74,12 @@ pub struct ServeArgs {
 /// An API key a client can send in `Authorization: Bearer KEY`: not empty, no spaces or
 /// control characters.
 fn api_key(s: &str) -> Result<String, String> {
-    if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+    // What a header value can carry and the server compares: visible ASCII (a key with other
+    // characters could never be matched).
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(format!(
-            "{s:?}: an API key is one or more visible characters, no spaces (clients send it as \
-             'Authorization: Bearer KEY')"
+            "{s:?}: an API key is one or more visible ASCII characters, no spaces (clients send \
+             it as 'Authorization: Bearer KEY')"
         ));
     }
     Ok(s.to_string())
@@ -87,8 +89,8 @@ fn api_key(s: &str) -> Result<String, String> {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "API server (--model)")]
 pub struct ApiArgs {
-    /// Require `Authorization: Bearer KEY` on every /v1 request (a key of visible characters:
-    /// an empty one could never be sent).
+    /// Require `Authorization: Bearer KEY` on every /v1 request (a key of visible ASCII
+    /// characters: an empty one, or one with others, could never be sent or matched).
     #[arg(long, value_name = "KEY", value_parser = api_key)]
     pub api_key: Option<String>,
     /// The model's id in the API (default: the model folder's or file's name).

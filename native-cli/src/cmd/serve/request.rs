@@ -90,6 +90,17 @@ pub(super) enum Prompt {
     IdLists(Vec<Vec<u32>>),
 }
 
+impl Prompt {
+    /// How many inputs it holds (known before any is tokenized).
+    pub(super) fn count(&self) -> usize {
+        match self {
+            Prompt::Text(_) | Prompt::Ids(_) => 1,
+            Prompt::Texts(t) => t.len(),
+            Prompt::IdLists(l) => l.len(),
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 pub(super) struct EmbeddingRequest {
     pub(super) model: Option<String>,
