@@ -86,6 +86,8 @@ fn quiet_mesa() -> Option<XdgDir> {
         match b.create(&dir) {
             Ok(()) => {
                 std::env::set_var("XDG_RUNTIME_DIR", &dir);
+                #[cfg(unix)]
+                remove_on_signals(&dir);
                 return Some(XdgDir(dir));
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
@@ -93,6 +95,43 @@ fn quiet_mesa() -> Option<XdgDir> {
         }
     }
     None
+}
+
+/// The folder's path for [`on_signal`], set once before any handler is installed.
+#[cfg(unix)]
+static XDG_PATH: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+
+/// A process ended by SIGTERM, SIGINT or SIGHUP (how services and terminals stop it) does not
+/// run `main`'s drops: remove the (empty) folder in the handler, then die of the signal as
+/// before. A later handler (the server's for SIGINT and SIGTERM) replaces this one and ends
+/// `main` normally instead.
+#[cfg(unix)]
+fn remove_on_signals(dir: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return;
+    };
+    if XDG_PATH.set(c).is_err() {
+        return;
+    }
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: `on_signal` only makes async-signal-safe calls (rmdir, signal, raise).
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+#[cfg(unix)]
+extern "C" fn on_signal(sig: libc::c_int) {
+    if let Some(p) = XDG_PATH.get() {
+        // SAFETY: a NUL-terminated path set before the handler was installed.
+        unsafe { libc::rmdir(p.as_ptr()) };
+    }
+    // SAFETY: restoring the default action and raising the signal again ends the process as
+    // the signal would have.
+    unsafe {
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
 }
 
 /// The private XDG_RUNTIME_DIR of this process, removed on drop.

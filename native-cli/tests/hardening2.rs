@@ -77,11 +77,88 @@ fn no_runtime_folder_is_left_behind() {
             .expect("run nibble");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
+    // Stopped by a signal: a file server by SIGTERM (it returns from main), a long synth by
+    // SIGTERM and by SIGINT (the folder is removed in the handler, the process dies of the
+    // signal as before).
+    let dir = tmp.path().join("served");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let out = tmp.path().join("synth-out");
+    let runs: [(Vec<String>, i32); 3] = [
+        (
+            vec![
+                "serve".into(),
+                dir.display().to_string(),
+                "--port".into(),
+                "0".into(),
+            ],
+            libc::SIGTERM,
+        ),
+        (
+            vec![
+                "synth".into(),
+                "--arch".into(),
+                "llama".into(),
+                "-o".into(),
+                out.display().to_string(),
+                "--size".into(),
+                "2GiB".into(),
+            ],
+            libc::SIGTERM,
+        ),
+        (
+            vec![
+                "synth".into(),
+                "--arch".into(),
+                "llama".into(),
+                "-o".into(),
+                out.display().to_string(),
+                "--size".into(),
+                "2GiB".into(),
+            ],
+            libc::SIGINT,
+        ),
+    ];
+    for (args, sig) in runs {
+        let _ = std::fs::remove_dir_all(&out);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
+            .args(&args)
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("TMPDIR", tmp.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn nibble");
+        // Until its runtime folder exists (made first thing in main), then a little longer.
+        let t0 = std::time::Instant::now();
+        while !runtime_folders(tmp.path()) && t0.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // SAFETY: a plain kill(2) of our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        let status = child.wait().expect("wait");
+        assert!(
+            !runtime_folders(tmp.path()),
+            "{args:?} stopped by signal {sig} ({status:?}) left its runtime folder"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&dir);
     let left: Vec<_> = std::fs::read_dir(tmp.path())
         .expect("read")
         .map(|e| e.expect("entry").file_name())
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// Whether a `nibble-xdg-*` folder is in `dir`.
+fn runtime_folders(dir: &std::path::Path) -> bool {
+    std::fs::read_dir(dir).expect("read").any(|e| {
+        e.expect("entry")
+            .file_name()
+            .to_string_lossy()
+            .starts_with("nibble-xdg-")
+    })
 }
 
 /// A `Precompiled` normalizer whose charsmap claims a trie larger than its bytes (the

@@ -166,7 +166,9 @@ fn the_servers_text_path_sends_whole_characters_equal_to_the_decode() {
     let mut sent = String::new();
     let mut stopped = false;
     for (i, &id) in ids.iter().enumerate() {
-        let (piece, s) = c.next(&tok, Some(id), i + 1 == ids.len(), &stop).expect("next");
+        let (piece, s) = c
+            .next(&tok, Some(id), i + 1 == ids.len(), &stop)
+            .expect("next");
         sent.push_str(&piece);
         if s {
             stopped = true;

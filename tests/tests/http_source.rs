@@ -296,7 +296,9 @@ fn a_range_that_trickles_ends_within_the_reads_deadline() {
         let t0 = std::time::Instant::now();
         let e = match &m {
             None => ModelIndex::open_url(&url, quick()).map(|_| ()),
-            Some(m) => m.read_bytes(m.require("big.weight").expect("t")).map(|_| ()),
+            Some(m) => m
+                .read_bytes(m.require("big.weight").expect("t"))
+                .map(|_| ()),
         }
         .expect_err("a trickling server");
         // quick(): 1 s + the range at 1 GiB/s, plus 1 s for its one retry.

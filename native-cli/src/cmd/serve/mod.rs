@@ -190,7 +190,18 @@ pub(crate) async fn serve_until_interrupted(
             busy_is_not_idle,
         ) => Ok(()),
         _ = tokio::signal::ctrl_c() => Ok(()),
+        _ = terminated() => Ok(()),
     }
+}
+
+/// SIGTERM (how services and test harnesses stop a server): return, so that `main` cleans up.
+async fn terminated() {
+    #[cfg(unix)]
+    if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        s.recv().await;
+        return;
+    }
+    std::future::pending::<()>().await
 }
 
 /// The server's tokio runtime.
