@@ -276,4 +276,54 @@ fn outputs_are_written_through_fifos_never_renamed_over_them() {
     let o = nibble(&["dequant", s(&model), "--all", "-o", s(&file)]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(std::fs::read(&file).expect("read").len() > 8);
+    // The temporary file it was written to is gone (renamed into place), and no other file
+    // appeared beside it.
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+        .expect("read")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["link.safetensors", "out.fifo", "out.safetensors"]);
+    // A character device is written through by every safetensors output, never replaced:
+    // dequant -o, a language model's --logits-out, a DiT's latent --out.
+    let dit = fixture("tiny-dit-nf4/model");
+    for args in [
+        vec!["dequant", s(&model), "--all", "-o", "/dev/null"],
+        vec![
+            "run",
+            "--model",
+            s(&model),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "1",
+            "--backend",
+            "cpu",
+            "--logits-out",
+            "/dev/null",
+        ],
+        vec![
+            "run",
+            "--model",
+            s(&dit),
+            "--steps",
+            "1",
+            "--backend",
+            "cpu",
+            "--out",
+            "/dev/null",
+        ],
+    ] {
+        let o = nibble(&args);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let m = std::fs::metadata("/dev/null").expect("meta");
+        assert!(
+            m.file_type().is_char_device(),
+            "{args:?} replaced /dev/null"
+        );
+    }
 }

@@ -82,6 +82,14 @@ impl OutputFile {
                     .write(true)
                     .open(dest)
                     .map_err(|e| Error::io(&d, e))?;
+                // What was opened is checked again: the path may have been swapped for a
+                // regular file (which would be written over in place) since it was looked at.
+                let opened = f.metadata().map_err(|e| Error::io(&d, e))?;
+                if opened.is_file() || opened.is_dir() {
+                    return Err(Error::Invalid(format!(
+                        "{d} changed while it was opened; write the output again"
+                    )));
+                }
                 return Ok(OutputFile {
                     out: BufWriter::with_capacity(1 << 20, f),
                     tmp: None,
@@ -97,17 +105,40 @@ impl OutputFile {
             }
             _ => dest.to_path_buf(),
         };
-        let tmp = real.with_file_name(format!(
-            ".{}.tmp-{}",
-            real.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-            std::process::id()
-        ));
-        let f = File::create(&tmp).map_err(|e| Error::io(tmp.display().to_string(), e))?;
-        Ok(OutputFile {
-            out: BufWriter::with_capacity(1 << 20, f),
-            tmp: Some(tmp),
-            dest: real,
-        })
+        // The temporary file is created new (O_EXCL: never a file or link that is already
+        // there, which another user could have planted at a name they can guess), under a
+        // name with the process id and the clock, another one if that exists.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| t.subsec_nanos());
+        let name = real.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+        let mut last = None;
+        for k in 0..16u32 {
+            let tmp = real.with_file_name(format!(
+                ".{name}.tmp-{}-{:08x}",
+                std::process::id(),
+                nanos.wrapping_add(k.wrapping_mul(0x9e37_79b9))
+            ));
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+            {
+                Ok(f) => {
+                    return Ok(OutputFile {
+                        out: BufWriter::with_capacity(1 << 20, f),
+                        tmp: Some(tmp),
+                        dest: real,
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(tmp),
+                Err(e) => return Err(Error::io(tmp.display().to_string(), e)),
+            }
+        }
+        Err(Error::Invalid(format!(
+            "no new temporary file beside {d} could be made (the last tried, {}, exists)",
+            last.map(|p| p.display().to_string()).unwrap_or_default()
+        )))
     }
 
     /// Flushes, syncs and renames a regular file into place; flushes a device or FIFO.
