@@ -88,8 +88,8 @@ fn no_runtime_folder_is_left_behind() {
             vec![
                 "serve".into(),
                 dir.display().to_string(),
-                "--port".into(),
-                "0".into(),
+                "--addr".into(),
+                "127.0.0.1:0".into(),
             ],
             libc::SIGTERM,
         ),
@@ -134,6 +134,10 @@ fn no_runtime_folder_is_left_behind() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "{args:?} ended before the signal"
+        );
         // SAFETY: a plain kill(2) of our own child.
         unsafe { libc::kill(child.id() as libc::pid_t, sig) };
         let status = child.wait().expect("wait");
@@ -195,6 +199,14 @@ fn a_malformed_tokenizer_is_an_error_naming_the_file() {
     for (args, file) in [
         (
             vec!["run", "--model", l, "--prompt", "hi", "--max-tokens", "1"],
+            "tokenizer.json",
+        ),
+        (
+            vec!["plan", "--model", l, "--prompt", "hi"],
+            "tokenizer.json",
+        ),
+        (
+            vec!["serve", "--model", l, "--addr", "127.0.0.1:0"],
             "tokenizer.json",
         ),
         (vec!["plan", "--model", f], "tokenizer_2/tokenizer.json"),
