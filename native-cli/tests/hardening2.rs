@@ -266,6 +266,23 @@ fn model_outputs_own_their_folder_and_fit_the_disk() {
         std::fs::read(theirs.join("model.safetensors")).expect("read"),
         b"keep"
     );
+    // convert follows the same rule: into nibble's own folder (the Wan folder above) it
+    // replaces every old file; into someone else's it is refused, their file untouched.
+    let gguf = tmp.path().join("m.gguf");
+    let (meta, tensors) = nibble_tests::gguf::tiny_llama_gguf();
+    nibble_tests::gguf::write_gguf(&gguf, &meta, &tensors);
+    let g = gguf.to_str().expect("utf8");
+    let r = nibble(&["convert", g, "-o", out.to_str().expect("utf8")]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(out.join("model.safetensors").is_file() && out.join("tokenizer.json").is_file());
+    assert!(!out.join("model_index.json").exists() && !out.join("transformer").exists());
+    let r = nibble(&["convert", g, "-o", theirs.to_str().expect("utf8")]);
+    let err = refused(&r, "");
+    assert!(err.contains("already holds"), "{err}");
+    assert_eq!(
+        std::fs::read(theirs.join("model.safetensors")).expect("read"),
+        b"keep"
+    );
     // 50 TiB: refused at once for the disk's free space, nothing written.
     let big = tmp.path().join("big");
     let t0 = std::time::Instant::now();

@@ -47,6 +47,7 @@ pub fn prepare(dir: &Path, flag: &str) -> Result<()> {
         )
         .with_context(|| format!("{}: not nibble's marker", marker.display()))?;
         let listed = v["files"].as_array().cloned().unwrap_or_default();
+        let mut parents = std::collections::BTreeSet::new();
         for f in listed.iter().filter_map(|f| f.as_str()) {
             let rel = Path::new(f);
             // Only plain relative names below the folder.
@@ -61,6 +62,18 @@ pub fn prepare(dir: &Path, flag: &str) -> Result<()> {
             if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
                 std::fs::remove_file(&p).with_context(|| p.display().to_string())?;
             }
+            parents.extend(
+                rel.ancestors()
+                    .skip(1)
+                    .filter(|a| !a.as_os_str().is_empty()),
+            );
+        }
+        // The subfolders those files were in, deepest first, where nothing else is left (a
+        // pipeline's `transformer/` beside a language model's files would misname the folder).
+        let mut parents: Vec<&Path> = parents.into_iter().collect();
+        parents.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for rel in parents {
+            let _ = std::fs::remove_dir(dir.join(rel));
         }
         std::fs::remove_file(&marker).with_context(|| marker.display().to_string())?;
         return Ok(());
