@@ -141,6 +141,19 @@ pub fn slot_size(s: &str) -> Result<usize, String> {
     }
 }
 
+/// The largest synthetic model `synth` writes: 4 TiB (beyond any real 4-bit model; a size
+/// past it is a typo, and synth's own tensor list grows with it before the disk is asked).
+pub const MAX_SYNTH_BYTES: u64 = 4 << 40;
+
+/// A synthetic model's size: 1 MiB to [`MAX_SYNTH_BYTES`].
+pub fn synth_size(s: &str) -> Result<u64, String> {
+    match size(s)? {
+        b if b < 1 << 20 => Err("a synthetic model takes at least 1 MiB".into()),
+        b if b > MAX_SYNTH_BYTES => Err("a synthetic model takes at most 4 TiB".into()),
+        b => Ok(b),
+    }
+}
+
 /// A count of ring slots: 1 to [`MAX_SLOTS`].
 pub fn slot_count(s: &str) -> Result<usize, String> {
     match s.parse::<u64>() {

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use nibble_core::plan::fmt_bytes;
 use nibble_core::tooling::synth::{Arch, SynthModel};
 
-use crate::args::size;
+use crate::args::synth_size;
 use crate::output::folder;
 
 /// Which architecture.
@@ -40,8 +40,9 @@ pub struct SynthArgs {
     /// The architecture.
     #[arg(long, value_enum)]
     pub arch: SynthArch,
-    /// Approximate size on disk, e.g. 1GiB, 256MiB (a Wan folder: its transformer's).
-    #[arg(long, value_parser = size, value_name = "SIZE", required_unless_present = "shape")]
+    /// Approximate size on disk, e.g. 1GiB, 256MiB (a Wan folder: its transformer's), 1 MiB to
+    /// 4 TiB.
+    #[arg(long, value_parser = synth_size, value_name = "SIZE", required_unless_present = "shape")]
     pub size: Option<u64>,
     /// A Wan folder of a real repo's shapes and configs (instead of --size).
     #[arg(long, value_enum, conflicts_with = "size")]
