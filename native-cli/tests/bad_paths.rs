@@ -225,6 +225,24 @@ fn a_full_disk_is_an_error_for_images_and_videos() {
         err.contains("No space left on device") && !err.contains("wrote /dev/full"),
         "{err}"
     );
+    // A lone DiT's latent preview PNG and its latent safetensors.
+    let dit = fixture("tiny-dit-nf4/model");
+    for flag in ["--preview", "--out"] {
+        let o = nibble(&[
+            "run",
+            "--model",
+            s(&dit),
+            "--steps",
+            "1",
+            "--backend",
+            "cpu",
+            flag,
+            "/dev/full",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{flag}: {err}");
+        assert!(err.contains("No space left on device"), "{flag}: {err}");
+    }
 }
 
 /// #32 fault 10: an output that is a FIFO (or a link to one) is written through, never replaced
