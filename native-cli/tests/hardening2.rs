@@ -454,6 +454,24 @@ fn errors_name_the_real_cause() {
         );
         assert!(!err.contains("no model found"), "{err}");
     }
+    // A model_index.json that is not JSON, and one over the 64 MiB such a file may be.
+    for (body, says) in [
+        (b"<html>sign in</html>".to_vec(), "model_index.json"),
+        (vec![b' '; 65 << 20], "model_index.json"),
+    ] {
+        let mut files = files_under(&flux, "p");
+        let key = files
+            .keys()
+            .find(|k| k.ends_with("model_index.json"))
+            .cloned()
+            .expect("model_index.json");
+        files.insert(key, body);
+        let srv = TestServer::start(files, Fault::None);
+        let o = nibble(&["plan", "--model", &format!("{}/p", srv.base)]);
+        let err = refused(&o, "");
+        assert!(err.contains(says), "{err}");
+        assert!(!err.contains("no model found"), "{err}");
+    }
     let llm = fixture("tiny-llama-nf4/model");
     let o = nibble(&[
         "bench",
