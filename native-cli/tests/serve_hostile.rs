@@ -267,6 +267,16 @@ fn unsupported_request_parts_are_refused() {
             "{msg}"
         );
     }
+    // Bytes after the JSON body of a chat request or a completion are refused too.
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let body = if path.ends_with("chat/completions") {
+            br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1} {"#.to_vec()
+        } else {
+            br#"{"prompt": "hi", "max_tokens": 1}garbage"#.to_vec()
+        };
+        let (status, _, b) = s.request("POST", path, &[], &body);
+        assert_eq!(status, 400, "{path}: {}", String::from_utf8_lossy(&b));
+    }
 }
 
 /// Fault 8: a small model whose prefill chunk makes activations dominate needs less device
