@@ -329,25 +329,26 @@ fn read_embeds(
     if meta.get(KEY_FIELD).map(String::as_str) != Some(key) {
         bail!("{}: written for another prompt or model", what());
     }
-    let get = |n: &str| -> Result<Vec<f32>> {
-        Ok(f.read_f32(
-            f.require(n)
-                .with_context(|| format!("{}: no {n}", what()))?,
-        )?)
+    // Each tensor's size is checked from the header before a byte of it is read: an entry of
+    // the wrong size (another model's, or a huge one) is a miss, not an allocation.
+    let get = |n: &str, want: usize| -> Result<Vec<f32>> {
+        let t = f
+            .require(n)
+            .with_context(|| format!("{}: no {n}", what()))?;
+        let count: u128 = t.shape.iter().map(|&d| d as u128).product();
+        if count != want as u128 {
+            bail!(
+                "{}: {n} holds {count} values, the model takes {want} ({t5_tokens} tokens x \
+                 {joint_dim} per token, {pooled_dim} pooled)",
+                what()
+            );
+        }
+        Ok(f.read_f32(t)?)
     };
     let e = Embeds {
-        pooled: get("pooled_prompt_embeds")?,
-        context: get("prompt_embeds")?,
+        pooled: get("pooled_prompt_embeds", pooled_dim)?,
+        context: get("prompt_embeds", t5_tokens * joint_dim)?,
     };
-    if e.pooled.len() != pooled_dim || e.context.len() != t5_tokens * joint_dim {
-        bail!(
-            "{}: {} pooled and {} per-token values, the model takes {pooled_dim} and {} x {joint_dim}",
-            what(),
-            e.pooled.len(),
-            e.context.len(),
-            t5_tokens
-        );
-    }
     if meta.get(SUM_FIELD)
         != Some(&embeds_sum(
             &f32_to_bytes(&e.pooled),
