@@ -1,16 +1,20 @@
 //! Attention on the CPU as a blocked kernel (flash-attention's shape): each task takes blocks of
 //! [`QB`] query rows of one head; for each block of [`KB`] keys it computes the scores with the
-//! GEMM micro-kernel ([`dot_tile`], 4 query rows x 3 keys at a time, every key row loaded once
-//! for the block's queries), updates each row's running maximum and sum (online softmax), and
-//! accumulates the weighted values. No score matrix larger than `QB x KB` exists, and keys and
+//! GEMM's register-tiled micro-kernel ([`gemm::micro`]: the block's queries packed once, the
+//! keys packed transposed into slivers), updates each row's running maximum and sum (online
+//! softmax), and accumulates the weighted values with the same micro-kernel (the weights packed,
+//! the value rows read in place). No score matrix larger than `QB x KB` exists, and keys and
 //! values are read once per block of queries instead of once per query row. Causal limits, key
 //! masks and grouped-query heads are as the reference's; a row whose keys are all masked is
 //! zeros, a row with a score that is not finite is NaN (visibly garbage, as in every backend).
+//! As in the GEMM, every sum is a fused multiply-add chain in a fixed order, so the instruction
+//! set does not change the bits.
 
-use super::{axpy, dot_tile, exp_shifted, pv_tile4, split, Out, ThreadPool};
+use super::gemm::{self, micro, pack_tile};
+use super::{exp_shifted, split, Out, ThreadPool};
 
-/// Query rows per block (four micro-tiles of 4 share each key block).
-const QB: usize = 16;
+/// Query rows per block (four tiles of 12 rows, eight of 6, share each key block).
+const QB: usize = 48;
 /// Keys per block: `KB x d` floats of keys and of values stay in cache while the block's
 /// queries use them.
 const KB: usize = 64;
@@ -19,6 +23,24 @@ const KB: usize = 64;
 /// `[hkv, tk, d]` (each group of `hq / hkv` query heads shares one key head).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<&[f32]>,
+    qs: &[usize],
+    ks: &[usize],
+    causal: bool,
+    scale: f32,
+    out: &mut [f32],
+) {
+    attention_on(gemm::isa(), pool, q, k, v, mask, qs, ks, causal, scale, out)
+}
+
+/// [`attention`] on the micro-kernel of `isa` (which must be present).
+#[allow(clippy::too_many_arguments)]
+fn attention_on(
+    isa: gemm::Isa,
     pool: &ThreadPool,
     q: &[f32],
     k: &[f32],
@@ -47,8 +69,15 @@ pub(super) fn attention(
     };
     pool.run(tasks, &|t| {
         let (b0, b1) = split(blocks, tasks, t, 1);
+        let (mr, nr) = (isa.mr(), isa.nr());
+        let tiles = QB.div_ceil(mr);
         let mut s = vec![0f32; QB * KB];
         let mut acc = vec![0f32; QB * d];
+        let mut qpack = vec![0f32; tiles * mr * d];
+        // The current key head, transposed into slivers of `nr` keys (zeros past the last).
+        let mut kpack: Vec<f32> = Vec::new();
+        let mut packed = usize::MAX;
+        let mut ppack = vec![0f32; tiles * mr * KB];
         for b in b0..b1 {
             let (h, i0) = (b / per_head, (b % per_head) * QB);
             let rows = QB.min(tq - i0);
@@ -58,31 +87,41 @@ pub(super) fn attention(
             let mut l = [0f32; QB];
             let mut bad = [false; QB];
             acc[..rows * d].iter_mut().for_each(|a| *a = 0.0);
+            if packed != kh {
+                pack_keys(&k[kvbase..kvbase + tk * d], d, nr, &mut kpack);
+                packed = kh;
+            }
+            for (t, r0) in (0..rows).step_by(mr).enumerate() {
+                let n = mr.min(rows - r0);
+                pack_tile(&q[qbase + r0 * d..], d, n, d, mr, &mut qpack[t * mr * d..]);
+            }
             let last = limit(i0 + rows - 1);
             let mut j0 = 0;
             while j0 < last {
                 let kn = KB.min(last - j0);
-                // Scores of the block: 4 x 3 tiles of dot products.
-                let mut r = 0;
-                while r < rows {
-                    let mr = 4.min(rows - r);
-                    let mut c = 0;
-                    while c < kn {
-                        let nr = 3.min(kn - c);
-                        dot_tile(
-                            &q[qbase + r * d..],
-                            d,
-                            mr,
-                            &k[kvbase + (j0 + c) * d..],
-                            d,
-                            nr,
-                            d,
-                            &mut s[r * KB + c..],
-                            KB,
-                        );
-                        c += nr;
+                let slivers = kn.div_ceil(nr);
+                // Scores of the block, tile by sliver.
+                for sl in 0..slivers {
+                    let cols = nr.min(kn - sl * nr);
+                    for (t, r0) in (0..rows).step_by(mr).enumerate() {
+                        // SAFETY: a packed tile of d x mr, a sliver of d x nr, and a tile of
+                        // `s` (rows KB apart) inside the block.
+                        unsafe {
+                            micro(
+                                isa,
+                                mr.min(rows - r0),
+                                qpack[t * mr * d..].as_ptr(),
+                                kpack[(j0 / nr + sl) * d * nr..].as_ptr(),
+                                nr,
+                                false,
+                                d,
+                                s[r0 * KB + sl * nr..].as_mut_ptr(),
+                                KB,
+                                false,
+                                cols,
+                            )
+                        };
                     }
-                    r += mr;
                 }
                 // Each row: its masks and scale, then the online softmax update; `s` becomes
                 // the block's weights (0 where masked).
@@ -90,16 +129,24 @@ pub(super) fn attention(
                     let lim = limit(i0 + r);
                     let row = &mut s[r * KB..r * KB + kn];
                     let mut bm = f32::NEG_INFINITY;
-                    for (c, x) in row.iter_mut().enumerate() {
-                        let j = j0 + c;
-                        if j >= lim || mask.is_some_and(|mk| mk[j] == 0.0) {
-                            *x = f32::NEG_INFINITY;
-                            continue;
+                    if mask.is_none() && j0 + kn <= lim {
+                        // Every key of the block visible: a loop without branches.
+                        row.iter_mut().for_each(|x| *x *= scale);
+                        let (most, finite) = max_finite(row);
+                        bm = most;
+                        bad[r] |= !finite;
+                    } else {
+                        for (c, x) in row.iter_mut().enumerate() {
+                            let j = j0 + c;
+                            if j >= lim || mask.is_some_and(|mk| mk[j] == 0.0) {
+                                *x = f32::NEG_INFINITY;
+                                continue;
+                            }
+                            let sc = *x * scale;
+                            bad[r] |= !sc.is_finite();
+                            *x = sc;
+                            bm = bm.max(sc);
                         }
-                        let sc = *x * scale;
-                        bad[r] |= !sc.is_finite();
-                        *x = sc;
-                        bm = bm.max(sc);
                     }
                     if bad[r] || bm == f32::NEG_INFINITY {
                         row.iter_mut().for_each(|x| *x = 0.0);
@@ -114,19 +161,32 @@ pub(super) fn attention(
                     l[r] += exp_shifted(row, mn);
                     m[r] = mn;
                 }
-                // The weighted values: each value row once for four query rows at a time.
-                let vblock = &v[kvbase + j0 * d..kvbase + (j0 + kn) * d];
-                let mut r = 0;
-                while r + 4 <= rows {
-                    pv_tile4(&s[r * KB..], KB, vblock, d, kn, &mut acc[r * d..], d);
-                    r += 4;
+                // The weighted values: acc += weights x values, the value rows read in place.
+                for (t, r0) in (0..rows).step_by(mr).enumerate() {
+                    let n = mr.min(rows - r0);
+                    pack_tile(&s[r0 * KB..], KB, n, kn, mr, &mut ppack[t * mr * KB..]);
                 }
-                for r in r..rows {
-                    for c in 0..kn {
-                        let p = s[r * KB + c];
-                        if p != 0.0 {
-                            axpy(p, &vblock[c * d..(c + 1) * d], &mut acc[r * d..(r + 1) * d]);
-                        }
+                let vblock = &v[kvbase + j0 * d..kvbase + (j0 + kn) * d];
+                for c0 in (0..d).step_by(nr) {
+                    let cols = nr.min(d - c0);
+                    for (t, r0) in (0..rows).step_by(mr).enumerate() {
+                        // SAFETY: a packed tile of kn x mr; kn value rows d apart, of which
+                        // `cols` from c0 are read (masked when fewer than nr); a tile of `acc`.
+                        unsafe {
+                            micro(
+                                isa,
+                                mr.min(rows - r0),
+                                ppack[t * mr * KB..].as_ptr(),
+                                vblock[c0..].as_ptr(),
+                                d,
+                                cols < nr,
+                                kn,
+                                acc[r0 * d + c0..].as_mut_ptr(),
+                                d,
+                                true,
+                                cols,
+                            )
+                        };
                     }
                 }
                 j0 += kn;
@@ -147,6 +207,53 @@ pub(super) fn attention(
             }
         }
     });
+}
+
+/// Bytes one task keeps for `tk` keys of `d` values: the packed key head and the block's
+/// scores, accumulators and packed tiles (at the widest sliver and tile).
+pub(super) fn workspace_bytes(tk: usize, d: usize) -> u64 {
+    let floats = tk.div_ceil(32) * 32 * d + QB * KB + QB * d + QB.div_ceil(12) * 12 * (d + KB);
+    floats as u64 * 4
+}
+
+/// Every key row of `k` (`d` values each) transposed into slivers of `nr` keys:
+/// `out[(j / nr) * d * nr + dd * nr + j % nr] = k[j * d + dd]`, zeros past the last key.
+fn pack_keys(k: &[f32], d: usize, nr: usize, out: &mut Vec<f32>) {
+    let tk = k.len() / d.max(1);
+    out.clear();
+    out.resize(tk.div_ceil(nr) * nr * d, 0.0);
+    for (j, row) in k.chunks_exact(d).enumerate() {
+        let base = (j / nr) * d * nr + j % nr;
+        for (dd, &x) in row.iter().enumerate() {
+            out[base + dd * nr] = x;
+        }
+    }
+}
+
+/// The largest of `row` and whether every value is finite, in eight independent lanes (a loop
+/// the compiler vectorizes; `f32::max`'s NaN rule keeps it scalar).
+fn max_finite(row: &[f32]) -> (f32, bool) {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let mut odd = [false; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for ch in chunks {
+        for i in 0..8 {
+            m[i] = if ch[i] > m[i] { ch[i] } else { m[i] };
+            odd[i] |= (ch[i].to_bits() & 0x7f80_0000) == 0x7f80_0000;
+        }
+    }
+    let mut most = f32::NEG_INFINITY;
+    let mut finite = true;
+    for i in 0..8 {
+        most = if m[i] > most { m[i] } else { most };
+        finite &= !odd[i];
+    }
+    for &x in tail {
+        most = if x > most { x } else { most };
+        finite &= x.is_finite();
+    }
+    (most, finite)
 }
 
 #[cfg(test)]
@@ -214,6 +321,8 @@ mod tests {
             (4usize, 2usize, 37usize, 150usize, 24usize),
             (2, 1, 17, 70, 40),
             (3, 3, 5, 5, 16),
+            // Several query blocks, key blocks and slivers; a head of 64.
+            (2, 1, 100, 200, 64),
         ] {
             let gen = |n: usize, s: u32| -> Vec<f32> {
                 (0..n)
@@ -238,19 +347,35 @@ mod tests {
                 .collect();
             for causal in [false, true] {
                 for m in [None, Some(mask.as_slice())] {
-                    let mut out = vec![0f32; hq * tq * d];
-                    attention(
-                        &pool,
-                        &q,
-                        &k,
-                        &v,
-                        m,
-                        &[hq, tq, d],
-                        &[hkv, tk, d],
-                        causal,
-                        0.3,
-                        &mut out,
-                    );
+                    // Every instruction set the CPU has gives the same bits.
+                    let mut outs = crate::backend::cpu::gemm::Isa::all_present()
+                        .into_iter()
+                        .map(|isa| {
+                            let mut out = vec![0f32; hq * tq * d];
+                            attention_on(
+                                isa,
+                                &pool,
+                                &q,
+                                &k,
+                                &v,
+                                m,
+                                &[hq, tq, d],
+                                &[hkv, tk, d],
+                                causal,
+                                0.3,
+                                &mut out,
+                            );
+                            out
+                        })
+                        .collect::<Vec<_>>();
+                    let out = outs.remove(0);
+                    for other in &outs {
+                        let same = out
+                            .iter()
+                            .zip(other)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{hq} {tq} {tk} {d}: instruction sets differ");
+                    }
                     let want = naive(&q, &k, &v, m, [hq, tq, d], tk, hkv, causal);
                     let err = out
                         .iter()

@@ -300,6 +300,23 @@ pub fn gemm(
 // `block`, `micro` and `portable` are pointer kernels whose callers own the bounds (each says
 // what it needs); an `unsafe` block around every pointer step would add nothing.
 
+/// Packs `rows` rows of `src` (stride `ld`), `kc` values each, as a micro-kernel tile:
+/// `dst[kk * mr + r] = src[r * ld + kk]`.
+pub(super) fn pack_tile(
+    src: &[f32],
+    ld: usize,
+    rows: usize,
+    kc: usize,
+    mr: usize,
+    dst: &mut [f32],
+) {
+    for r in 0..rows {
+        for (kk, &v) in src[r * ld..r * ld + kc].iter().enumerate() {
+            dst[kk * mr + r] = v;
+        }
+    }
+}
+
 /// One task's rows and columns.
 ///
 /// # Safety
@@ -342,13 +359,14 @@ unsafe fn block(
                 // micro-kernel reads it in order (rows `k` apart would share cache sets).
                 for (t, i) in (ic..i1).step_by(mr_max).enumerate() {
                     let rows = (i1 - i).min(mr_max);
-                    let tile = &mut apanel[t * kc * mr_max..(t + 1) * kc * mr_max];
-                    for r in 0..rows {
-                        let src = &a[(i + r) * k + pc..(i + r) * k + pc + kc];
-                        for (kk, &v) in src.iter().enumerate() {
-                            tile[kk * mr_max + r] = v;
-                        }
-                    }
+                    pack_tile(
+                        &a[i * k + pc..],
+                        k,
+                        rows,
+                        kc,
+                        mr_max,
+                        &mut apanel[t * kc * mr_max..],
+                    );
                 }
                 for s in 0..slivers {
                     let j = jc + s * nr;
@@ -360,7 +378,7 @@ unsafe fn block(
                         let cp = out.0.add(i * ldc + j);
                         // SAFETY: the packed tile holds kc x mr_max values, the sliver kc x nr;
                         // the output tile lies in this task's part of `out`.
-                        micro(isa, mr, ap, b, kc, cp, ldc, pc > 0, cols);
+                        micro(isa, mr, ap, b, nr, false, kc, cp, ldc, pc > 0, cols);
                     }
                 }
             }
@@ -369,18 +387,21 @@ unsafe fn block(
 }
 
 /// One `mr x cols` tile: `c = (load ? c + s : s)` where `s = a · b` is a chain of fused
-/// multiply-adds from +0 in k order.
+/// multiply-adds from +0 in k order. Attention calls it too ([`super::attention`]).
 ///
 /// # Safety
 /// `isa` is present; `a` is a packed tile of `kc x isa.mr()` (row r of step kk at
-/// `kk * isa.mr() + r`), `b` a sliver of `kc x nr`, `c` `mr` rows (stride `ldc`) of `cols` values.
-#[allow(clippy::too_many_arguments)]
+/// `kk * isa.mr() + r`); `b` holds `kc` rows `ldb` apart, each of `nr` readable values, or of
+/// `cols` when `bmask` (then only those are read); `c` has `mr` rows (stride `ldc`) of `cols`.
 #[allow(unsafe_op_in_unsafe_fn)]
-unsafe fn micro(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn micro(
     isa: Isa,
     mr: usize,
     a: *const f32,
     b: *const f32,
+    ldb: usize,
+    bmask: bool,
     kc: usize,
     c: *mut f32,
     ldc: usize,
@@ -391,18 +412,18 @@ unsafe fn micro(
     macro_rules! by_rows {
         ($f:ident) => {
             match mr {
-                1 => x86::$f::<1>(a, lda, b, kc, c, ldc, load, cols),
-                2 => x86::$f::<2>(a, lda, b, kc, c, ldc, load, cols),
-                3 => x86::$f::<3>(a, lda, b, kc, c, ldc, load, cols),
-                4 => x86::$f::<4>(a, lda, b, kc, c, ldc, load, cols),
-                5 => x86::$f::<5>(a, lda, b, kc, c, ldc, load, cols),
-                6 => x86::$f::<6>(a, lda, b, kc, c, ldc, load, cols),
-                7 => x86::$f::<7>(a, lda, b, kc, c, ldc, load, cols),
-                8 => x86::$f::<8>(a, lda, b, kc, c, ldc, load, cols),
-                9 => x86::$f::<9>(a, lda, b, kc, c, ldc, load, cols),
-                10 => x86::$f::<10>(a, lda, b, kc, c, ldc, load, cols),
-                11 => x86::$f::<11>(a, lda, b, kc, c, ldc, load, cols),
-                _ => x86::$f::<12>(a, lda, b, kc, c, ldc, load, cols),
+                1 => x86::$f::<1>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                2 => x86::$f::<2>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                3 => x86::$f::<3>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                4 => x86::$f::<4>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                5 => x86::$f::<5>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                6 => x86::$f::<6>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                7 => x86::$f::<7>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                8 => x86::$f::<8>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                9 => x86::$f::<9>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                10 => x86::$f::<10>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                11 => x86::$f::<11>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
+                _ => x86::$f::<12>(a, lda, b, ldb, bmask, kc, c, ldc, load, cols),
             }
         };
     }
@@ -411,7 +432,7 @@ unsafe fn micro(
         Isa::Avx512 => by_rows!(micro512),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if mr <= 6 => by_rows!(micro256),
-        _ => portable(mr, a, lda, b, isa.nr(), kc, c, ldc, load, cols),
+        _ => portable(mr, a, lda, b, ldb, kc, c, ldc, load, cols),
     }
 }
 
@@ -424,7 +445,7 @@ unsafe fn portable(
     a: *const f32,
     lda: usize,
     b: *const f32,
-    nr: usize,
+    ldb: usize,
     kc: usize,
     c: *mut f32,
     ldc: usize,
@@ -437,7 +458,7 @@ unsafe fn portable(
         acc.fill(0.0);
         for kk in 0..kc {
             let x = *a.add(kk * lda + r);
-            let row = std::slice::from_raw_parts(b.add(kk * nr), cols);
+            let row = std::slice::from_raw_parts(b.add(kk * ldb), cols);
             for (v, &w) in acc.iter_mut().zip(row) {
                 *v = x.mul_add(w, *v);
             }
@@ -461,6 +482,8 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
+        ldb: usize,
+        bmask: bool,
         kc: usize,
         c: *mut f32,
         ldc: usize,
@@ -483,11 +506,20 @@ mod x86 {
         }
         for kk in 0..kc {
             // The sliver and the tile a few steps ahead, from L2 into L1.
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * 32) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * 32 + 16) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * ldb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * ldb + 16) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add((kk + 8) * lda) as *const i8);
-            let b0 = _mm512_loadu_ps(b.add(kk * 32));
-            let b1 = _mm512_loadu_ps(b.add(kk * 32 + 16));
+            let (b0, b1) = if bmask {
+                (
+                    _mm512_maskz_loadu_ps(m0, b.add(kk * ldb)),
+                    _mm512_maskz_loadu_ps(m1, b.add(kk * ldb + 16)),
+                )
+            } else {
+                (
+                    _mm512_loadu_ps(b.add(kk * ldb)),
+                    _mm512_loadu_ps(b.add(kk * ldb + 16)),
+                )
+            };
             for r in 0..R {
                 let x = _mm512_set1_ps(*a.add(kk * lda + r));
                 lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
@@ -512,6 +544,8 @@ mod x86 {
         a: *const f32,
         lda: usize,
         b: *const f32,
+        ldb: usize,
+        bmask: bool,
         kc: usize,
         c: *mut f32,
         ldc: usize,
@@ -530,8 +564,17 @@ mod x86 {
             }
         }
         for kk in 0..kc {
-            let b0 = _mm256_loadu_ps(b.add(kk * 16));
-            let b1 = _mm256_loadu_ps(b.add(kk * 16 + 8));
+            let (b0, b1) = if bmask {
+                (
+                    _mm256_maskload_ps(b.add(kk * ldb), m0),
+                    _mm256_maskload_ps(b.add(kk * ldb + 8), m1),
+                )
+            } else {
+                (
+                    _mm256_loadu_ps(b.add(kk * ldb)),
+                    _mm256_loadu_ps(b.add(kk * ldb + 8)),
+                )
+            };
             for r in 0..R {
                 let x = _mm256_broadcast_ss(&*a.add(kk * lda + r));
                 lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);

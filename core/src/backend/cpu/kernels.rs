@@ -107,18 +107,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `y += a * x` (AVX2 + FMA where present).
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if have_avx2() {
-        // SAFETY: AVX2 and FMA are present.
-        return unsafe { avx2::axpy(a, x, y) };
-    }
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o += a * v;
-    }
-}
-
 /// `x = exp(x - m)` for every element (`-inf` gives 0), returning their sum: attention's
 /// softmax weights. The AVX2 path is avx_mathfun's `exp256_ps` (Cephes' polynomial, within 2 ulp
 /// of the true value; the same bits on every x86-64 CPU with AVX2); elsewhere `f32::exp`.
@@ -138,35 +126,6 @@ pub fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
         sum += *v;
     }
     sum
-}
-
-/// `acc[r * accs + i] += sum_c p[r * ps + c] * v[c * d + i]` for 4 rows `r`, `kn` rows of `v`
-/// and `i < d`: attention's weighted values, each value row loaded once for the four rows.
-#[allow(clippy::too_many_arguments)]
-pub fn pv_tile4(
-    p: &[f32],
-    ps: usize,
-    v: &[f32],
-    d: usize,
-    kn: usize,
-    acc: &mut [f32],
-    accs: usize,
-) {
-    assert!(p.len() >= 3 * ps + kn && v.len() >= kn * d && acc.len() >= 3 * accs + d);
-    #[cfg(target_arch = "x86_64")]
-    if have_avx2() && d.is_multiple_of(16) {
-        // SAFETY: AVX2 and FMA are present; the bounds were checked above.
-        return unsafe { avx2::pv_tile4(p, ps, v, d, kn, acc, accs) };
-    }
-    for c in 0..kn {
-        for r in 0..4 {
-            axpy(
-                p[r * ps + c],
-                &v[c * d..(c + 1) * d],
-                &mut acc[r * accs..r * accs + d],
-            );
-        }
-    }
 }
 
 /// Weight rows for [`dot_tile_rows`]: f32, or bf16 as a model stores them, each element widened
@@ -373,59 +332,6 @@ mod avx2 {
             sum += t[..n - i].iter().sum::<f32>();
         }
         sum
-    }
-
-    /// See [`super::pv_tile4`]: 16 columns of the four rows in 8 registers at a time.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn pv_tile4(
-        p: &[f32],
-        ps: usize,
-        v: &[f32],
-        d: usize,
-        kn: usize,
-        acc: &mut [f32],
-        accs: usize,
-    ) {
-        let (pp, pv, pa) = (p.as_ptr(), v.as_ptr(), acc.as_mut_ptr());
-        let mut i = 0;
-        while i + 16 <= d {
-            let mut a = [_mm256_setzero_ps(); 8];
-            for r in 0..4 {
-                a[2 * r] = _mm256_loadu_ps(pa.add(r * accs + i));
-                a[2 * r + 1] = _mm256_loadu_ps(pa.add(r * accs + i + 8));
-            }
-            for c in 0..kn {
-                let v0 = _mm256_loadu_ps(pv.add(c * d + i));
-                let v1 = _mm256_loadu_ps(pv.add(c * d + i + 8));
-                for r in 0..4 {
-                    let w = _mm256_set1_ps(*pp.add(r * ps + c));
-                    a[2 * r] = _mm256_fmadd_ps(w, v0, a[2 * r]);
-                    a[2 * r + 1] = _mm256_fmadd_ps(w, v1, a[2 * r + 1]);
-                }
-            }
-            for r in 0..4 {
-                _mm256_storeu_ps(pa.add(r * accs + i), a[2 * r]);
-                _mm256_storeu_ps(pa.add(r * accs + i + 8), a[2 * r + 1]);
-            }
-            i += 16;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len().min(y.len());
-        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
-        let va = _mm256_set1_ps(a);
-        let mut i = 0;
-        while i + 8 <= n {
-            let r = _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
-            _mm256_storeu_ps(py.add(i), r);
-            i += 8;
-        }
-        while i < n {
-            *py.add(i) = a.mul_add(*px.add(i), *py.add(i));
-            i += 1;
-        }
     }
 
     #[inline]

@@ -22,10 +22,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
-use kernels::{
-    axpy, dot, dot_tile, dot_tile_rows, exp_shifted, lane_order, pair_order, pv_tile4, q4_row_dots,
-    Rows,
-};
+use kernels::{dot, dot_tile_rows, exp_shifted, lane_order, pair_order, q4_row_dots, Rows};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
@@ -236,8 +233,8 @@ impl Backend for CpuBackend {
         // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear
         // (m x k), a matmul's transposed operand (n x k), a convolution band's columns. Each
         // worker (and the caller) keeps the GEMM's packed weight block ([`gemm::panel_bytes`])
-        // for every linear, matmul and convolution; a convolution also allocates its band's
-        // products while it runs.
+        // for every linear, matmul and convolution, or attention's packed key head and tiles;
+        // a convolution also allocates its band's products while it runs.
         let (mut shared, mut tile, mut transient) = (0u64, 0u64, 0u64);
         for o in ops {
             let shape = |i: usize| o.inputs.get(i).map(|v| v.shape.clone()).unwrap_or_default();
@@ -260,6 +257,12 @@ impl Backend for CpuBackend {
                     if let (Some(&k), Some(&n)) = (a.last(), b.last()) {
                         shared = shared.max((n * k * 4) as u64);
                         tile = tile.max(gemm::panel_bytes(k) as u64);
+                    }
+                }
+                OpKind::Attention { .. } => {
+                    let k = shape(1);
+                    if let (Some(&tk), Some(&d)) = (k.get(1), k.get(2)) {
+                        tile = tile.max(attention::workspace_bytes(tk, d));
                     }
                 }
                 OpKind::Conv2d { kernel, pad, .. } => {

@@ -25,11 +25,14 @@ struct Bench {
 }
 
 impl Bench {
-    /// Whether the CPU backend runs it on the blocked GEMM (a 4-bit linear of more rows than
-    /// the GEMV takes).
+    /// Whether the CPU backend runs it on the GEMM's micro-kernel (a 4-bit linear of more rows
+    /// than the GEMV takes, attention).
     fn on_gemm(&self) -> bool {
-        matches!(self.op, OpKind::LinearQ4 { .. })
-            && self.inputs[0][0] > nibble_core::backend::cpu::GEMV_MAX_ROWS
+        match self.op {
+            OpKind::LinearQ4 { .. } => self.inputs[0][0] > nibble_core::backend::cpu::GEMV_MAX_ROWS,
+            OpKind::Attention { .. } => true,
+            _ => false,
+        }
     }
 }
 

@@ -3,8 +3,9 @@
 //! once, and a memory-bound stream (a sum over 256 MiB on every core). Each kernel is then bound
 //! by compute or by memory according to its arithmetic intensity against the ridge point, and
 //! reported as the fraction of that peak it reaches. The blocked GEMM (a linear of more than a
-//! few rows) runs the widest instruction set present ([`nibble_core::backend::cpu::gemm::isa`]),
-//! so that width's peak is its compute roof; the other kernels use AVX2 + FMA.
+//! few rows) and attention run the GEMM's micro-kernel on the widest instruction set present
+//! ([`nibble_core::backend::cpu::gemm::isa`]), so that width's peak is their compute roof; the
+//! other kernels use AVX2 + FMA.
 
 use std::time::Instant;
 
