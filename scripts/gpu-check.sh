@@ -163,12 +163,6 @@ echo "preflight: ok in $((SECONDS - t0)) s"
 for b in nibble conformance llama_fixture dit_fixture; do
     [ -x "$bundle/$b" ] || { echo "error: $bundle/$b missing: run scripts/gpu-check.sh --prepare first (and carry $bundle)" >&2; exit 1; }
 done
-inc=$(python3 -c 'import glob,site
-for b in site.getsitepackages():
-    for d in glob.glob(b + "/nvidia/cu13/include"):
-        print(d); raise SystemExit' 2>/dev/null || true)
-[ -z "$inc" ] && [ -d /usr/local/cuda/include ] && inc=/usr/local/cuda/include
-[ -n "$inc" ] && export NIBBLE_CUDA_INCLUDE="$inc"
 export NIBBLE_REQUIRE_CUDA=1 NIBBLE_FIXTURES="$PWD/$bundle/fixtures"
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 # wgpu on the GPU through Vulkan: the loader travels as Debian packages (.gl/*.deb), the driver
@@ -253,7 +247,6 @@ PY
 {
     echo "== nvidia-smi"; nvidia-smi || true
     echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    echo "== NIBBLE_CUDA_INCLUDE=${NIBBLE_CUDA_INCLUDE:-}"
     echo "== $wgpu_note"
     tests "conformance (cuda and wgpu columns)" 240 conformance every_op_on_every_backend_matches_cpu_ref \
         attention_scores_that_overflow_are_nan_rows_on_every_backend linear_q4_over_the_binding_limit_is_split \

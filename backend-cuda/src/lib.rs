@@ -20,6 +20,10 @@ use nibble_core::graph::OpKind;
 use nibble_core::io::source::{SlotBuffer, SlotMemory};
 use nibble_core::stream::ring::{Fence, SlotAllocator};
 
+mod toolchain;
+pub use toolchain::{bf16_bits, cublas_present, driver_present, missing_libraries, nvrtc_present};
+use toolchain::{driver_version, nvrtc_version};
+
 /// Every kernel: (file and entry-point name, CUDA C source).
 pub const KERNELS: [(&str, &str); 29] = [
     (
@@ -94,18 +98,6 @@ fn drv(e: impl std::fmt::Debug) -> CudaError {
     CudaError::Driver(format!("{e:?}"))
 }
 
-/// Whether the CUDA driver library can be loaded (no CUDA call is made).
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-/// Whether NVRTC can be loaded.
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
 /// Signals when a recorded CUDA event (an upload's copy) has completed.
 struct EventFence(cudarc::driver::CudaEvent);
 
@@ -162,6 +154,11 @@ pub struct CudaBackend {
     copy: Arc<CudaStream>,
     arch: String,
     name: String,
+    /// NVRTC's and the driver's versions, for the log and the kernel cache key.
+    nvrtc: (i32, i32),
+    driver: (i32, i32),
+    /// How the kernels were loaded so far: "CUBIN", or "PTX" when NVRTC could not make one.
+    loaded_as: &'static str,
     functions: HashMap<&'static str, CudaFunction>,
     device: Option<Device>,
     blas: Option<cudarc::cublas::CudaBlas>,
@@ -178,51 +175,14 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-fn cache_dir() -> Option<std::path::PathBuf> {
-    std::env::var_os("NIBBLE_CACHE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/nibble"))
-        })
-        .map(|d| d.join("cuda-kernels"))
-}
-
-fn include_dirs() -> Vec<String> {
-    let mut v: Vec<String> = std::env::var("NIBBLE_CUDA_INCLUDE")
-        .ok()
-        .into_iter()
-        .collect();
-    if let Some(home) = std::env::var_os("HOME") {
-        v.push(format!(
-            "{}/.cache/nibble-tools/nvrtc-13.0.88/nvidia/cu13/include",
-            home.to_string_lossy()
-        ));
-    }
-    v.push("/usr/local/cuda/include".into());
-    v.into_iter()
-        .filter(|d| std::path::Path::new(d).join("cuda_bf16.h").is_file())
-        .collect()
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 impl CudaBackend {
     /// Opens device 0, or says why it cannot.
     pub fn new() -> Result<Self, CudaError> {
-        if !driver_present() {
-            return Err(CudaError::NoDriver(
-                "libcuda.so.1 is not on the library path".into(),
-            ));
+        let missing = missing_libraries();
+        if !missing.is_empty() {
+            return Err(CudaError::NoDriver(missing.join("; ")));
         }
-        if !nvrtc_present() {
-            return Err(CudaError::NoDriver(
-                "NVRTC (libnvrtc.so.13) is not on the library path: install the CUDA 13.0 toolkit or the nvidia-cuda-nvrtc==13.0.88 wheel and add its lib folder to LD_LIBRARY_PATH".into(),
-            ));
-        }
+        let nvrtc = nvrtc_version()?;
         let n = CudaContext::device_count().map_err(|e| CudaError::NoDriver(format!("{e:?}")))?;
         if n < 1 {
             return Err(CudaError::NoDriver(
@@ -230,6 +190,7 @@ impl CudaBackend {
             ));
         }
         let ctx = CudaContext::new(0).map_err(drv)?;
+        let driver = driver_version()?;
         let (major, minor) = ctx.compute_capability().map_err(drv)?;
         let name = ctx.name().map_err(drv)?;
         let compute = ctx.default_stream();
@@ -240,6 +201,9 @@ impl CudaBackend {
             copy,
             arch: format!("sm_{major}{minor}"),
             name,
+            nvrtc,
+            driver,
+            loaded_as: "CUBIN",
             functions: HashMap::new(),
             device: None,
             blas: None,
@@ -248,9 +212,18 @@ impl CudaBackend {
         })
     }
 
-    /// "name (sm_XY)".
+    /// "name (sm_XY, driver CUDA a.b, NVRTC c.d, kernels as CUBIN)".
     pub fn describe(&self) -> String {
-        format!("{} ({})", self.name, self.arch)
+        format!(
+            "{} ({}, driver CUDA {}.{}, NVRTC {}.{}, kernels as {})",
+            self.name,
+            self.arch,
+            self.driver.0,
+            self.driver.1,
+            self.nvrtc.0,
+            self.nvrtc.1,
+            self.loaded_as
+        )
     }
 
     /// Reference copy bandwidths on this device, for comparing kernels and the ring against:
@@ -332,37 +305,11 @@ impl CudaBackend {
             .find(|(n, _)| *n == name)
             .map(|(_, s)| *s)
             .ok_or_else(|| CudaError::Nvrtc(format!("no kernel named {name}")))?;
-        let key = format!("{name}-{}-{:016x}.ptx", self.arch, fnv(src.as_bytes()));
-        let cached = cache_dir().map(|d| d.join(&key));
-        let ptx_text = match cached
-            .as_ref()
-            .and_then(|p| std::fs::read_to_string(p).ok())
-        {
-            Some(t) => t,
-            None => {
-                let arch: &'static str = Box::leak(self.arch.clone().into_boxed_str());
-                let opts = cudarc::nvrtc::CompileOptions {
-                    arch: Some(arch),
-                    include_paths: include_dirs(),
-                    options: vec!["--std=c++17".into()],
-                    ..Default::default()
-                };
-                let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-                    .map_err(|e| CudaError::Nvrtc(format!("{name}: {e:?}")))?;
-                let text = ptx.to_src();
-                if let Some(p) = &cached {
-                    if let Some(dir) = p.parent() {
-                        let _ = std::fs::create_dir_all(dir);
-                    }
-                    let _ = std::fs::write(p, &text);
-                }
-                text
-            }
-        };
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx_text))
-            .map_err(drv)?;
+        let (image, kind) = toolchain::kernel_image(name, src, &self.arch, self.nvrtc)?;
+        if kind == "PTX" {
+            self.loaded_as = "PTX";
+        }
+        let module = self.ctx.load_module(image).map_err(drv)?;
         let f = module.load_function(name).map_err(drv)?;
         self.functions.insert(name, f.clone());
         Ok(f)
@@ -676,6 +623,10 @@ impl Backend for CudaBackend {
                 .map_err(drv)?;
             self.scratch = Some((w, workspace_bytes));
         }
+        // The zeroing was queued on the compute stream; uploads run on the copy stream, so they
+        // wait for it (an upload racing the memset would be zeroed).
+        let zeroed = self.compute.record_event(None).map_err(drv)?;
+        self.copy.wait(&zeroed).map_err(drv)?;
         let arena_ptr = arena.device_ptr(&self.compute).0;
         let pool_ptr = pool.device_ptr(&self.compute).0;
         let dummy_ptr = dummy.device_ptr(&self.compute).0;
@@ -730,7 +681,9 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(drv)?;
-        self.compute.synchronize().map_err(drv)?;
+        // No synchronization: a copy from pageable memory returns once the source has been
+        // staged (the caller may reuse `words`), and the kernels that read it are queued after
+        // it on the same stream.
         Ok(())
     }
 

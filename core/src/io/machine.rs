@@ -293,7 +293,7 @@ fn page_size() -> u64 {
 /// Bytes free to an unprivileged writer on the file system that holds `path` (or its nearest
 /// existing ancestor, for a folder not made yet); `None` where the system does not say.
 pub fn free_disk_bytes(path: &std::path::Path) -> Option<u64> {
-    #[cfg(unix)]
+    #[cfg(all(unix, feature = "native"))]
     {
         let mut p = if path.is_absolute() {
             path.to_path_buf()
@@ -315,7 +315,7 @@ pub fn free_disk_bytes(path: &std::path::Path) -> Option<u64> {
         #[allow(clippy::unnecessary_cast)] // the field types differ between unixes
         Some((s.f_bavail as u64).saturating_mul(s.f_frsize as u64))
     }
-    #[cfg(not(unix))]
+    #[cfg(not(all(unix, feature = "native")))]
     {
         let _ = path;
         None
