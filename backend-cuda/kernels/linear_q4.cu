@@ -10,11 +10,12 @@ extern "C" __global__ void linear_q4(const float* x, const unsigned char* packed
     __shared__ float table[16];
     if (threadIdx.x < 16) table[threadIdx.x] = code[threadIdx.x];
     __syncthreads();
-    unsigned int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    // 64-bit: 32 threads per output, so rows * n past 2^27 would wrap a 32-bit thread index.
+    unsigned long long warp = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     unsigned int lane = threadIdx.x & 31;
-    if (warp >= rows * n) return;
-    unsigned int m = warp / n;
-    unsigned int c = warp % n;
+    if (warp >= (unsigned long long)rows * n) return;
+    unsigned int m = (unsigned int)(warp / n);
+    unsigned int c = (unsigned int)(warp % n);
     const float* xr = x + (size_t)m * k;
     size_t base = (size_t)c * k;  // first element of this weight row
     float acc = 0.f;

@@ -315,6 +315,13 @@ impl CudaBackend {
         Ok(f)
     }
 
+    /// Makes this backend's context current on the calling thread: the raw driver and cuBLAS
+    /// calls below (copies, GEMMs) act on the current context, and a backend may be driven from
+    /// another thread than the one that made it (a server's model thread, a test's).
+    fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(drv)
+    }
+
     fn dev(&self) -> Result<&Device, CudaError> {
         self.device
             .as_ref()
@@ -671,6 +678,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_arena(&mut self, dst: ArenaSlice, words: &[u32]) -> nibble_core::Result<()> {
+        self.bind()?;
         let base = self.dev()?.arena_ptr;
         // SAFETY: dst lies inside the arena (placed by the executor).
         unsafe {
@@ -688,6 +696,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_arena(&mut self, src: ArenaSlice) -> nibble_core::Result<Vec<u32>> {
+        self.bind()?;
         let base = self.dev()?.arena_ptr;
         let mut out = vec![0u32; src.len];
         // SAFETY: src lies inside the arena.
@@ -704,6 +713,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&mut self, offset: u64, bytes: &[u8]) -> nibble_core::Result<Box<dyn Fence>> {
+        self.bind()?;
         let base = self.dev()?.pool_ptr;
         // The copy runs on the copy stream; the compute stream waits for it, and the ring waits
         // for the same event before it refills the slot.
@@ -736,6 +746,7 @@ impl Backend for CudaBackend {
         q4: Option<&Q4View>,
         out: &Operand,
     ) -> nibble_core::Result<()> {
+        self.bind()?;
         let dev = self.dev()?;
         let (arena, pool, dummy) = (dev.arena_ptr, dev.pool_ptr, dev.dummy_ptr);
         let at = |o: &Operand| arena + o.slice.offset as u64 * 4;

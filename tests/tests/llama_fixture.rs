@@ -85,9 +85,23 @@ fn check_backend_within<B: Backend>(mut make: impl FnMut() -> B, label: &str, to
             let (l, _) = d.decode(*got.last().expect("token")).expect("decode");
             got.push(argmax(&l));
         }
+        // Exact where the backend computes in f32; through bf16 (CUDA's GEMM path) up to the
+        // first step whose reference top-1/top-2 gap is within twice the logits' error bound,
+        // where either token is a right answer and what follows is not comparable.
+        let upto = if tol > LOGITS_F32 {
+            let margins = e.f32("greedy_top2_margin_deq").expect("margins");
+            let bound = 2.0 * tol * want.iter().fold(0f32, |a, b| a.max(b.abs())) as f64;
+            margins
+                .iter()
+                .position(|&m| (m as f64) < bound)
+                .unwrap_or(greedy_want.len())
+        } else {
+            greedy_want.len()
+        };
         assert_eq!(
-            got, greedy_want,
-            "{label} streamed={streamed}: greedy tokens"
+            got[..upto],
+            greedy_want[..upto],
+            "{label} streamed={streamed}: greedy tokens (the first {upto} are robust)"
         );
     }
 }

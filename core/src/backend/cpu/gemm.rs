@@ -409,6 +409,7 @@ pub(super) unsafe fn micro(
     cols: usize,
 ) {
     let lda = isa.mr();
+    #[cfg(target_arch = "x86_64")]
     macro_rules! by_rows {
         ($f:ident) => {
             match mr {
@@ -432,7 +433,11 @@ pub(super) unsafe fn micro(
         Isa::Avx512 => by_rows!(micro512),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if mr <= 6 => by_rows!(micro256),
-        _ => portable(mr, a, lda, b, ldb, kc, c, ldc, load, cols),
+        _ => {
+            // The portable loop reads only the `cols` values of each row: no mask needed.
+            let _ = bmask;
+            portable(mr, a, lda, b, ldb, kc, c, ldc, load, cols)
+        }
     }
 }
 

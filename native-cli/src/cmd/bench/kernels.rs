@@ -139,23 +139,41 @@ fn run_one<B: Backend>(backend: &mut B, b: &Bench) -> Result<(Duration, u32)> {
             .collect();
         drop(backend.upload(v.code.offset, &code)?);
     }
-    // Warm-up (pipeline compilation), then as many calls as fit in about a second.
-    backend.run(&b.op, &ins, q4.as_ref(), &out)?;
-    backend.read_arena(ArenaSlice {
+    // Warm-up (pipeline compilation) and one timed call, to size the run: then `calls` launches
+    // back to back, timed from before the first to the end of the last (one read waits for
+    // them), so that a device's per-call synchronization is not counted in each call.
+    let one = Slot1 {
         offset: out.slice.offset,
-        len: 1,
-    })?;
-    let mut calls = 0u32;
+    };
+    backend.run(&b.op, &ins, q4.as_ref(), &out)?;
+    one.wait(backend)?;
+    let t = Instant::now();
+    backend.run(&b.op, &ins, q4.as_ref(), &out)?;
+    one.wait(backend)?;
+    let first = t.elapsed().max(Duration::from_micros(1));
+    let calls =
+        (Duration::from_millis(800).as_secs_f64() / first.as_secs_f64()).clamp(1.0, 2000.0) as u32;
     let start = Instant::now();
-    while calls == 0 || (start.elapsed() < Duration::from_millis(800) && calls < 50) {
+    for _ in 0..calls {
         backend.run(&b.op, &ins, q4.as_ref(), &out)?;
+    }
+    one.wait(backend)?;
+    Ok((start.elapsed() / calls, calls))
+}
+
+/// One word of the output: reading it back waits for every call queued before.
+struct Slot1 {
+    offset: usize,
+}
+
+impl Slot1 {
+    fn wait<B: Backend>(&self, backend: &mut B) -> Result<()> {
         backend.read_arena(ArenaSlice {
-            offset: out.slice.offset,
+            offset: self.offset,
             len: 1,
         })?;
-        calls += 1;
+        Ok(())
     }
-    Ok((start.elapsed() / calls, calls))
 }
 
 /// Host-to-device throughput of the weight path itself: `iters` slot-sized uploads from a
