@@ -21,25 +21,9 @@ const KB: usize = 64;
 
 /// `out = softmax(scale * q k^T (+ causal / key mask)) v` for `q` `[hq, tq, d]`, `k` and `v`
 /// `[hkv, tk, d]` (each group of `hq / hkv` query heads shares one key head).
+/// The micro-kernel is `isa`'s (which must be present).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention(
-    pool: &ThreadPool,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    mask: Option<&[f32]>,
-    qs: &[usize],
-    ks: &[usize],
-    causal: bool,
-    scale: f32,
-    out: &mut [f32],
-) {
-    attention_on(gemm::isa(), pool, q, k, v, mask, qs, ks, causal, scale, out)
-}
-
-/// [`attention`] on the micro-kernel of `isa` (which must be present).
-#[allow(clippy::too_many_arguments)]
-fn attention_on(
     isa: gemm::Isa,
     pool: &ThreadPool,
     q: &[f32],
@@ -352,7 +336,7 @@ mod tests {
                         .into_iter()
                         .map(|isa| {
                             let mut out = vec![0f32; hq * tq * d];
-                            attention_on(
+                            attention(
                                 isa,
                                 &pool,
                                 &q,

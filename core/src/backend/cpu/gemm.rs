@@ -187,40 +187,46 @@ impl Weights for Nf4Rows<'_> {
     }
 }
 
-/// f32 weight rows (stride `k`), in their own order.
-pub struct F32Rows<'a> {
+/// Dense weight rows (stride `k`) in their own order, each element widened to f32 exactly as it
+/// is read: f32 rows as they are ([`F32Rows`]), bf16 rows as a model stores them ([`Bf16Rows`]).
+pub struct DenseRows<'a, T> {
     /// `n * k` values.
-    pub w: &'a [f32],
+    pub w: &'a [T],
     /// Row length.
     pub k: usize,
+    /// One element as f32.
+    pub widen: fn(T) -> f32,
 }
 
-impl Weights for F32Rows<'_> {
-    fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
-        for c in 0..cols {
-            let row = &self.w[(j0 + c) * self.k + k0..][..kc];
-            for (kk, &v) in row.iter().enumerate() {
-                out[kk * nr + c] = v;
-            }
-        }
-        zero_tail(cols, kc, nr, out);
+/// f32 weight rows.
+pub type F32Rows<'a> = DenseRows<'a, f32>;
+/// bf16 weight rows (the bits, little-endian).
+pub type Bf16Rows<'a> = DenseRows<'a, u16>;
+
+impl<'a> F32Rows<'a> {
+    /// f32 rows of length `k`.
+    pub fn f32(w: &'a [f32], k: usize) -> Self {
+        DenseRows { w, k, widen: |v| v }
     }
 }
 
-/// bf16 weight rows (stride `k`), widened exactly to f32.
-pub struct Bf16Rows<'a> {
-    /// `n * k` values.
-    pub w: &'a [u16],
-    /// Row length.
-    pub k: usize,
+impl<'a> Bf16Rows<'a> {
+    /// bf16 rows of length `k`.
+    pub fn bf16(w: &'a [u16], k: usize) -> Self {
+        DenseRows {
+            w,
+            k,
+            widen: |v| f32::from_bits((v as u32) << 16),
+        }
+    }
 }
 
-impl Weights for Bf16Rows<'_> {
+impl<T: Copy + Sync> Weights for DenseRows<'_, T> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
         for c in 0..cols {
             let row = &self.w[(j0 + c) * self.k + k0..][..kc];
             for (kk, &v) in row.iter().enumerate() {
-                out[kk * nr + c] = f32::from_bits((v as u32) << 16);
+                out[kk * nr + c] = (self.widen)(v);
             }
         }
         zero_tail(cols, kc, nr, out);
@@ -651,17 +657,7 @@ mod tests {
             let want = chain(&a, &w, m, n, k);
             for isa in Isa::all_present() {
                 let mut out = vec![f32::NAN; m * n];
-                gemm(
-                    pool,
-                    isa,
-                    &a,
-                    m,
-                    k,
-                    &F32Rows { w: &w, k },
-                    n,
-                    None,
-                    &mut out,
-                );
+                gemm(pool, isa, &a, m, k, &F32Rows::f32(&w, k), n, None, &mut out);
                 let same = out
                     .iter()
                     .zip(&want)
@@ -733,7 +729,7 @@ mod tests {
         let a = vals(m * k, 7);
         let want = chain(&a, &wide, m, n, k);
         let mut out = vec![0f32; m * n];
-        let rows = Bf16Rows { w: &w16, k };
+        let rows = Bf16Rows::bf16(&w16, k);
         gemm(
             ThreadPool::global(),
             isa(),

@@ -228,6 +228,7 @@ impl CpuBackend {
             } => {
                 let mask = key_mask.then(|| io.ins[3]);
                 super::attention::attention(
+                    super::gemm::isa(),
                     pool,
                     io.ins[0],
                     io.ins[1],
