@@ -8,10 +8,12 @@
 //! masks and grouped-query heads are as the reference's; a row whose keys are all masked is
 //! zeros, a row with a score that is not finite is NaN (visibly garbage, as in every backend).
 //! As in the GEMM, every sum is a fused multiply-add chain in a fixed order, so the instruction
-//! set does not change the bits.
+//! set does not change the bits. A few query rows per head (decode) take [`few_rows`] instead:
+//! each row's scores as dot products with the key rows in place (packing a key head for one row
+//! would move the keys twice more than using them).
 
 use super::gemm::{self, micro, pack_tile};
-use super::{exp_shifted, split, Out, ThreadPool};
+use super::{dot, exp_shifted, split, Out, ThreadPool};
 
 /// Query rows per block (four tiles of 12 rows, eight of 6, share each key block).
 const QB: usize = 48;
@@ -38,6 +40,9 @@ pub(super) fn attention(
 ) {
     let (hq, tq, d) = (qs[0], qs[1], qs[2]);
     let (hkv, tk) = (ks[0], ks[1]);
+    if d == 0 || hq * tq == 0 {
+        return;
+    }
     let group = hq / hkv.max(1);
     let per_head = tq.div_ceil(QB);
     let blocks = hq * per_head;
@@ -51,6 +56,20 @@ pub(super) fn attention(
             tk
         }
     };
+    if tq <= FEW_ROWS {
+        return few_rows(
+            pool,
+            q,
+            k,
+            v,
+            mask,
+            (hq, tq, d),
+            (tk, group),
+            &limit,
+            scale,
+            o,
+        );
+    }
     pool.run(tasks, &|t| {
         let (b0, b1) = split(blocks, tasks, t, 1);
         let (mr, nr) = (isa.mr(), isa.nr());
@@ -193,6 +212,75 @@ pub(super) fn attention(
     });
 }
 
+/// Query rows per head up to which attention reads the keys in place, row by row (decode): packing
+/// a whole key head for a row or two would move the keys twice more than using them.
+const FEW_ROWS: usize = 4;
+
+/// Attention for a few query rows per head: per row, its scores as dot products with the key rows
+/// in place, the softmax, and the weighted value rows; rows across the pool.
+#[allow(clippy::too_many_arguments)]
+fn few_rows(
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: Option<&[f32]>,
+    (hq, tq, d): (usize, usize, usize),
+    (tk, group): (usize, usize),
+    limit: &(dyn Fn(usize) -> usize + Sync),
+    scale: f32,
+    o: Out,
+) {
+    let rows = hq * tq;
+    let tasks = rows.min(pool.threads() * 4).max(1);
+    pool.run(tasks, &|t| {
+        let (r0, r1) = split(rows, tasks, t, 1);
+        let mut s = vec![0f32; tk];
+        let mut acc = vec![0f32; d];
+        for r in r0..r1 {
+            let (h, i) = (r / tq, r % tq);
+            let kbase = (h / group) * tk * d;
+            let qrow = &q[r * d..(r + 1) * d];
+            let lim = limit(i);
+            let (mut m, mut bad) = (f32::NEG_INFINITY, false);
+            for (j, x) in s[..lim].iter_mut().enumerate() {
+                if mask.is_some_and(|mk| mk[j] == 0.0) {
+                    *x = f32::NEG_INFINITY;
+                    continue;
+                }
+                let sc = dot(qrow, &k[kbase + j * d..kbase + (j + 1) * d]) * scale;
+                bad |= !sc.is_finite();
+                *x = sc;
+                m = m.max(sc);
+            }
+            // SAFETY: row r of the output belongs to this task only.
+            let orow = unsafe { o.range(r * d, d) };
+            if bad {
+                orow.iter_mut().for_each(|x| *x = f32::NAN);
+                continue;
+            }
+            if m == f32::NEG_INFINITY {
+                orow.iter_mut().for_each(|x| *x = 0.0);
+                continue;
+            }
+            let l = exp_shifted(&mut s[..lim], m);
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (j, &p) in s[..lim].iter().enumerate() {
+                if p != 0.0 {
+                    let vrow = &v[kbase + j * d..kbase + (j + 1) * d];
+                    for (a, &x) in acc.iter_mut().zip(vrow) {
+                        *a += p * x;
+                    }
+                }
+            }
+            let inv = 1.0 / l;
+            for (ov, a) in orow.iter_mut().zip(&acc) {
+                *ov = a * inv;
+            }
+        }
+    });
+}
+
 /// Bytes one task keeps for `tk` keys of `d` values: the packed key head and the block's
 /// scores, accumulators and packed tiles (at the widest sliver and tile).
 pub(super) fn workspace_bytes(tk: usize, d: usize) -> u64 {
@@ -307,6 +395,9 @@ mod tests {
             (3, 3, 5, 5, 16),
             // Several query blocks, key blocks and slivers; a head of 64.
             (2, 1, 100, 200, 64),
+            // Few query rows (decode): the keys read in place.
+            (4, 2, 1, 150, 24),
+            (2, 1, 3, 70, 40),
         ] {
             let gen = |n: usize, s: u32| -> Vec<f32> {
                 (0..n)

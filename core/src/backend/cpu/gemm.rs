@@ -268,6 +268,16 @@ pub fn gemm(
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        // An empty sum: zeros, plus the bias.
+        for row in out[..m * n].chunks_exact_mut(n) {
+            match bias {
+                Some(b) => row.copy_from_slice(&b[..n]),
+                None => row.fill(0.0),
+            }
+        }
+        return;
+    }
     let nr = isa.nr();
     let threads = pool.threads();
     let tasks = if m * n * k < 1 << 18 { 1 } else { threads };
@@ -490,6 +500,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
+    /// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
+    /// every lane there is masked off and the address may lie past the allocation.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn micro512<const R: usize>(
         a: *const f32,
@@ -514,7 +526,7 @@ mod x86 {
         if load {
             for r in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 16) as *const i8);
             }
         }
         for kk in 0..kc {
@@ -525,12 +537,12 @@ mod x86 {
             let (b0, b1) = if bmask {
                 (
                     _mm512_maskz_loadu_ps(m0, b.add(kk * ldb)),
-                    _mm512_maskz_loadu_ps(m1, b.add(kk * ldb + 16)),
+                    _mm512_maskz_loadu_ps(m1, b.wrapping_add(kk * ldb + 16)),
                 )
             } else {
                 (
                     _mm512_loadu_ps(b.add(kk * ldb)),
-                    _mm512_loadu_ps(b.add(kk * ldb + 16)),
+                    _mm512_loadu_ps(b.wrapping_add(kk * ldb + 16)),
                 )
             };
             for r in 0..R {
@@ -542,12 +554,15 @@ mod x86 {
         if load {
             for r in 0..R {
                 lo[r] = _mm512_add_ps(lo[r], _mm512_maskz_loadu_ps(m0, c.add(r * ldc)));
-                hi[r] = _mm512_add_ps(hi[r], _mm512_maskz_loadu_ps(m1, c.add(r * ldc + 16)));
+                hi[r] = _mm512_add_ps(
+                    hi[r],
+                    _mm512_maskz_loadu_ps(m1, c.wrapping_add(r * ldc + 16)),
+                );
             }
         }
         for r in 0..R {
             _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
-            _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, hi[r]);
+            _mm512_mask_storeu_ps(c.wrapping_add(r * ldc + 16), m1, hi[r]);
         }
     }
 
@@ -573,19 +588,19 @@ mod x86 {
         if load {
             for r in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 8) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 8) as *const i8);
             }
         }
         for kk in 0..kc {
             let (b0, b1) = if bmask {
                 (
                     _mm256_maskload_ps(b.add(kk * ldb), m0),
-                    _mm256_maskload_ps(b.add(kk * ldb + 8), m1),
+                    _mm256_maskload_ps(b.wrapping_add(kk * ldb + 8), m1),
                 )
             } else {
                 (
                     _mm256_loadu_ps(b.add(kk * ldb)),
-                    _mm256_loadu_ps(b.add(kk * ldb + 8)),
+                    _mm256_loadu_ps(b.wrapping_add(kk * ldb + 8)),
                 )
             };
             for r in 0..R {
@@ -597,12 +612,12 @@ mod x86 {
         if load {
             for r in 0..R {
                 lo[r] = _mm256_add_ps(lo[r], _mm256_maskload_ps(c.add(r * ldc), m0));
-                hi[r] = _mm256_add_ps(hi[r], _mm256_maskload_ps(c.add(r * ldc + 8), m1));
+                hi[r] = _mm256_add_ps(hi[r], _mm256_maskload_ps(c.wrapping_add(r * ldc + 8), m1));
             }
         }
         for r in 0..R {
             _mm256_maskstore_ps(c.add(r * ldc), m0, lo[r]);
-            _mm256_maskstore_ps(c.add(r * ldc + 8), m1, hi[r]);
+            _mm256_maskstore_ps(c.wrapping_add(r * ldc + 8), m1, hi[r]);
         }
     }
 }

@@ -4,7 +4,7 @@
 //! table lookups (exactly bitsandbytes' dequantized values) into FMA dot products; a linear or
 //! matmul of more rows runs the blocked GEMM ([`gemm`]: packed weight panels, a register-tiled
 //! micro-kernel on the widest instruction set present, the same bits on every CPU); attention is
-//! blocked with an online softmax ([`attention`]) on the FMA dot tiles; heavy ops are split
+//! blocked with an online softmax on the same micro-kernel ([`attention`]); heavy ops are split
 //! across a fixed pool of threads (all cores).
 
 mod attention;
@@ -235,7 +235,9 @@ impl Backend for CpuBackend {
         // worker (and the caller) keeps the GEMM's packed weight block ([`gemm::panel_bytes`])
         // for every linear, matmul and convolution, or attention's packed key head and tiles;
         // a convolution also allocates its band's products while it runs.
-        let (mut shared, mut tile, mut transient) = (0u64, 0u64, 0u64);
+        // A worker keeps the GEMM's panel (thread-local, kept between ops) while it runs an
+        // attention task's buffers too: each worker's share is the sum of the two largest.
+        let (mut shared, mut tile, mut attend, mut transient) = (0u64, 0u64, 0u64, 0u64);
         for o in ops {
             let shape = |i: usize| o.inputs.get(i).map(|v| v.shape.clone()).unwrap_or_default();
             match o.op {
@@ -262,7 +264,7 @@ impl Backend for CpuBackend {
                 OpKind::Attention { .. } => {
                     let k = shape(1);
                     if let (Some(&tk), Some(&d)) = (k.get(1), k.get(2)) {
-                        tile = tile.max(attention::workspace_bytes(tk, d));
+                        attend = attend.max(attention::workspace_bytes(tk, d));
                     }
                 }
                 OpKind::Conv2d { kernel, pad, .. } => {
@@ -279,7 +281,7 @@ impl Backend for CpuBackend {
             }
         }
         Workspace {
-            host_bytes: shared + tile * (self.threads.threads() as u64 + 1) + transient,
+            host_bytes: shared + (tile + attend) * (self.threads.threads() as u64 + 1) + transient,
             device_bytes: 0,
         }
     }
