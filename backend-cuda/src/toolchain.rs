@@ -192,7 +192,10 @@ fn store(dir: Option<&std::path::Path>, file: &str, bytes: &[u8]) {
     if std::fs::create_dir_all(dir).is_err() {
         return;
     }
-    let tmp = dir.join(format!(".{file}.{}.tmp", std::process::id()));
+    // Unique per process and call: two backends of one process may compile the same kernel.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{file}.{}-{n}.tmp", std::process::id()));
     if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, dir.join(file)).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

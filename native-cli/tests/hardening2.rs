@@ -83,45 +83,18 @@ fn no_runtime_folder_is_left_behind() {
     let dir = tmp.path().join("served");
     std::fs::create_dir(&dir).expect("mkdir");
     let out = tmp.path().join("synth-out");
-    let runs: [(Vec<String>, i32); 3] = [
-        (
-            vec![
-                "serve".into(),
-                dir.display().to_string(),
-                "--addr".into(),
-                "127.0.0.1:0".into(),
-            ],
-            libc::SIGTERM,
-        ),
-        (
-            vec![
-                "synth".into(),
-                "--arch".into(),
-                "llama".into(),
-                "-o".into(),
-                out.display().to_string(),
-                "--size".into(),
-                "2GiB".into(),
-            ],
-            libc::SIGTERM,
-        ),
-        (
-            vec![
-                "synth".into(),
-                "--arch".into(),
-                "llama".into(),
-                "-o".into(),
-                out.display().to_string(),
-                "--size".into(),
-                "2GiB".into(),
-            ],
-            libc::SIGINT,
-        ),
+    let (d, o) = (dir.display().to_string(), out.display().to_string());
+    let serve = ["serve", &d, "--addr", "127.0.0.1:0"];
+    let synth = ["synth", "--arch", "llama", "-o", &o, "--size", "2GiB"];
+    let runs: [(&[&str], i32); 3] = [
+        (&serve, libc::SIGTERM),
+        (&synth, libc::SIGTERM),
+        (&synth, libc::SIGINT),
     ];
     for (args, sig) in runs {
         let _ = std::fs::remove_dir_all(&out);
         let mut child = Command::new(env!("CARGO_BIN_EXE_nibble"))
-            .args(&args)
+            .args(args)
             .env_remove("XDG_RUNTIME_DIR")
             .env("TMPDIR", tmp.path())
             .stdout(std::process::Stdio::null())

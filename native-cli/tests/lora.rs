@@ -748,39 +748,32 @@ fn flux_adapters_reach_the_text_encoders() {
         let (_, out, inp) = linear_shape(&base, m);
         let down: Vec<f32> = small_values(r * inp, 40 + i as u64, 0.4);
         let up: Vec<f32> = small_values(out * r, 50 + i as u64, 0.4);
-        diffusers.push(f32_entry(
-            &format!("{c}.{m}.lora_A.weight"),
-            &[r as u64, inp as u64],
-            &down,
-        ));
-        diffusers.push(f32_entry(
-            &format!("{c}.{m}.lora_B.weight"),
-            &[out as u64, r as u64],
-            &up,
-        ));
+        // The pair under one naming: the down projection, then the up projection.
+        let pair = |v: &mut Vec<_>, a: String, b: String| {
+            v.push(f32_entry(&a, &[r as u64, inp as u64], &down));
+            v.push(f32_entry(&b, &[out as u64, r as u64], &up));
+        };
+        pair(
+            &mut diffusers,
+            format!("{c}.{m}.lora_A.weight"),
+            format!("{c}.{m}.lora_B.weight"),
+        );
         // The transformer's keys without their component (as peft saves a transformer alone).
         let pre = if c == "transformer" {
             m.to_string()
         } else {
             format!("{c}.{m}")
         };
-        let a = [r as u64, inp as u64];
-        unprefixed.push(f32_entry(&format!("{pre}.lora_A.weight"), &a, &down));
-        unprefixed.push(f32_entry(
-            &format!("{pre}.lora_B.weight"),
-            &[out as u64, r as u64],
-            &up,
-        ));
-        kohya.push(f32_entry(
-            &format!("{k}.lora_down.weight"),
-            &[r as u64, inp as u64],
-            &down,
-        ));
-        kohya.push(f32_entry(
-            &format!("{k}.lora_up.weight"),
-            &[out as u64, r as u64],
-            &up,
-        ));
+        pair(
+            &mut unprefixed,
+            format!("{pre}.lora_A.weight"),
+            format!("{pre}.lora_B.weight"),
+        );
+        pair(
+            &mut kohya,
+            format!("{k}.lora_down.weight"),
+            format!("{k}.lora_up.weight"),
+        );
         // alpha = r: scaling 1, as diffusers reads the file without metadata.
         kohya.push(f32_entry(&format!("{k}.alpha"), &[], &[r as f32]));
         let dw = low_rank_delta(&up, &down, (out, r, inp), scale);

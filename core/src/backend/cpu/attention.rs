@@ -197,16 +197,7 @@ pub(super) fn attention(
             for r in 0..rows {
                 // SAFETY: the block's output rows belong to this task only.
                 let orow = unsafe { o.range((h * tq + i0 + r) * d, d) };
-                if bad[r] {
-                    orow.iter_mut().for_each(|x| *x = f32::NAN);
-                } else if m[r] == f32::NEG_INFINITY {
-                    orow.iter_mut().for_each(|x| *x = 0.0);
-                } else {
-                    let inv = 1.0 / l[r];
-                    for (ov, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-                        *ov = a * inv;
-                    }
-                }
+                finish_row(orow, &acc[r * d..(r + 1) * d], l[r], m[r], bad[r]);
             }
         }
     });
@@ -255,30 +246,37 @@ fn few_rows(
             }
             // SAFETY: row r of the output belongs to this task only.
             let orow = unsafe { o.range(r * d, d) };
-            if bad {
-                orow.iter_mut().for_each(|x| *x = f32::NAN);
-                continue;
-            }
-            if m == f32::NEG_INFINITY {
-                orow.iter_mut().for_each(|x| *x = 0.0);
-                continue;
-            }
-            let l = exp_shifted(&mut s[..lim], m);
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for (j, &p) in s[..lim].iter().enumerate() {
-                if p != 0.0 {
-                    let vrow = &v[kbase + j * d..kbase + (j + 1) * d];
-                    for (a, &x) in acc.iter_mut().zip(vrow) {
-                        *a += p * x;
+            let mut l = 0.0;
+            if !bad && m != f32::NEG_INFINITY {
+                l = exp_shifted(&mut s[..lim], m);
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for (j, &p) in s[..lim].iter().enumerate() {
+                    if p != 0.0 {
+                        let vrow = &v[kbase + j * d..kbase + (j + 1) * d];
+                        for (a, &x) in acc.iter_mut().zip(vrow) {
+                            *a += p * x;
+                        }
                     }
                 }
             }
-            let inv = 1.0 / l;
-            for (ov, a) in orow.iter_mut().zip(&acc) {
-                *ov = a * inv;
-            }
+            finish_row(orow, &acc, l, m, bad);
         }
     });
+}
+
+/// One output row: NaN when a score was not finite (visibly garbage, as on every backend),
+/// zeros when every key was masked (`most` is -inf), else the weighted values over their sum.
+fn finish_row(orow: &mut [f32], acc: &[f32], sum: f32, most: f32, bad: bool) {
+    if bad {
+        orow.iter_mut().for_each(|x| *x = f32::NAN);
+    } else if most == f32::NEG_INFINITY {
+        orow.iter_mut().for_each(|x| *x = 0.0);
+    } else {
+        let inv = 1.0 / sum;
+        for (ov, a) in orow.iter_mut().zip(acc) {
+            *ov = a * inv;
+        }
+    }
 }
 
 /// Bytes one task keeps for `tk` keys of `d` values: the packed key head and the block's
@@ -292,13 +290,17 @@ pub(super) fn workspace_bytes(tk: usize, d: usize) -> u64 {
 /// `out[(j / nr) * d * nr + dd * nr + j % nr] = k[j * d + dd]`, zeros past the last key.
 fn pack_keys(k: &[f32], d: usize, nr: usize, out: &mut Vec<f32>) {
     let tk = k.len() / d.max(1);
-    out.clear();
+    // Every key's values are written below: only the padding past the last key is zeroed.
     out.resize(tk.div_ceil(nr) * nr * d, 0.0);
     for (j, row) in k.chunks_exact(d).enumerate() {
         let base = (j / nr) * d * nr + j % nr;
         for (dd, &x) in row.iter().enumerate() {
             out[base + dd * nr] = x;
         }
+    }
+    for j in tk..tk.div_ceil(nr) * nr {
+        let base = (j / nr) * d * nr + j % nr;
+        (0..d).for_each(|dd| out[base + dd * nr] = 0.0);
     }
 }
 

@@ -21,8 +21,8 @@ pub(super) fn dense_linear(
     if m > GEMV_MAX_ROWS {
         let isa = gemm::isa();
         match w {
-            Rows::F32(w) => gemm::gemm(pool, isa, x, m, k, &F32Rows::f32(w, k), n, bias, out),
-            Rows::Bf16(w) => gemm::gemm(pool, isa, x, m, k, &Bf16Rows::bf16(w, k), n, bias, out),
+            Rows::F32(w) => gemm::gemm(pool, isa, x, m, k, &F32Rows::new(w, k), n, bias, out),
+            Rows::Bf16(w) => gemm::gemm(pool, isa, x, m, k, &Bf16Rows::new(w, k), n, bias, out),
         }
         return;
     }

@@ -194,8 +194,25 @@ pub struct DenseRows<'a, T> {
     pub w: &'a [T],
     /// Row length.
     pub k: usize,
-    /// One element as f32.
-    pub widen: fn(T) -> f32,
+}
+
+/// An element type of dense weight rows, widened to f32 exactly (inlined in the packing loop).
+pub trait Widen: Copy + Sync {
+    /// The value as f32.
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 bits (little-endian), as a model stores them.
+impl Widen for u16 {
+    fn widen(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
 }
 
 /// f32 weight rows.
@@ -203,30 +220,19 @@ pub type F32Rows<'a> = DenseRows<'a, f32>;
 /// bf16 weight rows (the bits, little-endian).
 pub type Bf16Rows<'a> = DenseRows<'a, u16>;
 
-impl<'a> F32Rows<'a> {
-    /// f32 rows of length `k`.
-    pub fn f32(w: &'a [f32], k: usize) -> Self {
-        DenseRows { w, k, widen: |v| v }
+impl<'a, T> DenseRows<'a, T> {
+    /// Rows of length `k`.
+    pub fn new(w: &'a [T], k: usize) -> Self {
+        DenseRows { w, k }
     }
 }
 
-impl<'a> Bf16Rows<'a> {
-    /// bf16 rows of length `k`.
-    pub fn bf16(w: &'a [u16], k: usize) -> Self {
-        DenseRows {
-            w,
-            k,
-            widen: |v| f32::from_bits((v as u32) << 16),
-        }
-    }
-}
-
-impl<T: Copy + Sync> Weights for DenseRows<'_, T> {
+impl<T: Widen> Weights for DenseRows<'_, T> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
         for c in 0..cols {
             let row = &self.w[(j0 + c) * self.k + k0..][..kc];
             for (kk, &v) in row.iter().enumerate() {
-                out[kk * nr + c] = (self.widen)(v);
+                out[kk * nr + c] = v.widen();
             }
         }
         zero_tail(cols, kc, nr, out);
@@ -672,7 +678,7 @@ mod tests {
             let want = chain(&a, &w, m, n, k);
             for isa in Isa::all_present() {
                 let mut out = vec![f32::NAN; m * n];
-                gemm(pool, isa, &a, m, k, &F32Rows::f32(&w, k), n, None, &mut out);
+                gemm(pool, isa, &a, m, k, &F32Rows::new(&w, k), n, None, &mut out);
                 let same = out
                     .iter()
                     .zip(&want)
@@ -744,7 +750,7 @@ mod tests {
         let a = vals(m * k, 7);
         let want = chain(&a, &wide, m, n, k);
         let mut out = vec![0f32; m * n];
-        let rows = Bf16Rows::bf16(&w16, k);
+        let rows = Bf16Rows::new(&w16, k);
         gemm(
             ThreadPool::global(),
             isa(),

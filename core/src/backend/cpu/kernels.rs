@@ -116,6 +116,24 @@ pub fn q4_row_dots_avx512(
     }
 }
 
+/// The GEMV kernels' bounds, checked once per row: `packed` holds the row's codes, `bs` is a
+/// multiple of 32, `M` activation rows of `k` values and `M` outputs are there; their pointers.
+#[cfg(target_arch = "x86_64")]
+fn gemv_rows<const M: usize>(
+    packed: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    xp: &[&[f32]],
+    out: &[f32],
+) -> [*const f32; M] {
+    let k = absmax.len() * bs;
+    assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs.is_multiple_of(32));
+    std::array::from_fn(|m| {
+        assert!(xp[m].len() >= k);
+        xp[m].as_ptr()
+    })
+}
+
 /// Plain dot product (f32 accumulation in 8 lanes).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -199,8 +217,9 @@ impl<'a> Rows<'a> {
 
 /// `out[i * out_stride + j] = dot(x row i, w row j)` for `mr` rows of x (stride `xs`) and `nr`
 /// rows of w (stride `ws`), each `k` long; mr <= 4, nr <= 3.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
-pub fn dot_tile(
+fn dot_tile(
     x: &[f32],
     xs: usize,
     mr: usize,
@@ -214,7 +233,8 @@ pub fn dot_tile(
     dot_tile_rows(x, xs, mr, Rows::F32(w), ws, nr, k, out, out_stride);
 }
 
-/// [`dot_tile`] over f32 or bf16 weight rows.
+/// `out[i * out_stride + j] = dot(x row i, w row j)` for `mr` rows of x (stride `xs`) and `nr`
+/// f32 or bf16 rows of w (stride `ws`), each `k` long; mr <= 4, nr <= 3.
 #[allow(clippy::too_many_arguments)]
 pub fn dot_tile_rows(
     x: &[f32],
@@ -428,12 +448,7 @@ mod avx2 {
         xp: &[&[f32]],
         out: &mut [f32],
     ) {
-        let k = absmax.len() * bs;
-        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs.is_multiple_of(32));
-        let xs: [*const f32; M] = std::array::from_fn(|m| {
-            assert!(xp[m].len() >= k);
-            xp[m].as_ptr()
-        });
+        let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
         let pl = planes(code);
         let m4 = _mm_set1_epi8(15);
         let p = packed.as_ptr();
@@ -576,16 +591,16 @@ mod avx512 {
     /// For lane-order positions 0..15 and 16..31 of a chunk: where its element's code sits in
     /// `permutex2var(high nibbles, sel, low nibbles)` (byte e / 2; the high nibble for even e,
     /// as bitsandbytes packs them).
-    fn selectors() -> ([i32; 16], [i32; 16]) {
-        let sel = |p: usize| {
+    const SELECTORS: [[i32; 16]; 2] = {
+        let mut s = [[0i32; 16]; 2];
+        let mut p = 0;
+        while p < 32 {
             let e = LANE_ORDER[p];
-            (e / 2) as i32 + if e % 2 == 1 { 16 } else { 0 }
-        };
-        (
-            std::array::from_fn(sel),
-            std::array::from_fn(|p| sel(16 + p)),
-        )
-    }
+            s[p / 16][p % 16] = (e / 2) as i32 + if e % 2 == 1 { 16 } else { 0 };
+            p += 1;
+        }
+        s
+    };
 
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -605,16 +620,10 @@ mod avx512 {
         xp: &[&[f32]],
         out: &mut [f32],
     ) {
-        let k = absmax.len() * bs;
-        assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs.is_multiple_of(32));
-        let xs: [*const f32; M] = std::array::from_fn(|m| {
-            assert!(xp[m].len() >= k);
-            xp[m].as_ptr()
-        });
+        let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
         let table = _mm512_loadu_ps(code.as_ptr());
-        let (s0, s1) = selectors();
-        let sel0 = _mm512_loadu_si512(s0.as_ptr() as *const _);
-        let sel1 = _mm512_loadu_si512(s1.as_ptr() as *const _);
+        let sel0 = _mm512_loadu_si512(SELECTORS[0].as_ptr() as *const _);
+        let sel1 = _mm512_loadu_si512(SELECTORS[1].as_ptr() as *const _);
         let m4 = _mm512_set1_epi32(15);
         let p = packed.as_ptr();
         // The AVX2 kernel's chains: four 8-lane ones for one row (here two 16-lane: [0|1],
