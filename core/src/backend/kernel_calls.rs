@@ -176,7 +176,8 @@ fn call_checked(
                 *key_mask as u32,
                 f(*scale),
             ];
-            ("attention", p, q[0] * q[1])
+            // wgpu's blocked kernel: a workgroup of 64 invocations per 64 query rows of a head.
+            ("attention", p, q[0] * q[1].div_ceil(64) * 64)
         }
         OpKind::Embedding => (
             "embedding",
