@@ -2,7 +2,7 @@
 # Compiles every CUDA kernel with NVRTC 13.0 (PyPI wheels, installed once outside the repo) to
 # PTX .version 9.0 for compute_90 and to an sm_90 cubin; prints registers and spills; fails on a
 # compile error or a spill. No GPU needed. Skipped, with the reason, only where the wheels cannot
-# be installed.
+# be installed. Then runs the attention kernels on the CPU through scripts/cuda-emu (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools="${NIBBLE_TOOLS:-$HOME/.cache/nibble-tools}"
@@ -19,3 +19,15 @@ if [ ! -f "$nv/.installed" ]; then
 fi
 export LD_LIBRARY_PATH="$nv/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 python3 scripts/check_kernels.py "$nv" backend-cuda/kernels
+# The attention kernels' tiling, shuffles and barriers run on the CPU (scripts/cuda-emu) against
+# attention in double: their logic checked where there is no GPU.
+if ! command -v g++ >/dev/null 2>&1; then
+    echo "installing g++ (the CUDA emulation check)"
+    if [ "$(id -u)" = 0 ]; then apt_get() { apt-get "$@"; }; else apt_get() { sudo apt-get "$@"; }; fi
+    DEBIAN_FRONTEND=noninteractive apt_get install -y --no-install-recommends g++ \
+        || { apt_get update && DEBIAN_FRONTEND=noninteractive apt_get install -y --no-install-recommends g++; }
+fi
+emu=$(mktemp -d)
+trap 'rm -rf "$emu"' EXIT
+g++ -std=c++20 -O1 -pthread -w scripts/cuda-emu/attention.cpp -o "$emu/attention"
+"$emu/attention"

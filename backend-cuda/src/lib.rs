@@ -25,13 +25,17 @@ pub use toolchain::{bf16_bits, cublas_present, driver_present, missing_libraries
 use toolchain::{driver_version, nvrtc_version};
 
 /// Every kernel: (file and entry-point name, CUDA C source).
-pub const KERNELS: [(&str, &str); 29] = [
+pub const KERNELS: [(&str, &str); 30] = [
     (
         "adaln_modulate",
         include_str!("../kernels/adaln_modulate.cu"),
     ),
     ("add", include_str!("../kernels/add.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
+    (
+        "attention_rows",
+        include_str!("../kernels/attention_rows.cu"),
+    ),
     ("cache_write", include_str!("../kernels/cache_write.cu")),
     ("concat", include_str!("../kernels/concat.cu")),
     ("conv2d", include_str!("../kernels/conv2d.cu")),
@@ -66,6 +70,10 @@ pub const KERNELS: [(&str, &str); 29] = [
 /// Rows up to which the 4-bit linear runs as the fused GEMV; above, it dequantizes to bf16 and
 /// calls cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Attention over at least this many query rows runs the blocked kernel (64 rows a block);
+/// fewer (decode) run `attention_rows`, a warp per row.
+pub const ATTENTION_BLOCK_MIN_ROWS: usize = 32;
 
 /// cuBLAS' workspace, given to it from the planned allocation: 32 MiB, what NVIDIA's cuBLAS
 /// documentation recommends for Hopper (4 MiB suffice before it).
@@ -536,6 +544,11 @@ fn launch_config(
             shared_mem_bytes: 0,
         },
         ("attention", _) => LaunchConfig {
+            grid_dim: (shapes[0][1].div_ceil(64) as u32, shapes[0][0] as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        ("attention_rows", _) => LaunchConfig {
             grid_dim: (shapes[0][1].div_ceil(4) as u32, shapes[0][0] as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
@@ -785,6 +798,12 @@ impl Backend for CudaBackend {
             })
             .collect();
         ptrs.push(at(out));
+        // Fewer than 32 query rows (decode): a warp per row, not 64-row blocks mostly idle.
+        let name = if name == "attention" && shapes[0][1] < ATTENTION_BLOCK_MIN_ROWS {
+            "attention_rows"
+        } else {
+            name
+        };
         let cfg = launch_config(name, op, &shapes, &out.info.shape, items);
         Ok(self.launch(name, &ptrs, &params, cfg)?)
     }
