@@ -11,6 +11,8 @@
 //! [`nibble_core::Error`] naming what was asked.
 
 mod dispatch;
+#[cfg(not(target_arch = "wasm32"))]
+mod peaks;
 mod readback;
 
 use std::collections::HashMap;
@@ -23,6 +25,8 @@ use nibble_core::graph::{HostTensor, OpKind};
 
 pub use dispatch::STAGING_BOUND;
 use dispatch::{DUMMY_SLOTS, DUMMY_STRIDE, UNIFORM_SLOTS};
+#[cfg(not(target_arch = "wasm32"))]
+pub use peaks::{DevicePeaks, PEAK_SHADERS};
 use readback::words;
 
 /// Every kernel: (op name, WGSL source).

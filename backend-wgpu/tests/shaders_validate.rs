@@ -1,7 +1,8 @@
 //! Every `shaders/*.wgsl` parses and validates with naga, without a GPU; and every file is one
-//! embedded kernel whose entry point is named after the file.
+//! embedded kernel whose entry point is named after the file. The same for the roofline's peak
+//! shaders (`shaders/peaks/`).
 
-use nibble_wgpu::{shader_source, SHADERS};
+use nibble_wgpu::{shader_source, PEAK_SHADERS, SHADERS};
 
 #[test]
 fn every_shader_validates_with_naga() {
@@ -18,9 +19,19 @@ fn every_shader_validates_with_naga() {
         files, embedded,
         "every shader file is embedded, and nothing else"
     );
-    for (name, _) in SHADERS {
-        let src = shader_source(name).expect("source");
-        let path = dir.join(format!("{name}.wgsl"));
+    let peaks = PEAK_SHADERS.iter().map(|(n, src)| {
+        (
+            *n,
+            src.to_string(),
+            dir.join("peaks").join(format!("{n}.wgsl")),
+        )
+    });
+    let kernels = SHADERS.iter().map(|(n, _)| {
+        let src = shader_source(n).expect("source");
+        (*n, src, dir.join(format!("{n}.wgsl")))
+    });
+    for (name, src, path) in kernels.chain(peaks) {
+        assert!(path.is_file(), "{}", path.display());
         let module = match naga::front::wgsl::parse_str(&src) {
             Ok(m) => m,
             Err(e) => panic!(

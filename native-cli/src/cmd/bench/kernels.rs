@@ -1,7 +1,8 @@
 //! `nibble bench kernels`: each kernel at realistic shapes on one backend, device-resident
-//! operands, time per call, GB/s moved and GFLOP/s; on the CPU backend a roofline: the
-//! machine's own peaks measured first ([`super::roofline`]) and each kernel's fraction of the
-//! roof it is bound by.
+//! operands, time per call, GB/s moved and GFLOP/s; on the CPU backend and on wgpu a roofline:
+//! the machine's (or the device's) own peaks measured first ([`super::roofline`]) and each
+//! kernel's fraction of the roof it is bound by. On CUDA the references are the device's copy
+//! bandwidths and cuBLAS's bf16 GEMM on the tiled linear's shape.
 
 use std::time::{Duration, Instant};
 
@@ -247,8 +248,12 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
             None,
         ),
         BackendArg::Wgpu => {
-            let probe = nibble_wgpu::WgpuBackend::new()?;
+            let mut probe = nibble_wgpu::WgpuBackend::new()?;
             let label = format!("wgpu: {}", probe.describe());
+            if !as_json {
+                eprintln!("measuring the device's peaks ...");
+            }
+            let peaks = super::roofline::Peaks::device(probe.measure_peaks()?);
             let mut first = Some(probe);
             report(
                 label,
@@ -260,7 +265,7 @@ pub fn run(a: &KernelsArgs) -> Result<()> {
                     None => Ok(nibble_wgpu::WgpuBackend::new()?),
                 },
                 None,
-                None,
+                Some(peaks),
             )
         }
         BackendArg::Cuda => {

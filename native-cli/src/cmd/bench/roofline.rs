@@ -1,4 +1,5 @@
-//! The machine's own peaks, for the roofline `bench kernels` prints on the CPU backend: an
+//! The machine's own peaks, for the roofline `bench kernels` prints (on wgpu the device's, from
+//! [`nibble_wgpu::WgpuBackend::measure_peaks`]). On the CPU backend: an
 //! FMA-bound loop for each vector width the CPU has (AVX2 + FMA, AVX-512F), on every core at
 //! once, and a memory-bound stream (a sum over 256 MiB on every core). Each kernel is then bound
 //! by compute or by memory according to its arithmetic intensity against the ridge point, and
@@ -52,6 +53,18 @@ impl Peaks {
         serde_json::json!({"fma_gflop_s": fma, "stream_gb_s": self.stream_gb_s,
             "compute_roof": {"width": self.used.0, "gflop_s": self.used.1},
             "gemm_roof": {"width": self.gemm.0, "gflop_s": self.gemm.1}})
+    }
+}
+
+impl Peaks {
+    /// A wgpu device's peaks: one f32 FMA roof for every kernel, the read stream's bandwidth.
+    pub fn device(p: nibble_wgpu::DevicePeaks) -> Self {
+        Peaks {
+            fma_gflop_s: vec![("f32 vec4", p.fma_gflop_s)],
+            stream_gb_s: p.read_gb_s,
+            used: ("f32 vec4", p.fma_gflop_s),
+            gemm: ("f32 vec4", p.fma_gflop_s),
+        }
     }
 }
 

@@ -1,0 +1,159 @@
+//! The device's own peaks, for the roofline `nibble bench kernels --backend wgpu` prints: an
+//! FMA-bound shader (8 independent vec4 FMA chains per invocation) and a read stream (a sum over
+//! a buffer of up to 256 MiB), each timed from submit to completion, best of three after a
+//! warm-up, with the work doubled until a run takes at least 100 ms.
+
+use std::time::Instant;
+
+use crate::{Result, WgpuBackend, WgpuError};
+
+/// The peak shaders (not graph ops): name and source.
+pub const PEAK_SHADERS: [(&str, &str); 2] = [
+    ("peak_fma", include_str!("../shaders/peaks/peak_fma.wgsl")),
+    (
+        "peak_stream",
+        include_str!("../shaders/peaks/peak_stream.wgsl"),
+    ),
+];
+
+/// Measured device peaks.
+#[derive(Debug, Clone, Copy)]
+pub struct DevicePeaks {
+    /// f32 fused multiply-add throughput, GFLOP/s.
+    pub fma_gflop_s: f64,
+    /// Read bandwidth from a storage buffer, GB/s.
+    pub read_gb_s: f64,
+}
+
+const WORKGROUPS: u32 = 4096;
+
+impl WgpuBackend {
+    /// Measures [`DevicePeaks`] on this adapter (seconds on a GPU; on a software renderer
+    /// longer).
+    pub fn measure_peaks(&mut self) -> Result<DevicePeaks> {
+        use wgpu::BufferUsages as U;
+        let invocations = u64::from(WORKGROUPS) * 64;
+        let out = self.create_buffer("peak output", invocations * 4, U::STORAGE)?;
+        let params = self.create_buffer("peak parameters", 16, U::UNIFORM | U::COPY_DST)?;
+        // FMA: 64 FLOP per round per invocation.
+        let mut iters = 64u32;
+        let fma = loop {
+            let s = self.time_peak("peak_fma", &params, iters, &[&out], WORKGROUPS)?;
+            if s >= 0.1 || iters >= 1 << 24 {
+                let best = (0..2).try_fold(s, |b, _| {
+                    self.time_peak("peak_fma", &params, iters, &[&out], WORKGROUPS)
+                        .map(|t| b.min(t))
+                })?;
+                break invocations as f64 * f64::from(iters) * 64.0 / best / 1e9;
+            }
+            iters *= 2;
+        };
+        // Read stream: the largest buffer up to 256 MiB the adapter binds, whole vec4 rounds.
+        let max = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+            .min(256 << 20);
+        let per = (max / 16 / invocations).max(1) as u32;
+        let bytes = u64::from(per) * invocations * 16;
+        let src = self.create_buffer("peak read buffer", bytes, U::STORAGE)?;
+        let mut best = f64::MAX;
+        let mut runs = 0;
+        // A warm-up, then at least three runs and 100 ms in all.
+        self.time_peak("peak_stream", &params, per, &[&src, &out], WORKGROUPS)?;
+        let mut total = 0.0;
+        while runs < 3 || (total < 0.1 && runs < 64) {
+            let s = self.time_peak("peak_stream", &params, per, &[&src, &out], WORKGROUPS)?;
+            best = best.min(s);
+            total += s;
+            runs += 1;
+        }
+        Ok(DevicePeaks {
+            fma_gflop_s: fma,
+            read_gb_s: bytes as f64 / best / 1e9,
+        })
+    }
+
+    /// Runs peak shader `name` once with parameter `param` over `groups` workgroups and
+    /// returns the seconds from submit to completion.
+    fn time_peak(
+        &mut self,
+        name: &str,
+        params: &wgpu::Buffer,
+        param: u32,
+        buffers: &[&wgpu::Buffer],
+        groups: u32,
+    ) -> Result<f64> {
+        let src = PEAK_SHADERS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| *s)
+            .ok_or_else(|| WgpuError::Gpu(format!("no peak shader named {name}")))?;
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(name),
+                source: wgpu::ShaderSource::Wgsl(src.into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(name),
+                layout: None,
+                module: &module,
+                entry_point: Some(name),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        self.queue.write_buffer(
+            params,
+            0,
+            &[param.to_le_bytes(), [0; 4], [0; 4], [0; 4]].concat(),
+        );
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: params.as_entire_binding(),
+        }];
+        for (i, b) in buffers.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(name),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        let max = self.limits.max_compute_workgroups_per_dimension.max(1);
+        let (gx, gy) = if groups <= max {
+            (groups, 1)
+        } else {
+            (max, groups.div_ceil(max))
+        };
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(name) });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(name),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind, &[]);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        let cmd = enc.finish();
+        let t = Instant::now();
+        let index = self.queue.submit(Some(cmd));
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            })
+            .map_err(|e| WgpuError::Gpu(e.to_string()))?;
+        let s = t.elapsed().as_secs_f64();
+        self.check_errors()?;
+        Ok(s)
+    }
+}
