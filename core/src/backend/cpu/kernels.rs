@@ -61,7 +61,7 @@ pub fn q4_row_dots(
 ) {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::isa() == super::gemm::Isa::Avx512 {
-        q4_row_dots_avx512(packed, absmax, bs, code, xp, out);
+        q4_row_dots_avx512(packed, absmax, bs, code, xp, out, gemv_vbmi());
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -94,7 +94,9 @@ pub fn q4_row_dots(
 /// [`q4_row_dots`] with AVX-512F: the same sums in the same order as the AVX2 kernel (each
 /// 512-bit accumulator holds two of its 256-bit ones side by side), from a cheaper decode (a
 /// 16-entry table lookup per 16 codes instead of four byte-plane shuffles and six interleaves per
-/// 32), so the two give the same bits. The caller checks that AVX-512F is present.
+/// 32), so the two give the same bits; with `vbmi` (the CPU has AVX-512 VBMI: see
+/// [`gemv_vbmi`]) the nibbles reach the lookup through one `multishift` per 16 codes, the same
+/// weights in the same lanes. The caller checks that AVX-512F is present.
 #[cfg(target_arch = "x86_64")]
 pub fn q4_row_dots_avx512(
     packed: &[u8],
@@ -103,17 +105,40 @@ pub fn q4_row_dots_avx512(
     code: &[f32; 16],
     xp: &[&[f32]],
     out: &mut [f32],
+    vbmi: bool,
 ) {
     assert!(super::gemm::Isa::Avx512.present());
-    // SAFETY: AVX-512F (and AVX2, FMA with it) present; the kernel asserts every length.
+    assert!(!vbmi || std::is_x86_feature_detected!("avx512vbmi"));
+    // SAFETY: AVX-512F (and AVX2, FMA with it) present, VBMI where asked; the kernels assert
+    // every length.
     unsafe {
-        match xp.len() {
-            1 => avx512::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
-            2 => avx512::q4_row_dots::<2>(packed, absmax, bs, code, xp, out),
-            3 => avx512::q4_row_dots::<3>(packed, absmax, bs, code, xp, out),
-            _ => avx512::q4_row_dots::<4>(packed, absmax, bs, code, xp, out),
+        match (xp.len(), vbmi) {
+            (1, false) => avx512::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
+            (2, false) => avx512::q4_row_dots::<2>(packed, absmax, bs, code, xp, out),
+            (3, false) => avx512::q4_row_dots::<3>(packed, absmax, bs, code, xp, out),
+            (_, false) => avx512::q4_row_dots::<4>(packed, absmax, bs, code, xp, out),
+            (1, true) => avx512::q4_row_dots_vbmi::<1>(packed, absmax, bs, code, xp, out),
+            (2, true) => avx512::q4_row_dots_vbmi::<2>(packed, absmax, bs, code, xp, out),
+            (3, true) => avx512::q4_row_dots_vbmi::<3>(packed, absmax, bs, code, xp, out),
+            (_, true) => avx512::q4_row_dots_vbmi::<4>(packed, absmax, bs, code, xp, out),
         }
     }
+}
+
+/// Whether the GEMV decodes with AVX-512 VBMI: the GEMM runs AVX-512 ([`super::gemm::isa`]),
+/// the CPU has VBMI, and `NIBBLE_CPU_ISA` is not `avx512f` (which keeps AVX-512 without VBMI,
+/// to test or time that path). The same bits either way.
+#[cfg(target_arch = "x86_64")]
+pub fn gemv_vbmi() -> bool {
+    use std::sync::OnceLock;
+    static VBMI: OnceLock<bool> = OnceLock::new();
+    *VBMI.get_or_init(|| {
+        super::gemm::isa() == super::gemm::Isa::Avx512
+            && std::is_x86_feature_detected!("avx512vbmi")
+            && std::env::var("NIBBLE_CPU_ISA")
+                .map(|v| !v.trim().eq_ignore_ascii_case("avx512f"))
+                .unwrap_or(true)
+    })
 }
 
 /// The GEMV kernels' bounds, checked once per row: `packed` holds the row's codes, `bs` is a
@@ -458,7 +483,10 @@ mod avx2 {
             2 => 2,
             _ => 1,
         };
-        let mut acc = [_mm256_setzero_ps(); M];
+        // Scaled block sums: for one row, chains 0 + 2 and 1 + 3 in two accumulators; for two
+        // rows, chains 0 and 1 in two; above, one. (The AVX-512 kernel keeps the pair in one
+        // 512-bit register, so no lane crosses per block.)
+        let mut acc = [[_mm256_setzero_ps(); 2]; M];
         for (b, &a) in absmax.iter().enumerate() {
             let mut bacc = [[_mm256_setzero_ps(); 4]; M];
             for c in 0..bs / 32 {
@@ -477,14 +505,26 @@ mod avx2 {
             }
             let s = _mm256_set1_ps(a);
             for m in 0..M {
-                let t = bacc[m][1..nb]
-                    .iter()
-                    .fold(bacc[m][0], |t, v| _mm256_add_ps(t, *v));
-                acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
+                let b = bacc[m];
+                match M {
+                    1 => {
+                        acc[m][0] = _mm256_fmadd_ps(_mm256_add_ps(b[0], b[2]), s, acc[m][0]);
+                        acc[m][1] = _mm256_fmadd_ps(_mm256_add_ps(b[1], b[3]), s, acc[m][1]);
+                    }
+                    2 => {
+                        acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]);
+                        acc[m][1] = _mm256_fmadd_ps(b[1], s, acc[m][1]);
+                    }
+                    _ => acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]),
+                }
             }
         }
         for m in 0..M {
-            out[m] = hsum(acc[m]);
+            out[m] = hsum(if M <= 2 {
+                _mm256_add_ps(acc[m][0], acc[m][1])
+            } else {
+                acc[m][0]
+            });
         }
     }
 
@@ -583,104 +623,8 @@ mod avx2 {
 
 // The AVX-512 GEMV: intrinsics whose caller checks the instruction set and the lengths.
 #[cfg(target_arch = "x86_64")]
-#[allow(unsafe_op_in_unsafe_fn)]
-mod avx512 {
-    use super::LANE_ORDER;
-    use std::arch::x86_64::*;
-
-    /// For lane-order positions 0..15 and 16..31 of a chunk: where its element's code sits in
-    /// `permutex2var(high nibbles, sel, low nibbles)` (byte e / 2; the high nibble for even e,
-    /// as bitsandbytes packs them).
-    const SELECTORS: [[i32; 16]; 2] = {
-        let mut s = [[0i32; 16]; 2];
-        let mut p = 0;
-        while p < 32 {
-            let e = LANE_ORDER[p];
-            s[p / 16][p % 16] = (e / 2) as i32 + if e % 2 == 1 { 16 } else { 0 };
-            p += 1;
-        }
-        s
-    };
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn halves(z: __m512) -> (__m256, __m256) {
-        (
-            _mm512_castps512_ps256(z),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z))),
-        )
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn q4_row_dots<const M: usize>(
-        packed: &[u8],
-        absmax: &[f32],
-        bs: usize,
-        code: &[f32; 16],
-        xp: &[&[f32]],
-        out: &mut [f32],
-    ) {
-        let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
-        let table = _mm512_loadu_ps(code.as_ptr());
-        let sel0 = _mm512_loadu_si512(SELECTORS[0].as_ptr() as *const _);
-        let sel1 = _mm512_loadu_si512(SELECTORS[1].as_ptr() as *const _);
-        let m4 = _mm512_set1_epi32(15);
-        let p = packed.as_ptr();
-        // The AVX2 kernel's chains: four 8-lane ones for one row (here two 16-lane: [0|1],
-        // [2|3]), two for two rows (one 16-lane: [0|1]), one for more (8 lanes, as there).
-        let mut acc = [_mm256_setzero_ps(); M];
-        for (b, &a) in absmax.iter().enumerate() {
-            let mut z = [[_mm512_setzero_ps(); 2]; M];
-            let mut y = [_mm256_setzero_ps(); M];
-            for c in 0..bs / 32 {
-                let off = b * bs + c * 32;
-                let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(off / 2) as *const __m128i));
-                let hi = _mm512_srli_epi32::<4>(bytes);
-                let lo = _mm512_and_si512(bytes, m4);
-                let w01 = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(hi, sel0, lo), table);
-                let w23 = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(hi, sel1, lo), table);
-                for m in 0..M {
-                    let x = xs[m].add(off);
-                    match M {
-                        1 => {
-                            z[m][0] = _mm512_fmadd_ps(w01, _mm512_loadu_ps(x), z[m][0]);
-                            z[m][1] = _mm512_fmadd_ps(w23, _mm512_loadu_ps(x.add(16)), z[m][1]);
-                        }
-                        2 => {
-                            z[m][0] = _mm512_fmadd_ps(w01, _mm512_loadu_ps(x), z[m][0]);
-                            z[m][0] = _mm512_fmadd_ps(w23, _mm512_loadu_ps(x.add(16)), z[m][0]);
-                        }
-                        _ => {
-                            let (w0, w1) = halves(w01);
-                            let (w2, w3) = halves(w23);
-                            for (j, w) in [w0, w1, w2, w3].into_iter().enumerate() {
-                                y[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(8 * j)), y[m]);
-                            }
-                        }
-                    }
-                }
-            }
-            let s = _mm256_set1_ps(a);
-            for m in 0..M {
-                let t = match M {
-                    1 => {
-                        let ((a0, a1), (a2, a3)) = (halves(z[m][0]), halves(z[m][1]));
-                        _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3)
-                    }
-                    2 => {
-                        let (a0, a1) = halves(z[m][0]);
-                        _mm256_add_ps(a0, a1)
-                    }
-                    _ => y[m],
-                };
-                acc[m] = _mm256_fmadd_ps(t, s, acc[m]);
-            }
-        }
-        for m in 0..M {
-            out[m] = super::avx2::hsum(acc[m]);
-        }
-    }
-}
+#[path = "gemv_avx512.rs"]
+mod avx512;
 
 #[cfg(test)]
 mod tests {
@@ -807,13 +751,16 @@ mod tests {
                         _ => avx2::q4_row_dots::<4>(&packed, &absmax, bs, &code, &refs, &mut a),
                     }
                 }
-                q4_row_dots_avx512(&packed, &absmax, bs, &code, &refs[..m], &mut b[..m]);
-                for r in 0..m {
-                    assert_eq!(
-                        a[r].to_bits(),
-                        b[r].to_bits(),
-                        "bs {bs} k {k}, {m} rows, row {r}"
-                    );
+                let vbmi = [false, std::is_x86_feature_detected!("avx512vbmi")];
+                for v in vbmi.into_iter().take(if vbmi[1] { 2 } else { 1 }) {
+                    q4_row_dots_avx512(&packed, &absmax, bs, &code, &refs[..m], &mut b[..m], v);
+                    for r in 0..m {
+                        assert_eq!(
+                            a[r].to_bits(),
+                            b[r].to_bits(),
+                            "bs {bs} k {k}, {m} rows, row {r}, vbmi {v}"
+                        );
+                    }
                 }
             }
         }

@@ -121,11 +121,23 @@ impl CpuBackend {
         }
     }
 
-    /// "cpu (N threads, GEMM avx512f, AVX2+FMA)": the GEMM's instruction set, then the other
-    /// kernels'.
+    /// "cpu (N threads, GEMM avx512f, GEMV avx512vbmi, AVX2+FMA)": the GEMM's instruction set,
+    /// the 4-bit GEMV's, then the other kernels'.
     pub fn describe(&self) -> String {
+        #[cfg(target_arch = "x86_64")]
+        let gemv = if kernels::gemv_vbmi() {
+            "avx512vbmi"
+        } else if gemm::isa() == gemm::Isa::Avx512 {
+            "avx512f"
+        } else if kernels::have_avx2() {
+            "avx2+fma"
+        } else {
+            "portable"
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let gemv = "portable";
         format!(
-            "{} threads, GEMM {}, {}",
+            "{} threads, GEMM {}, GEMV {gemv}, {}",
             self.threads.threads(),
             gemm::isa().name(),
             if kernels::have_avx2() {
