@@ -1,8 +1,9 @@
 //! The diffusion pipelines end to end through the binary, on small synthetic models: `nibble
 //! demo` (a synthetic Flux folder) writes its image, its memory stays flat over 50 steps and
 //! within baseline + the largest phase's plan (+16 MiB), and a DiT run killed mid-way resumes
-//! from its last checkpoint to the same final latent, bit for bit. Asserts bytes and equality,
-//! never time.
+//! from its last checkpoint to the same final latent, bit for bit; a folder of `nibble synth
+//! --arch flux` runs from a prompt to a PNG of the asked size. Asserts bytes and equality, never
+//! time.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -226,4 +227,64 @@ fn a_killed_run_resumes_to_the_same_latent() {
         "resumed from step {last}: the final latent differs"
     );
     println!("killed after step {killed_at}, resumed from {last}: final latent identical");
+}
+
+#[test]
+fn a_synthesized_flux_folder_runs_from_prompt_to_png() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let model = tmp.path().join("flux");
+    let st = nibble()
+        .args(["synth", "--arch", "flux", "--size", "8MiB", "-o"])
+        .arg(&model)
+        .output()
+        .expect("synth");
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(!st.status.success() && err.contains("MiB or more"), "{err}");
+    let st = nibble()
+        .args([
+            "synth", "--arch", "flux", "--size", "160MiB", "--seed", "5", "-o",
+        ])
+        .arg(&model)
+        .stderr(Stdio::null())
+        .status()
+        .expect("synth");
+    assert!(st.success());
+    for part in ["model_index.json", "scheduler/scheduler_config.json"] {
+        assert!(model.join(part).is_file(), "{part} missing");
+    }
+    for part in ["text_encoder", "text_encoder_2", "transformer", "vae"] {
+        assert!(
+            model.join(part).join("config.json").is_file(),
+            "{part} missing"
+        );
+    }
+    let png = tmp.path().join("out.png");
+    let st = nibble()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--prompt",
+            "a lighthouse",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--steps",
+            "2",
+            "--max-sequence-length",
+            "16",
+            "--backend",
+            "cpu",
+            "--out",
+        ])
+        .arg(&png)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("run");
+    assert!(st.success());
+    let bytes = std::fs::read(&png).expect("png");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    // IHDR: width then height, big-endian.
+    assert_eq!(&bytes[16..24], &[0, 0, 0, 48, 0, 0, 0, 32]);
 }

@@ -21,6 +21,9 @@ pub enum SynthArch {
     /// A diffusers Wan 2.1 pipeline folder (WanPipeline: umT5, the 3D transformer, the video
     /// VAE); --size sizes the transformer, --shape gives a real repo's shapes.
     Wan,
+    /// A diffusers Flux pipeline folder (FluxPipeline: CLIP, a 4-bit T5, the DiT, the VAE), the
+    /// demo's; --size sizes the transformer (154 MiB or more).
+    Flux,
 }
 
 /// A real repo's shapes.
@@ -65,6 +68,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         (SynthArch::Wan, _) => return wan(a),
         _ if a.vae_base_dim.is_some() => anyhow::bail!("--vae-base-dim is for --arch wan"),
         (_, None) => anyhow::bail!("--shape is for --arch wan; give --size"),
+        (SynthArch::Flux, Some(s)) => return flux(a, s),
         (SynthArch::Llama, Some(s)) => (Arch::Llama, s),
         (SynthArch::Dit, Some(s)) => (Arch::Dit, s),
     };
@@ -132,11 +136,65 @@ fn wan(a: &SynthArgs) -> Result<()> {
     );
     folder::check_room(&a.out, tensor_bytes(shape), "--out")?;
     folder::prepare(&a.out, "--out")?;
+    write_pipeline(&a.out, shape, a.seed, component_progress())?;
+    folder::seal(&a.out, "nibble synth --arch wan")?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// A Flux pipeline folder of the demo's shapes with a transformer of `size`.
+fn flux(a: &SynthArgs, size: u64) -> Result<()> {
+    use nibble_core::tooling::synth_flux::{components, write_pipeline, FluxSynthShape};
+    // The folder's encoders are CLIP-L and T5-XXL wide: the transformer must take 768- and
+    // 4096-wide states, which the narrowest synthetic DiTs do not.
+    let fits = |s: u64| {
+        let c = SynthModel::new(Arch::Dit, s, a.seed).config;
+        c["joint_attention_dim"] == 4096 && c["pooled_projection_dim"] == 768
+    };
+    if !fits(size) {
+        let (mut lo, mut hi) = (size >> 20, 1u64 << 22);
+        while lo + 1 < hi {
+            let mid = (lo + hi) / 2;
+            if fits(mid << 20) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        anyhow::bail!(
+            "--size {}: a Flux folder's transformer needs {hi} MiB or more (a width that takes \
+             CLIP-L's 768-wide and T5-XXL's 4096-wide states)",
+            fmt_bytes(size)
+        );
+    }
+    let shape = FluxSynthShape {
+        dit_bytes: size,
+        ..Default::default()
+    };
+    let total: u64 = components(shape, a.seed)
+        .iter()
+        .map(|(_, m)| m.tensor_bytes())
+        .sum();
+    eprintln!(
+        "writing a Flux folder to {}: {} of tensors",
+        a.out.display(),
+        fmt_bytes(total)
+    );
+    folder::check_room(&a.out, total, "--out")?;
+    folder::prepare(&a.out, "--out")?;
+    write_pipeline(&a.out, shape, a.seed, component_progress())?;
+    folder::seal(&a.out, "nibble synth --arch flux")?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// Progress of a pipeline's components on stderr, a line each.
+fn component_progress() -> impl FnMut(&str, u64, u64) {
     let mut last = (String::new(), 0u64);
-    write_pipeline(&a.out, shape, a.seed, |name, done, total| {
+    move |name, done, total| {
         if name != last.0 || done - last.1 >= 64 << 20 || done == total {
             eprint!(
-                "\r  {name:<13} {:>5.1}%  {} / {}   ",
+                "\r  {name:<14} {:>5.1}%  {} / {}   ",
                 done as f64 * 100.0 / total.max(1) as f64,
                 fmt_bytes(done),
                 fmt_bytes(total)
@@ -146,8 +204,5 @@ fn wan(a: &SynthArgs) -> Result<()> {
             }
             last = (name.to_string(), done);
         }
-    })?;
-    folder::seal(&a.out, "nibble synth --arch wan")?;
-    eprintln!("wrote {}", a.out.display());
-    Ok(())
+    }
 }
