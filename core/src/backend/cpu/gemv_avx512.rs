@@ -1,6 +1,7 @@
-//! The AVX-512 4-bit GEMV ([`super::q4_row_dots_avx512`]): one kernel body, two decodes of 32
-//! codes (AVX-512F's permutes, VBMI's `multishift`), the AVX2 kernel's sums in the same lanes
-//! and order.
+//! The AVX-512 GEMVs: the 4-bit one ([`super::q4_row_dots_avx512`]: one kernel body, two
+//! decodes of 32 codes, AVX-512F's permutes and VBMI's `multishift`) and the dense f32 / bf16
+//! dot tiles ([`super::dot_tile_rows`]), each with the AVX2 kernel's sums in the same lanes and
+//! order.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
@@ -177,3 +178,83 @@ row_dots!(
         )
     }
 );
+
+/// 8 bf16 values at `p` widened to f32 in the low half, or 16 in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn load_bf16x16(p: *const u16) -> __m512 {
+    let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+}
+
+/// The AVX2 `dot_tile` with 16 lanes: its two chains per output (groups of 8 at even and odd
+/// multiples of 8) are the two halves of one accumulator, so the sums and their order are the
+/// AVX2 kernel's, bit for bit.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
+    x: *const f32,
+    xs: usize,
+    w: *const u8,
+    ws: usize,
+    k: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let load16 = |i: usize| {
+        if BF16 {
+            load_bf16x16((w as *const u16).add(i))
+        } else {
+            _mm512_loadu_ps((w as *const f32).add(i))
+        }
+    };
+    let load8 = |i: usize| {
+        if BF16 {
+            let h =
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((w as *const u16).add(i) as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        } else {
+            _mm256_loadu_ps((w as *const f32).add(i))
+        }
+    };
+    let get = |i: usize| {
+        if BF16 {
+            f32::from_bits((*(w as *const u16).add(i) as u32) << 16)
+        } else {
+            *(w as *const f32).add(i)
+        }
+    };
+    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+    let k16 = k / 16 * 16;
+    let k8 = k / 8 * 8;
+    let mut kk = 0;
+    while kk < k16 {
+        let wv: [__m512; NR] = std::array::from_fn(|j| load16(j * ws + kk));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let xv = _mm512_loadu_ps(x.add(i * xs + kk));
+            for j in 0..NR {
+                row[j] = _mm512_fmadd_ps(xv, wv[j], row[j]);
+            }
+        }
+        kk += 16;
+    }
+    if k8 > k16 {
+        // One more group of 8, at an even multiple of 8: the first chain, the low half.
+        for (i, row) in acc.iter_mut().enumerate() {
+            let xv = _mm256_loadu_ps(x.add(i * xs + kk));
+            for (j, a) in row.iter_mut().enumerate() {
+                let lo = _mm256_fmadd_ps(xv, load8(j * ws + kk), _mm512_castps512_ps256(*a));
+                *a = _mm512_mask_blend_ps(0x00ff, *a, _mm512_castps256_ps512(lo));
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, a) in row.iter().enumerate() {
+            let (lo, hi) = halves(*a);
+            let mut s = super::avx2::hsum(_mm256_add_ps(lo, hi));
+            for t in k8..k {
+                s += *x.add(i * xs + t) * get(j * ws + t);
+            }
+            *out.add(i * out_stride + j) = s;
+        }
+    }
+}

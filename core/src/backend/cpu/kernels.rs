@@ -275,7 +275,9 @@ pub fn dot_tile_rows(
     debug_assert!(mr <= 4 && nr <= 3);
     #[cfg(target_arch = "x86_64")]
     if have_avx2() {
-        // SAFETY: AVX2 and FMA are present; the asserts below bound every access.
+        // SAFETY: AVX2 and FMA are present (AVX-512F where the GEMM runs it); the asserts below
+        // bound every access.
+        let wide = super::gemm::isa() == super::gemm::Isa::Avx512;
         assert!(x.len() >= (mr - 1) * xs + k && w.len() >= (nr - 1) * ws + k);
         assert!(out.len() >= (mr - 1) * out_stride + nr);
         let (wp, bf16) = match w {
@@ -285,15 +287,27 @@ pub fn dot_tile_rows(
         unsafe {
             macro_rules! call {
                 ($b:literal, $m:literal, $n:literal) => {
-                    avx2::dot_tile::<$m, $n, $b>(
-                        x.as_ptr(),
-                        xs,
-                        wp,
-                        ws,
-                        k,
-                        out.as_mut_ptr(),
-                        out_stride,
-                    )
+                    if wide {
+                        avx512::dot_tile::<$m, $n, $b>(
+                            x.as_ptr(),
+                            xs,
+                            wp,
+                            ws,
+                            k,
+                            out.as_mut_ptr(),
+                            out_stride,
+                        )
+                    } else {
+                        avx2::dot_tile::<$m, $n, $b>(
+                            x.as_ptr(),
+                            xs,
+                            wp,
+                            ws,
+                            k,
+                            out.as_mut_ptr(),
+                            out_stride,
+                        )
+                    }
                 };
             }
             macro_rules! by_shape {
@@ -596,22 +610,25 @@ mod avx2 {
                 *(w as *const f32).add(i)
             }
         };
-        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+        // Two chains per output: groups of 8 at even multiples of 8 into the first, odd into
+        // the second (the AVX-512 kernel's two halves), added before the horizontal sum.
+        let mut acc = [[[_mm256_setzero_ps(); 2]; NR]; MR];
         let k8 = k / 8 * 8;
         let mut kk = 0;
         while kk < k8 {
+            let c = (kk / 8) % 2;
             let wv: [__m256; NR] = std::array::from_fn(|j| load(j * ws + kk));
             for (i, row) in acc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_ps(x.add(i * xs + kk));
                 for j in 0..NR {
-                    row[j] = _mm256_fmadd_ps(xv, wv[j], row[j]);
+                    row[j][c] = _mm256_fmadd_ps(xv, wv[j], row[j][c]);
                 }
             }
             kk += 8;
         }
         for (i, row) in acc.iter().enumerate() {
             for (j, a) in row.iter().enumerate() {
-                let mut s = hsum(*a);
+                let mut s = hsum(_mm256_add_ps(a[0], a[1]));
                 for t in k8..k {
                     s += *x.add(i * xs + t) * get(j * ws + t);
                 }
@@ -664,6 +681,67 @@ mod tests {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&a), bits(&b), "{mr}x{nr}");
                 assert!(a[..mr * 5].iter().any(|v| *v != 0.0));
+            }
+        }
+    }
+
+    #[test]
+    fn the_avx512_dot_tiles_give_the_avx2_ones_bits() {
+        if !(have_avx2() && crate::backend::cpu::gemm::Isa::Avx512.present()) {
+            return;
+        }
+        // An even and an odd number of 8-groups, tails, and decode's lm_head width.
+        for k in [8usize, 16, 24, 37, 45, 64, 100, 576] {
+            let x = vals(4 * (k + 3), k as u32);
+            let w32 = vals(3 * (k + 5), k as u32 + 1);
+            let w16: Vec<u16> = w32
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_bits())
+                .collect();
+            for mr in 1..=4 {
+                for nr in 1..=3 {
+                    macro_rules! both {
+                        ($m:literal, $n:literal, $bf:literal, $w:expr) => {{
+                            let (mut a, mut b) = ([0f32; 20], [0f32; 20]);
+                            let w = $w as *const u8;
+                            // SAFETY: AVX2, FMA and AVX-512F present; x holds 4 rows of
+                            // k + 3, w 3 rows of k + 5, out 4 rows of 5.
+                            unsafe {
+                                avx2::dot_tile::<$m, $n, $bf>(
+                                    x.as_ptr(),
+                                    k + 3,
+                                    w,
+                                    k + 5,
+                                    k,
+                                    a.as_mut_ptr(),
+                                    5,
+                                );
+                                avx512::dot_tile::<$m, $n, $bf>(
+                                    x.as_ptr(),
+                                    k + 3,
+                                    w,
+                                    k + 5,
+                                    k,
+                                    b.as_mut_ptr(),
+                                    5,
+                                );
+                            }
+                            let bits =
+                                |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&a), bits(&b), "k {k}, {}x{}, bf16 {}", $m, $n, $bf);
+                        }};
+                    }
+                    match (mr, nr) {
+                        (1, 1) => both!(1, 1, false, w32.as_ptr()),
+                        (1, 3) => both!(1, 3, false, w32.as_ptr()),
+                        (2, 2) => both!(2, 2, false, w32.as_ptr()),
+                        (4, 3) => both!(4, 3, false, w32.as_ptr()),
+                        (1, 2) => both!(1, 2, true, w16.as_ptr()),
+                        (3, 1) => both!(3, 1, true, w16.as_ptr()),
+                        (4, 2) => both!(4, 2, true, w16.as_ptr()),
+                        _ => both!(1, 3, true, w16.as_ptr()),
+                    }
+                }
             }
         }
     }
