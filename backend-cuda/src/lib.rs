@@ -71,10 +71,6 @@ pub const KERNELS: [(&str, &str); 30] = [
 /// calls cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 8;
 
-/// Attention over at least this many query rows runs the blocked kernel (64 rows a block);
-/// fewer (decode) run `attention_rows`, a warp per row.
-pub const ATTENTION_BLOCK_MIN_ROWS: usize = 32;
-
 /// cuBLAS' workspace, given to it from the planned allocation: 32 MiB, what NVIDIA's cuBLAS
 /// documentation recommends for Hopper (4 MiB suffice before it).
 pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
@@ -798,12 +794,6 @@ impl Backend for CudaBackend {
             })
             .collect();
         ptrs.push(at(out));
-        // Fewer than 32 query rows (decode): a warp per row, not 64-row blocks mostly idle.
-        let name = if name == "attention" && shapes[0][1] < ATTENTION_BLOCK_MIN_ROWS {
-            "attention_rows"
-        } else {
-            name
-        };
         let cfg = launch_config(name, op, &shapes, &out.info.shape, items);
         Ok(self.launch(name, &ptrs, &params, cfg)?)
     }

@@ -197,7 +197,8 @@ impl WgpuBackend {
 
     /// The kernels `graph` runs, once each: name, the parameters of its first op's shapes
     /// (4-bit blocksize 64) and its storage bindings. A 4-bit linear brings both its kernels:
-    /// the GEMV for decode and the tiled one for larger batches.
+    /// the GEMV for decode and the tiled one for larger batches; attention both of its own (per
+    /// query row for few rows, blocked for more).
     pub(crate) fn graph_kernels(
         graph: &nibble_core::graph::Graph,
     ) -> Vec<(&'static str, Vec<u32>, usize)> {
@@ -218,8 +219,10 @@ impl WgpuBackend {
                 continue;
             };
             let mut names = vec![name];
-            if let OpKind::LinearQ4 { .. } = node.op {
-                names.push("linear_q4_tiled");
+            match node.op {
+                OpKind::LinearQ4 { .. } => names.push("linear_q4_tiled"),
+                OpKind::Attention { .. } => names.extend(["attention", "attention_rows"]),
+                _ => {}
             }
             let slots = nibble_core::backend::kernel_calls::operands(&node.op, shapes.len()).len();
             for name in names {

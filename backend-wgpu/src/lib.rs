@@ -30,13 +30,17 @@ pub use peaks::{DevicePeaks, PEAK_SHADERS};
 use readback::words;
 
 /// Every kernel: (op name, WGSL source).
-pub const SHADERS: [(&str, &str); 28] = [
+pub const SHADERS: [(&str, &str); 29] = [
     (
         "adaln_modulate",
         include_str!("../shaders/adaln_modulate.wgsl"),
     ),
     ("add", include_str!("../shaders/add.wgsl")),
     ("attention", include_str!("../shaders/attention.wgsl")),
+    (
+        "attention_rows",
+        include_str!("../shaders/attention_rows.wgsl"),
+    ),
     ("cache_write", include_str!("../shaders/cache_write.wgsl")),
     ("concat", include_str!("../shaders/concat.wgsl")),
     ("conv2d", include_str!("../shaders/conv2d.wgsl")),

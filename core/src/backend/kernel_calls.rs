@@ -5,6 +5,11 @@
 
 use crate::graph::{OpKind, RopeMode};
 
+/// Attention over at least this many query rows runs the blocked kernel (`attention`: 64 rows a
+/// workgroup or block, keys and values staged in shared memory); fewer (decode, short prompts)
+/// run `attention_rows`, where a 64-row block would be mostly idle.
+pub const ATTENTION_BLOCK_MIN_ROWS: usize = 32;
+
 fn f(v: f32) -> u32 {
     v.to_bits()
 }
@@ -176,8 +181,14 @@ fn call_checked(
                 *key_mask as u32,
                 f(*scale),
             ];
-            // wgpu's blocked kernel: a workgroup of 64 invocations per 64 query rows of a head.
-            ("attention", p, q[0] * q[1].div_ceil(64) * 64)
+            if q[1] < ATTENTION_BLOCK_MIN_ROWS {
+                // Decode and short prompts: a thread (wgpu) or a warp (CUDA) per query row.
+                ("attention_rows", p, q[0] * q[1])
+            } else {
+                // The blocked kernels: on wgpu a workgroup of 64 invocations per 64 query rows
+                // of a head (CUDA launches its own grid).
+                ("attention", p, q[0] * q[1].div_ceil(64) * 64)
+            }
         }
         OpKind::Embedding => (
             "embedding",
