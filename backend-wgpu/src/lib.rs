@@ -306,14 +306,20 @@ impl WgpuBackend {
         }
         let src =
             shader_source(name).ok_or_else(|| WgpuError::Gpu(format!("no kernel named {name}")))?;
+        let p = self.compile(name, src);
+        self.pipelines.insert(name, p.clone());
+        Ok(p)
+    }
+
+    /// The compute pipeline of WGSL `src` whose entry point is `name`.
+    fn compile(&self, name: &str, src: String) -> wgpu::ComputePipeline {
         let module = self
             .device
             .create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(name),
                 source: wgpu::ShaderSource::Wgsl(src.into()),
             });
-        let p = self
-            .device
+        self.device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(name),
                 layout: None,
@@ -321,9 +327,7 @@ impl WgpuBackend {
                 entry_point: Some(name),
                 compilation_options: Default::default(),
                 cache: None,
-            });
-        self.pipelines.insert(name, p.clone());
-        Ok(p)
+            })
     }
 
     /// A buffer of `size` bytes named `what` (in errors): over the adapter's `max_buffer_size` it

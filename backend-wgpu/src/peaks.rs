@@ -89,22 +89,7 @@ impl WgpuBackend {
             .find(|(n, _)| *n == name)
             .map(|(_, s)| *s)
             .ok_or_else(|| WgpuError::Gpu(format!("no peak shader named {name}")))?;
-        let module = self
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(name),
-                source: wgpu::ShaderSource::Wgsl(src.into()),
-            });
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(name),
-                layout: None,
-                module: &module,
-                entry_point: Some(name),
-                compilation_options: Default::default(),
-                cache: None,
-            });
+        let pipeline = self.compile(name, src.to_string());
         self.queue.write_buffer(
             params,
             0,

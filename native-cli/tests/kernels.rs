@@ -1,7 +1,6 @@
 //! The CPU kernels through the binary: `bench kernels`' roofline and its refusals, and every
 //! instruction set the CPU has (forced by `NIBBLE_CPU_ISA`) giving the same logits bit for bit.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn nibble(args: &[&str]) -> Output {
@@ -9,16 +8,6 @@ fn nibble(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run nibble")
-}
-
-fn fixtures() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
-    assert!(
-        p.join("manifest.json").is_file(),
-        "shared fixtures missing at {}",
-        p.display()
-    );
-    p
 }
 
 /// Whether a CUDA device is usable here (the CLI's CUDA refusals are tested only where it is not).
@@ -108,7 +97,7 @@ fn bench_kernels_refuses_unknown_and_absent_backends_clearly() {
 fn every_gemm_instruction_set_gives_the_same_logits_bit_for_bit() {
     // The prompt (more rows than the GEMV takes) runs every linear on the blocked GEMM; each
     // instruction set this CPU has, forced by NIBBLE_CPU_ISA, must write the same bytes.
-    let dir = fixtures().join("tiny-llama-nf4");
+    let dir = nibble_tests::fixtures_dir().join("tiny-llama-nf4");
     let exp = nibble_core::io::model::ModelIndex::open(&dir.join("expected.safetensors"))
         .expect("expected");
     let b = exp

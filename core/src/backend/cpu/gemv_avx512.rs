@@ -216,13 +216,7 @@ pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
             _mm256_loadu_ps((w as *const f32).add(i))
         }
     };
-    let get = |i: usize| {
-        if BF16 {
-            f32::from_bits((*(w as *const u16).add(i) as u32) << 16)
-        } else {
-            *(w as *const f32).add(i)
-        }
-    };
+    let get = |i: usize| super::weight_at::<BF16>(w, i);
     let mut acc = [[_mm512_setzero_ps(); NR]; MR];
     let k16 = k / 16 * 16;
     let k8 = k / 8 * 8;

@@ -240,6 +240,24 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// Element `i` of f32 weight rows at `w`, or of bf16 ones with `BF16` (widened): the dot tiles'
+/// scalar tails.
+///
+/// # Safety
+/// `w` holds at least `i + 1` elements of that type.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn weight_at<const BF16: bool>(w: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller's bound.
+    unsafe {
+        if BF16 {
+            f32::from_bits((*(w as *const u16).add(i) as u32) << 16)
+        } else {
+            *(w as *const f32).add(i)
+        }
+    }
+}
+
 /// `out[i * out_stride + j] = dot(x row i, w row j)` for `mr` rows of x (stride `xs`) and `nr`
 /// rows of w (stride `ws`), each `k` long; mr <= 4, nr <= 3.
 #[cfg(test)]
@@ -286,29 +304,15 @@ pub fn dot_tile_rows(
         };
         unsafe {
             macro_rules! call {
-                ($b:literal, $m:literal, $n:literal) => {
-                    if wide {
-                        avx512::dot_tile::<$m, $n, $b>(
-                            x.as_ptr(),
-                            xs,
-                            wp,
-                            ws,
-                            k,
-                            out.as_mut_ptr(),
-                            out_stride,
-                        )
+                ($b:literal, $m:literal, $n:literal) => {{
+                    let args = (x.as_ptr(), xs, wp, ws, k, out.as_mut_ptr(), out_stride);
+                    let f = if wide {
+                        avx512::dot_tile::<$m, $n, $b>
                     } else {
-                        avx2::dot_tile::<$m, $n, $b>(
-                            x.as_ptr(),
-                            xs,
-                            wp,
-                            ws,
-                            k,
-                            out.as_mut_ptr(),
-                            out_stride,
-                        )
-                    }
-                };
+                        avx2::dot_tile::<$m, $n, $b>
+                    };
+                    f(args.0, args.1, args.2, args.3, args.4, args.5, args.6)
+                }};
             }
             macro_rules! by_shape {
                 ($b:literal) => {
@@ -603,13 +607,7 @@ mod avx2 {
                 _mm256_loadu_ps((w as *const f32).add(i))
             }
         };
-        let get = |i: usize| {
-            if BF16 {
-                f32::from_bits((*(w as *const u16).add(i) as u32) << 16)
-            } else {
-                *(w as *const f32).add(i)
-            }
-        };
+        let get = |i: usize| super::weight_at::<BF16>(w, i);
         // Two chains per output: groups of 8 at even multiples of 8 into the first, odd into
         // the second (the AVX-512 kernel's two halves), added before the horizontal sum.
         let mut acc = [[[_mm256_setzero_ps(); 2]; NR]; MR];
