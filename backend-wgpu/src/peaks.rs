@@ -25,7 +25,15 @@ pub struct DevicePeaks {
     pub read_gb_s: f64,
 }
 
+/// Workgroups per dispatch: within WebGPU's guaranteed 65535 per dimension, so never folded.
 const WORKGROUPS: u32 = 4096;
+
+/// One peak shader ready to run: its pipeline and bindings, built once.
+struct PeakRun {
+    name: &'static str,
+    pipeline: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+}
 
 impl WgpuBackend {
     /// Measures [`DevicePeaks`] on this adapter (seconds on a GPU; on a software renderer
@@ -36,13 +44,13 @@ impl WgpuBackend {
         let out = self.create_buffer("peak output", invocations * 4, U::STORAGE)?;
         let params = self.create_buffer("peak parameters", 16, U::UNIFORM | U::COPY_DST)?;
         // FMA: 64 FLOP per round per invocation.
+        let fma_run = self.peak_run("peak_fma", &params, &[&out])?;
         let mut iters = 64u32;
         let fma = loop {
-            let s = self.time_peak("peak_fma", &params, iters, &[&out], WORKGROUPS)?;
+            let s = self.time_peak(&fma_run, &params, iters)?;
             if s >= 0.1 || iters >= 1 << 24 {
                 let best = (0..2).try_fold(s, |b, _| {
-                    self.time_peak("peak_fma", &params, iters, &[&out], WORKGROUPS)
-                        .map(|t| b.min(t))
+                    self.time_peak(&fma_run, &params, iters).map(|t| b.min(t))
                 })?;
                 break invocations as f64 * f64::from(iters) * 64.0 / best / 1e9;
             }
@@ -57,13 +65,14 @@ impl WgpuBackend {
         let per = (max / 16 / invocations).max(1) as u32;
         let bytes = u64::from(per) * invocations * 16;
         let src = self.create_buffer("peak read buffer", bytes, U::STORAGE)?;
+        let stream_run = self.peak_run("peak_stream", &params, &[&src, &out])?;
         let mut best = f64::MAX;
         let mut runs = 0;
         // A warm-up, then at least three runs and 100 ms in all.
-        self.time_peak("peak_stream", &params, per, &[&src, &out], WORKGROUPS)?;
+        self.time_peak(&stream_run, &params, per)?;
         let mut total = 0.0;
         while runs < 3 || (total < 0.1 && runs < 64) {
-            let s = self.time_peak("peak_stream", &params, per, &[&src, &out], WORKGROUPS)?;
+            let s = self.time_peak(&stream_run, &params, per)?;
             best = best.min(s);
             total += s;
             runs += 1;
@@ -74,59 +83,60 @@ impl WgpuBackend {
         })
     }
 
-    /// Runs peak shader `name` once with parameter `param` over `groups` workgroups and
-    /// returns the seconds from submit to completion.
-    fn time_peak(
-        &mut self,
-        name: &str,
+    /// Compiles peak shader `name` and binds `params` and then `buffers` to it.
+    fn peak_run(
+        &self,
+        name: &'static str,
         params: &wgpu::Buffer,
-        param: u32,
         buffers: &[&wgpu::Buffer],
-        groups: u32,
-    ) -> Result<f64> {
+    ) -> Result<PeakRun> {
         let src = PEAK_SHADERS
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, s)| *s)
             .ok_or_else(|| WgpuError::Gpu(format!("no peak shader named {name}")))?;
         let pipeline = self.compile(name, src.to_string());
-        self.queue.write_buffer(
-            params,
-            0,
-            &[param.to_le_bytes(), [0; 4], [0; 4], [0; 4]].concat(),
-        );
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: params.as_entire_binding(),
-        }];
-        for (i, b) in buffers.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
+        let entries: Vec<wgpu::BindGroupEntry> = std::iter::once(params)
+            .chain(buffers.iter().copied())
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
                 resource: b.as_entire_binding(),
-            });
-        }
+            })
+            .collect();
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(name),
             layout: &pipeline.get_bind_group_layout(0),
             entries: &entries,
         });
-        let max = self.limits.max_compute_workgroups_per_dimension.max(1);
-        let (gx, gy) = if groups <= max {
-            (groups, 1)
-        } else {
-            (max, groups.div_ceil(max))
-        };
+        Ok(PeakRun {
+            name,
+            pipeline,
+            bind,
+        })
+    }
+
+    /// Runs `run` once over [`WORKGROUPS`] workgroups with parameter `param` and returns the
+    /// seconds from submit to completion.
+    fn time_peak(&self, run: &PeakRun, params: &wgpu::Buffer, param: u32) -> Result<f64> {
+        self.queue.write_buffer(
+            params,
+            0,
+            &[param.to_le_bytes(), [0; 4], [0; 4], [0; 4]].concat(),
+        );
         let mut enc = self
             .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(name) });
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some(run.name),
+            });
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(name),
+                label: Some(run.name),
                 timestamp_writes: None,
             });
-            pass.set_pipeline(&pipeline);
-            pass.set_bind_group(0, &bind, &[]);
-            pass.dispatch_workgroups(gx, gy, 1);
+            pass.set_pipeline(&run.pipeline);
+            pass.set_bind_group(0, &run.bind, &[]);
+            pass.dispatch_workgroups(WORKGROUPS, 1, 1);
         }
         let cmd = enc.finish();
         let t = Instant::now();

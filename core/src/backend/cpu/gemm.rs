@@ -87,7 +87,7 @@ impl Isa {
             .collect()
     }
 
-    /// Parses `avx512`, `avx2` or `portable`.
+    /// Parses `avx512` (or `avx512f`), `avx2` or `portable`.
     pub fn parse(s: &str) -> Option<Isa> {
         match s.trim().to_ascii_lowercase().as_str() {
             "avx512" | "avx512f" | "avx-512" => Some(Isa::Avx512),
@@ -98,30 +98,51 @@ impl Isa {
     }
 }
 
+/// `NIBBLE_CPU_ISA` as this process was started with it, read once.
+fn asked_isa() -> Option<&'static str> {
+    use std::sync::OnceLock;
+    static ASKED: OnceLock<Option<String>> = OnceLock::new();
+    ASKED
+        .get_or_init(|| std::env::var("NIBBLE_CPU_ISA").ok())
+        .as_deref()
+}
+
 /// The GEMM's instruction set in this process: the widest the CPU has, or the one named by
-/// `NIBBLE_CPU_ISA` (`avx512`, `avx2`, `portable`) when the CPU has it, to test or time a
-/// fallback. The results are the same bits either way.
+/// `NIBBLE_CPU_ISA` (`avx512`, `avx512f`, `avx2`, `portable`) when the CPU has it, to test or
+/// time a fallback. The results are the same bits either way.
 pub fn isa() -> Isa {
     use std::sync::OnceLock;
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         let best = Isa::all_present()[0];
-        match std::env::var("NIBBLE_CPU_ISA")
-            .ok()
-            .as_deref()
-            .map(Isa::parse)
-        {
+        match asked_isa().map(Isa::parse) {
             Some(Some(asked)) if asked.present() => asked,
             Some(_) => {
                 eprintln!(
-                    "warning: NIBBLE_CPU_ISA is not one this CPU runs (avx512, avx2, portable \
-                     where present); using {}",
+                    "warning: NIBBLE_CPU_ISA is not one this CPU runs (avx512, avx512f, avx2, \
+                     portable where present); using {}",
                     best.name()
                 );
                 best
             }
             None => best,
         }
+    })
+}
+
+/// Whether the 4-bit GEMV decodes with AVX-512 VBMI: the GEMM runs AVX-512 ([`isa`]), the CPU
+/// has VBMI, and `NIBBLE_CPU_ISA` is not `avx512f` (AVX-512 without VBMI, to test or time that
+/// path). The same bits either way.
+pub fn gemv_vbmi() -> bool {
+    use std::sync::OnceLock;
+    static VBMI: OnceLock<bool> = OnceLock::new();
+    *VBMI.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let has = std::is_x86_feature_detected!("avx512vbmi");
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = false;
+        has && isa() == Isa::Avx512
+            && !asked_isa().is_some_and(|v| v.trim().eq_ignore_ascii_case("avx512f"))
     })
 }
 

@@ -31,6 +31,15 @@ unsafe fn halves(z: __m512) -> (__m256, __m256) {
     )
 }
 
+/// The AVX2 kernels' final sum of two 8-lane accumulators held as the halves of `z`: the halves
+/// added, then the horizontal sum.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn hsum_halves(z: __m512) -> f32 {
+    let (lo, hi) = halves(z);
+    super::avx2::hsum(_mm256_add_ps(lo, hi))
+}
+
 /// For VBMI's `multishift`: per 32-bit lane of `w01` (0) and `w23` (1), the bit offset of its
 /// element's nibble inside the 64-bit lane it sits in, where [`vbmi_bytes`] put the code
 /// bytes: byte `e / 2` of the chunk at byte `(e / 2) % 8` of the qword (qwords 0, 1, 4, 5
@@ -126,12 +135,11 @@ macro_rules! row_dots {
                 }
             }
             for m in 0..M {
-                out[m] = super::avx2::hsum(if M <= 2 {
-                    let (lo, hi) = halves(accz[m]);
-                    _mm256_add_ps(lo, hi)
+                out[m] = if M <= 2 {
+                    hsum_halves(accz[m])
                 } else {
-                    acc[m]
-                });
+                    super::avx2::hsum(acc[m])
+                };
             }
         }
     };
@@ -179,7 +187,7 @@ row_dots!(
     }
 );
 
-/// 8 bf16 values at `p` widened to f32 in the low half, or 16 in both halves.
+/// 16 bf16 values at `p`, widened to f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn load_bf16x16(p: *const u16) -> __m512 {
@@ -207,15 +215,6 @@ pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
             _mm512_loadu_ps((w as *const f32).add(i))
         }
     };
-    let load8 = |i: usize| {
-        if BF16 {
-            let h =
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((w as *const u16).add(i) as *const __m128i));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-        } else {
-            _mm256_loadu_ps((w as *const f32).add(i))
-        }
-    };
     let get = |i: usize| super::weight_at::<BF16>(w, i);
     let mut acc = [[_mm512_setzero_ps(); NR]; MR];
     let k16 = k / 16 * 16;
@@ -236,15 +235,15 @@ pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
         for (i, row) in acc.iter_mut().enumerate() {
             let xv = _mm256_loadu_ps(x.add(i * xs + kk));
             for (j, a) in row.iter_mut().enumerate() {
-                let lo = _mm256_fmadd_ps(xv, load8(j * ws + kk), _mm512_castps512_ps256(*a));
+                let w8 = super::avx2::load_row8::<BF16>(w, j * ws + kk);
+                let lo = _mm256_fmadd_ps(xv, w8, _mm512_castps512_ps256(*a));
                 *a = _mm512_mask_blend_ps(0x00ff, *a, _mm512_castps256_ps512(lo));
             }
         }
     }
     for (i, row) in acc.iter().enumerate() {
         for (j, a) in row.iter().enumerate() {
-            let (lo, hi) = halves(*a);
-            let mut s = super::avx2::hsum(_mm256_add_ps(lo, hi));
+            let mut s = hsum_halves(*a);
             for t in k8..k {
                 s += *x.add(i * xs + t) * get(j * ws + t);
             }

@@ -48,6 +48,20 @@ pub fn lane_order(x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// A GEMV kernel `$f::<M>` for the `xp.len()` activation rows (1 to 4; more are the caller's
+/// error, taken as 4 and caught by the kernel's bounds asserts).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($($f:ident)::+, $packed:expr, $absmax:expr, $bs:expr, $code:expr, $xp:expr, $out:expr) => {
+        match $xp.len() {
+            1 => $($f)::+::<1>($packed, $absmax, $bs, $code, $xp, $out),
+            2 => $($f)::+::<2>($packed, $absmax, $bs, $code, $xp, $out),
+            3 => $($f)::+::<3>($packed, $absmax, $bs, $code, $xp, $out),
+            _ => $($f)::+::<4>($packed, $absmax, $bs, $code, $xp, $out),
+        }
+    };
+}
+
 /// `out[m] = dot(W_row, xp[m])` for one 4-bit row of `k = absmax.len() * bs` elements (`bs` a
 /// multiple of 32) against up to 4 activation rows in lane order: each weight is decoded once,
 /// the per-block dot products are scaled by the block's absmax.
@@ -61,20 +75,13 @@ pub fn q4_row_dots(
 ) {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::isa() == super::gemm::Isa::Avx512 {
-        q4_row_dots_avx512(packed, absmax, bs, code, xp, out, gemv_vbmi());
+        q4_row_dots_avx512(packed, absmax, bs, code, xp, out, super::gemm::gemv_vbmi());
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if have_avx2() {
         // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
-        unsafe {
-            match xp.len() {
-                1 => avx2::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
-                2 => avx2::q4_row_dots::<2>(packed, absmax, bs, code, xp, out),
-                3 => avx2::q4_row_dots::<3>(packed, absmax, bs, code, xp, out),
-                _ => avx2::q4_row_dots::<4>(packed, absmax, bs, code, xp, out),
-            }
-        }
+        unsafe { by_rows!(avx2::q4_row_dots, packed, absmax, bs, code, xp, out) }
         return;
     }
     let k = absmax.len() * bs;
@@ -95,7 +102,7 @@ pub fn q4_row_dots(
 /// 512-bit accumulator holds two of its 256-bit ones side by side), from a cheaper decode (a
 /// 16-entry table lookup per 16 codes instead of four byte-plane shuffles and six interleaves per
 /// 32), so the two give the same bits; with `vbmi` (the CPU has AVX-512 VBMI: see
-/// [`gemv_vbmi`]) the nibbles reach the lookup through one `multishift` per 16 codes, the same
+/// [`super::gemm::gemv_vbmi`]) the nibbles reach the lookup through one `multishift` per 16 codes, the same
 /// weights in the same lanes. The caller checks that AVX-512F is present.
 #[cfg(target_arch = "x86_64")]
 pub fn q4_row_dots_avx512(
@@ -112,33 +119,12 @@ pub fn q4_row_dots_avx512(
     // SAFETY: AVX-512F (and AVX2, FMA with it) present, VBMI where asked; the kernels assert
     // every length.
     unsafe {
-        match (xp.len(), vbmi) {
-            (1, false) => avx512::q4_row_dots::<1>(packed, absmax, bs, code, xp, out),
-            (2, false) => avx512::q4_row_dots::<2>(packed, absmax, bs, code, xp, out),
-            (3, false) => avx512::q4_row_dots::<3>(packed, absmax, bs, code, xp, out),
-            (_, false) => avx512::q4_row_dots::<4>(packed, absmax, bs, code, xp, out),
-            (1, true) => avx512::q4_row_dots_vbmi::<1>(packed, absmax, bs, code, xp, out),
-            (2, true) => avx512::q4_row_dots_vbmi::<2>(packed, absmax, bs, code, xp, out),
-            (3, true) => avx512::q4_row_dots_vbmi::<3>(packed, absmax, bs, code, xp, out),
-            (_, true) => avx512::q4_row_dots_vbmi::<4>(packed, absmax, bs, code, xp, out),
+        if vbmi {
+            by_rows!(avx512::q4_row_dots_vbmi, packed, absmax, bs, code, xp, out)
+        } else {
+            by_rows!(avx512::q4_row_dots, packed, absmax, bs, code, xp, out)
         }
     }
-}
-
-/// Whether the GEMV decodes with AVX-512 VBMI: the GEMM runs AVX-512 ([`super::gemm::isa`]),
-/// the CPU has VBMI, and `NIBBLE_CPU_ISA` is not `avx512f` (which keeps AVX-512 without VBMI,
-/// to test or time that path). The same bits either way.
-#[cfg(target_arch = "x86_64")]
-pub fn gemv_vbmi() -> bool {
-    use std::sync::OnceLock;
-    static VBMI: OnceLock<bool> = OnceLock::new();
-    *VBMI.get_or_init(|| {
-        super::gemm::isa() == super::gemm::Isa::Avx512
-            && std::is_x86_feature_detected!("avx512vbmi")
-            && std::env::var("NIBBLE_CPU_ISA")
-                .map(|v| !v.trim().eq_ignore_ascii_case("avx512f"))
-                .unwrap_or(true)
-    })
 }
 
 /// The GEMV kernels' bounds, checked once per row: `packed` holds the row's codes, `bs` is a
@@ -589,6 +575,17 @@ mod avx2 {
         _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
     }
 
+    /// 8 weights from element `i` of f32 rows at `w`, or of bf16 ones with `BF16` (widened).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn load_row8<const BF16: bool>(w: *const u8, i: usize) -> __m256 {
+        if BF16 {
+            load_bf16((w as *const u16).add(i))
+        } else {
+            _mm256_loadu_ps((w as *const f32).add(i))
+        }
+    }
+
     /// Weight rows are f32 at `w`, or bf16 with `BF16` (widened as loaded).
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
@@ -600,29 +597,29 @@ mod avx2 {
         out: *mut f32,
         out_stride: usize,
     ) {
-        let load = |i: usize| {
-            if BF16 {
-                load_bf16((w as *const u16).add(i))
-            } else {
-                _mm256_loadu_ps((w as *const f32).add(i))
-            }
-        };
         let get = |i: usize| super::weight_at::<BF16>(w, i);
         // Two chains per output: groups of 8 at even multiples of 8 into the first, odd into
         // the second (the AVX-512 kernel's two halves), added before the horizontal sum.
         let mut acc = [[[_mm256_setzero_ps(); 2]; NR]; MR];
-        let k8 = k / 8 * 8;
-        let mut kk = 0;
-        while kk < k8 {
-            let c = (kk / 8) % 2;
-            let wv: [__m256; NR] = std::array::from_fn(|j| load(j * ws + kk));
+        // The group of 8 at `kk` into chain `c`.
+        let group = |acc: &mut [[[__m256; 2]; NR]; MR], kk: usize, c: usize| {
+            let wv: [__m256; NR] = std::array::from_fn(|j| load_row8::<BF16>(w, j * ws + kk));
             for (i, row) in acc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_ps(x.add(i * xs + kk));
                 for j in 0..NR {
                     row[j][c] = _mm256_fmadd_ps(xv, wv[j], row[j][c]);
                 }
             }
-            kk += 8;
+        };
+        let (k16, k8) = (k / 16 * 16, k / 8 * 8);
+        let mut kk = 0;
+        while kk < k16 {
+            group(&mut acc, kk, 0);
+            group(&mut acc, kk + 8, 1);
+            kk += 16;
+        }
+        if k8 > k16 {
+            group(&mut acc, kk, 0);
         }
         for (i, row) in acc.iter().enumerate() {
             for (j, a) in row.iter().enumerate() {

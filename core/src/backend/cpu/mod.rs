@@ -125,7 +125,7 @@ impl CpuBackend {
     /// the 4-bit GEMV's, then the other kernels'.
     pub fn describe(&self) -> String {
         #[cfg(target_arch = "x86_64")]
-        let gemv = if kernels::gemv_vbmi() {
+        let gemv = if gemm::gemv_vbmi() {
             "avx512vbmi"
         } else if gemm::isa() == gemm::Isa::Avx512 {
             "avx512f"
