@@ -4,8 +4,10 @@
 //!
 //! Blocking (per task, a range of columns or of rows): columns in blocks of [`NC`], the reduction
 //! in blocks of [`KC`]; each `NC x KC` weight block is packed into slivers of `nr` columns
-//! (`kc x nr`, column-contiguous per k, zero past the last column), then every activation row
-//! block of [`MC`] rows runs the register-tiled micro-kernel (`MR` rows by one sliver) over it.
+//! (`kc x nr`, column-contiguous per k, zero past the last column) that stay in L2; then each
+//! tile of `mr` activation rows is packed (`kc x mr`, in L1) and the register-tiled micro-kernel
+//! runs it against every sliver in turn. (The other order, a sliver in L1 against tiles from L2,
+//! ran at ~0.45 of the FMA peak against ~0.65-0.7 for this one on a 2-core Sapphire Rapids.)
 //!
 //! Determinism: every output element is, per reduction block of [`KC`], one chain of fused
 //! multiply-adds from +0 in one fixed order, and the blocks' sums are added in order
@@ -19,12 +21,12 @@ use super::{split, Out, ThreadPool};
 
 /// The most activation rows per micro-kernel tile (AVX-512's; AVX2's is 6: [`Isa::mr`]).
 pub const MR: usize = 12;
-/// Reduction elements per packed block (a sliver of `KC x nr` stays in L1).
-pub const KC: usize = 192;
+/// Reduction elements per packed block: a tile of `KC x MR` stays in L1 (18 KiB), the block's
+/// `NC x KC` weights in L2 (1.1 MiB), and the output is read and written once per `KC` of the
+/// reduction. Part of the numerics (the chains are `KC` long): changing it changes results.
+pub const KC: usize = 384;
 /// Weight rows per packed block.
 pub const NC: usize = 768;
-/// Activation rows per block (`MC x KC` of activations stays in L2; a multiple of 6 and 12).
-pub const MC: usize = 576;
 
 /// The instruction set the GEMM's micro-kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,9 +149,9 @@ pub fn gemv_vbmi() -> bool {
 }
 
 /// Bytes of packed operands one task keeps: `NC x KC` weights at the widest sliver and
-/// `MC x KC` activations.
+/// one packed tile of `MR x KC` activations.
 pub fn panel_bytes(k: usize) -> usize {
-    (NC.div_ceil(32) * 32 + MC) * k.min(KC) * 4
+    (NC.div_ceil(32) * 32 + MR) * k.min(KC) * 4
 }
 
 /// Weight rows the GEMM packs: `pack` writes columns `j0 .. j0 + cols` (`cols <= nr`) at
@@ -161,10 +163,16 @@ pub trait Weights: Sync {
     fn k_step(&self) -> usize {
         1
     }
+    /// Whether the packed reduction runs in [`super::kernels::pair_order`] (then the GEMM
+    /// reads the activations in that order as it packs them: the caller passes them as they
+    /// are).
+    fn paired(&self) -> bool {
+        false
+    }
 }
 
-/// 4-bit rows in the paired order of [`super::kernels::pair_order`] (the activations are permuted
-/// the same way): for every 8 packed bytes, the 8 high nibbles then the 8 low nibbles; each value
+/// 4-bit rows in the paired order of [`super::kernels::pair_order`] (the GEMM reads the
+/// activations the same way): for every 8 packed bytes, the 8 high nibbles then the 8 low nibbles; each value
 /// `code[q] * absmax[block]` exactly as bitsandbytes dequantizes it.
 pub struct Nf4Rows<'a> {
     /// `n * k / 2` packed bytes.
@@ -182,6 +190,40 @@ pub struct Nf4Rows<'a> {
 impl Weights for Nf4Rows<'_> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
         debug_assert!(k0.is_multiple_of(16) && kc.is_multiple_of(16) && cols <= nr);
+        #[cfg(target_arch = "x86_64")]
+        if nr == 32 && self.k.is_multiple_of(self.bs) && Isa::Avx512.present() {
+            assert!(
+                (j0 + cols) * self.k <= 2 * self.packed.len()
+                    && (j0 + cols) * (self.k / self.bs) <= self.absmax.len()
+                    && k0 + kc <= self.k
+                    && out.len() >= kc * 32
+                    && 16 * self.k < 1 << 31
+            );
+            // SAFETY: AVX-512 is present; the rows, scales and output are in bounds (above).
+            unsafe { x86::pack_nf4_512(self, j0, cols, k0, kc, out) };
+            return;
+        }
+        self.pack_scalar(j0, cols, k0, kc, nr, out);
+    }
+    fn k_step(&self) -> usize {
+        16
+    }
+    fn paired(&self) -> bool {
+        true
+    }
+}
+
+impl Nf4Rows<'_> {
+    /// [`Weights::pack`] one value at a time (any CPU, any sliver width).
+    fn pack_scalar(
+        &self,
+        j0: usize,
+        cols: usize,
+        k0: usize,
+        kc: usize,
+        nr: usize,
+        out: &mut [f32],
+    ) {
         for c in 0..cols {
             let base = (j0 + c) * self.k + k0;
             let mut block = usize::MAX;
@@ -202,9 +244,6 @@ impl Weights for Nf4Rows<'_> {
             }
         }
         zero_tail(cols, kc, nr, out);
-    }
-    fn k_step(&self) -> usize {
-        16
     }
 }
 
@@ -323,7 +362,7 @@ pub fn gemm(
         }
         PANEL.with(|p| {
             let mut panel = p.borrow_mut();
-            let need = (NC.div_ceil(nr) * nr + MC) * k.min(KC);
+            let need = (NC.div_ceil(nr) * nr + MR) * k.min(KC);
             if panel.len() < need {
                 panel.resize(need, 0.0);
             }
@@ -355,9 +394,39 @@ pub(super) fn pack_tile(
     mr: usize,
     dst: &mut [f32],
 ) {
-    for r in 0..rows {
-        for (kk, &v) in src[r * ld..r * ld + kc].iter().enumerate() {
-            dst[kk * mr + r] = v;
+    pack_tile_in(src, ld, rows, kc, mr, dst, false)
+}
+
+/// [`pack_tile`], reading each row in [`super::kernels::pair_order`] when `paired` (`kc` a
+/// multiple of 16): `dst[kk * mr + r] = src[r * ld + pair(kk)]`. Written in `dst`'s order (one
+/// contiguous run of `rows` per step, the rows read as `rows` streams): writing a row at a time
+/// stores every `mr`-th value, and those partial-line writes cost a fifth of a whole GEMM.
+fn pack_tile_in(
+    src: &[f32],
+    ld: usize,
+    rows: usize,
+    kc: usize,
+    mr: usize,
+    dst: &mut [f32],
+    paired: bool,
+) {
+    if rows == 0 || kc == 0 {
+        return;
+    }
+    assert!(rows <= mr && src.len() >= (rows - 1) * ld + kc && dst.len() >= (kc - 1) * mr + rows);
+    assert!(!paired || kc.is_multiple_of(16));
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    for kk in 0..kc {
+        // Paired order: in each 16, the 8 even positions, then the 8 odd ones.
+        let from = if paired {
+            let p = kk & 15;
+            (kk & !15) + if p < 8 { 2 * p } else { 2 * (p - 8) + 1 }
+        } else {
+            kk
+        };
+        for r in 0..rows {
+            // SAFETY: r < rows and from < kc, within the lengths asserted above.
+            unsafe { *d.add(kk * mr + r) = *s.add(r * ld + from) };
         }
     }
 }
@@ -398,33 +467,22 @@ unsafe fn block(
                     &mut panel[s * kc * nr..(s + 1) * kc * nr],
                 );
             }
-            for ic in (m0..m1).step_by(MC) {
-                let i1 = (ic + MC).min(m1);
-                // The rows' block, tile by tile, each `kc x mr` with its rows side by side: the
-                // micro-kernel reads it in order (rows `k` apart would share cache sets).
-                for (t, i) in (ic..i1).step_by(mr_max).enumerate() {
-                    let rows = (i1 - i).min(mr_max);
-                    pack_tile(
-                        &a[i * k + pc..],
-                        k,
-                        rows,
-                        kc,
-                        mr_max,
-                        &mut apanel[t * kc * mr_max..],
-                    );
-                }
+            // Row tile after row tile: its `kc x mr` activations packed into L1 (rows side by
+            // side, as the micro-kernel reads them) and multiplied by every sliver of the
+            // block, which streams from L2 (the next sliver's start is prefetched by the last
+            // steps of the one before, since slivers lie end to end).
+            for i in (m0..m1).step_by(mr_max) {
+                let mr = (m1 - i).min(mr_max);
+                pack_tile_in(&a[i * k + pc..], k, mr, kc, mr_max, apanel, w.paired());
+                let ap = apanel.as_ptr();
                 for s in 0..slivers {
                     let j = jc + s * nr;
                     let cols = (jc + nc - j).min(nr);
                     let b = panel[s * kc * nr..].as_ptr();
-                    for (t, i) in (ic..i1).step_by(mr_max).enumerate() {
-                        let mr = (i1 - i).min(mr_max);
-                        let ap = apanel[t * kc * mr_max..].as_ptr();
-                        let cp = out.0.add(i * ldc + j);
-                        // SAFETY: the packed tile holds kc x mr_max values, the sliver kc x nr;
-                        // the output tile lies in this task's part of `out`.
-                        micro(isa, mr, ap, b, nr, false, kc, cp, ldc, pc > 0, cols);
-                    }
+                    let cp = out.0.add(i * ldc + j);
+                    // SAFETY: the packed tile holds kc x mr_max values, the sliver kc x nr;
+                    // the output tile lies in this task's part of `out`.
+                    micro(isa, mr, ap, b, nr, false, kc, cp, ldc, pc > 0, cols);
                 }
             }
         }
@@ -523,131 +581,8 @@ unsafe fn portable(
 // Intrinsics kernels whose callers check the instruction set and the bounds.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn, clippy::too_many_arguments)]
-mod x86 {
-    use std::arch::x86_64::*;
-
-    /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
-    /// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
-    /// every lane there is masked off and the address may lie past the allocation.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn micro512<const R: usize>(
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        bmask: bool,
-        kc: usize,
-        c: *mut f32,
-        ldc: usize,
-        load: bool,
-        cols: usize,
-    ) {
-        let mask = if cols >= 32 {
-            u32::MAX
-        } else {
-            (1u32 << cols) - 1
-        };
-        let (m0, m1) = (mask as __mmask16, (mask >> 16) as __mmask16);
-        let mut lo = [_mm512_setzero_ps(); R];
-        let mut hi = [_mm512_setzero_ps(); R];
-        if load {
-            for r in 0..R {
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 16) as *const i8);
-            }
-        }
-        for kk in 0..kc {
-            // The sliver and the tile a few steps ahead, from L2 into L1.
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * ldb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 6) * ldb + 16) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add((kk + 8) * lda) as *const i8);
-            let (b0, b1) = if bmask {
-                (
-                    _mm512_maskz_loadu_ps(m0, b.add(kk * ldb)),
-                    _mm512_maskz_loadu_ps(m1, b.wrapping_add(kk * ldb + 16)),
-                )
-            } else {
-                (
-                    _mm512_loadu_ps(b.add(kk * ldb)),
-                    _mm512_loadu_ps(b.wrapping_add(kk * ldb + 16)),
-                )
-            };
-            for r in 0..R {
-                let x = _mm512_set1_ps(*a.add(kk * lda + r));
-                lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
-                hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
-            }
-        }
-        if load {
-            for r in 0..R {
-                lo[r] = _mm512_add_ps(lo[r], _mm512_maskz_loadu_ps(m0, c.add(r * ldc)));
-                hi[r] = _mm512_add_ps(
-                    hi[r],
-                    _mm512_maskz_loadu_ps(m1, c.wrapping_add(r * ldc + 16)),
-                );
-            }
-        }
-        for r in 0..R {
-            _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
-            _mm512_mask_storeu_ps(c.wrapping_add(r * ldc + 16), m1, hi[r]);
-        }
-    }
-
-    /// `R x 16` tile, two ymm accumulators per row.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn micro256<const R: usize>(
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        bmask: bool,
-        kc: usize,
-        c: *mut f32,
-        ldc: usize,
-        load: bool,
-        cols: usize,
-    ) {
-        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.min(8) as i32), idx);
-        let m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.saturating_sub(8) as i32), idx);
-        let mut lo = [_mm256_setzero_ps(); R];
-        let mut hi = [_mm256_setzero_ps(); R];
-        if load {
-            for r in 0..R {
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 8) as *const i8);
-            }
-        }
-        for kk in 0..kc {
-            let (b0, b1) = if bmask {
-                (
-                    _mm256_maskload_ps(b.add(kk * ldb), m0),
-                    _mm256_maskload_ps(b.wrapping_add(kk * ldb + 8), m1),
-                )
-            } else {
-                (
-                    _mm256_loadu_ps(b.add(kk * ldb)),
-                    _mm256_loadu_ps(b.wrapping_add(kk * ldb + 8)),
-                )
-            };
-            for r in 0..R {
-                let x = _mm256_broadcast_ss(&*a.add(kk * lda + r));
-                lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
-                hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
-            }
-        }
-        if load {
-            for r in 0..R {
-                lo[r] = _mm256_add_ps(lo[r], _mm256_maskload_ps(c.add(r * ldc), m0));
-                hi[r] = _mm256_add_ps(hi[r], _mm256_maskload_ps(c.wrapping_add(r * ldc + 8), m1));
-            }
-        }
-        for r in 0..R {
-            _mm256_maskstore_ps(c.add(r * ldc), m0, lo[r]);
-            _mm256_maskstore_ps(c.wrapping_add(r * ldc + 8), m1, hi[r]);
-        }
-    }
-}
+#[path = "gemm_x86.rs"]
+mod x86;
 
 #[cfg(test)]
 mod tests {
@@ -686,12 +621,12 @@ mod tests {
     #[test]
     fn every_instruction_set_gives_the_chain_bit_for_bit() {
         let pool = ThreadPool::global();
-        // Edges in every direction: rows not a multiple of MR or MC, columns not a multiple of
+        // Edges in every direction: rows not a multiple of MR, columns not a multiple of
         // any sliver or NC, reductions over several KC blocks with a short last one.
         for &(m, n, k) in &[
             (1, 1, 16),
             (7, 33, 48),
-            (MC + 14, 40, KC + 16),
+            (590, 40, KC + 16),
             (13, NC + 32, 2 * KC + 16),
             (30, 70, 272),
         ] {
@@ -722,18 +657,22 @@ mod tests {
             k,
             code: &code,
         };
-        // Dequantized rows by the element formula, then paired like the activations.
+        // Dequantized rows by the element formula.
         let mut rows = vec![0f32; n * k];
         for e in 0..n * k {
             let byte = packed[e / 2];
             let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
             rows[e] = code[q as usize] * absmax[e / bs];
         }
-        let mut paired = vec![0f32; n * k];
-        super::super::kernels::pair_order(&rows, &mut paired);
+        let pair = |x: &[f32]| {
+            let mut p = vec![0f32; x.len()];
+            super::super::kernels::pair_order(x, &mut p);
+            p
+        };
+        // The GEMM takes the activations as they are and reads them paired, as the weights.
         let m = 9;
         let a = vals(m * k, 4);
-        let want = chain(&a, &paired, m, n, k);
+        let want = chain(&pair(&a), &pair(&rows), m, n, k);
         let bias = vals(n, 5);
         for isa in Isa::all_present() {
             let mut out = vec![0f32; m * n];
@@ -755,6 +694,40 @@ mod tests {
                     "{}",
                     isa.name()
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_nf4_packing_equals_the_scalar_one() {
+        // Block sizes of one group, several per block, one per row; slivers full and ragged,
+        // at the first column and further in, reductions from the start and from inside.
+        for &(n, k, bs) in &[(70, 256, 64), (33, 96, 16), (40, 512, 512), (64, 1024, 128)] {
+            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 151 + 7) as u8).collect();
+            let absmax = vals(n * k / bs, 8);
+            let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
+            let w = Nf4Rows {
+                packed: &packed,
+                absmax: &absmax,
+                bs,
+                k,
+                code: &code,
+            };
+            for &(j0, cols) in &[(0, 32), (n - 5, 5), (n - 20, 20), (1, 16)] {
+                for &(k0, kc) in &[(0, k), (16, k - 32), (k - 16, 16)] {
+                    let mut want = vec![f32::NAN; kc * 32];
+                    w.pack_scalar(j0, cols, k0, kc, 32, &mut want);
+                    let mut got = vec![f32::NAN; kc * 32];
+                    w.pack(j0, cols, k0, kc, 32, &mut got);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{n}x{k}/{bs}, columns {j0}+{cols}, reduction {k0}+{kc}"
+                    );
+                }
             }
         }
     }

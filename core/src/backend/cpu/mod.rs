@@ -22,7 +22,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
-use kernels::{dot, dot_tile_rows, exp_shifted, lane_order, pair_order, q4_row_dots, Rows};
+use kernels::{dot, dot_tile_rows, exp_shifted, lane_order, q4_row_dots, Rows};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
@@ -242,7 +242,7 @@ impl Backend for CpuBackend {
         self.scratch = Vec::new();
     }
     fn workspace(&self, ops: &[OpShapes<'_>]) -> Workspace {
-        // `self.scratch` grows to the largest of: activations reordered for a 4-bit linear
+        // `self.scratch` grows to the largest of: activations reordered for a 4-bit GEMV
         // (m x k), a matmul's transposed operand (n x k), a convolution band's columns. Each
         // worker (and the caller) keeps the GEMM's packed weight block ([`gemm::panel_bytes`])
         // for every linear, matmul and convolution, or attention's packed key head and tiles;
@@ -259,7 +259,11 @@ impl Backend for CpuBackend {
                         x.first().copied().unwrap_or(0),
                         x.last().copied().unwrap_or(0),
                     );
-                    shared = shared.max((m * k * 4) as u64);
+                    // Only the GEMV's rows are reordered into the workspace; the GEMM reads
+                    // its activations in place.
+                    if m <= GEMV_MAX_ROWS {
+                        shared = shared.max((m * k * 4) as u64);
+                    }
                     tile = tile.max(gemm::panel_bytes(k) as u64);
                 }
                 OpKind::Linear { .. } | OpKind::MatMul { transpose_b: true } => {

@@ -474,19 +474,25 @@ impl CpuBackend {
             });
             return Ok(());
         }
-        // Activations in the order the kernel decodes weights into, once per call: lane order
-        // for the GEMV (blocks of at least 32), paired order for the tiles.
+        // The GEMV reads activations in the order it decodes weights into (lane order, blocks
+        // of at least 32), permuted here once per call; the GEMM reads them paired as it packs.
         let gemv = m <= GEMV_MAX_ROWS && bs % 32 == 0;
+        if !gemv {
+            let w = gemm::Nf4Rows {
+                packed,
+                absmax,
+                bs,
+                k,
+                code: &code,
+            };
+            gemm::gemm(pool, gemm::isa(), x, m, k, &w, n, bias, out);
+            return Ok(());
+        }
         if xp.len() < m * k {
             xp.resize(m * k, 0.0);
         }
         for i in 0..m {
-            let (src, dst) = (&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
-            if gemv {
-                lane_order(src, dst);
-            } else {
-                pair_order(src, dst);
-            }
+            lane_order(&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
         }
         let xp: &[f32] = &xp[..m * k];
         let blocks_per_row = k / bs;
@@ -495,37 +501,26 @@ impl CpuBackend {
         } else {
             pool.threads() * 2
         };
-        if gemv {
-            pool.run(tasks, &|t| {
-                let (n0, n1) = split(n, tasks, t, 1);
-                let rows: Vec<&[f32]> = (0..m).map(|i| &xp[i * k..(i + 1) * k]).collect();
-                let mut dots = [0f32; GEMV_MAX_ROWS];
-                for j in n0..n1 {
-                    q4_row_dots(
-                        &packed[j * k / 2..(j + 1) * k / 2],
-                        &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
-                        bs,
-                        &code,
-                        &rows,
-                        &mut dots[..m],
-                    );
-                    for (i, &d) in dots[..m].iter().enumerate() {
-                        let s = d + bias.map_or(0.0, |b| b[j]);
-                        // SAFETY: column j belongs to this task only.
-                        unsafe { o.range(i * n + j, 1)[0] = s };
-                    }
+        pool.run(tasks, &|t| {
+            let (n0, n1) = split(n, tasks, t, 1);
+            let rows: Vec<&[f32]> = (0..m).map(|i| &xp[i * k..(i + 1) * k]).collect();
+            let mut dots = [0f32; GEMV_MAX_ROWS];
+            for j in n0..n1 {
+                q4_row_dots(
+                    &packed[j * k / 2..(j + 1) * k / 2],
+                    &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
+                    bs,
+                    &code,
+                    &rows,
+                    &mut dots[..m],
+                );
+                for (i, &d) in dots[..m].iter().enumerate() {
+                    let s = d + bias.map_or(0.0, |b| b[j]);
+                    // SAFETY: column j belongs to this task only.
+                    unsafe { o.range(i * n + j, 1)[0] = s };
                 }
-            });
-            return Ok(());
-        }
-        let w = gemm::Nf4Rows {
-            packed,
-            absmax,
-            bs,
-            k,
-            code: &code,
-        };
-        gemm::gemm(pool, gemm::isa(), xp, m, k, &w, n, bias, out);
+            }
+        });
         Ok(())
     }
 }

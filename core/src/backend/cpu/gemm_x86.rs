@@ -1,0 +1,190 @@
+//! The GEMM's x86 kernels (AVX-512 and AVX2 + FMA micro-kernels, the AVX-512 4-bit packing),
+//! a part of [`super`]: their callers check the instruction set and the bounds.
+
+use std::arch::x86_64::*;
+
+/// [`super::Nf4Rows::pack`] for 32-column slivers, 16 columns at a time: each column's 8
+/// bytes of a 16-value group gathered as two dwords, each nibble looked up in the code
+/// table (`vpermps`) and multiplied by the column's scale, the same `code[q] * absmax`
+/// product as the scalar loop; columns past `cols` are +0.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn pack_nf4_512(
+    w: &super::Nf4Rows,
+    j0: usize,
+    cols: usize,
+    k0: usize,
+    kc: usize,
+    out: &mut [f32],
+) {
+    let table = _mm512_loadu_ps(w.code.as_ptr());
+    let (k, per_row) = (w.k, w.k / w.bs);
+    let nib = _mm512_set1_epi32(15);
+    let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let o = out.as_mut_ptr();
+    for h in 0..2 {
+        let c0 = 16 * h;
+        let valid = cols.saturating_sub(c0).min(16);
+        let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+        // Byte offsets of the 16 rows from the first one's, and their first scale's index.
+        let rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32((k / 2) as i32));
+        let first = _mm512_mullo_epi32(lane, _mm512_set1_epi32(per_row as i32));
+        let row0 = (j0 + c0) * k;
+        let bytes = w.packed.as_ptr().wrapping_add((row0 + k0) / 2);
+        let scales = w.absmax.as_ptr().wrapping_add((j0 + c0) * per_row);
+        let mut block = usize::MAX;
+        let mut scale = _mm512_setzero_ps();
+        for g in 0..kc / 16 {
+            let b = (k0 + 16 * g) / w.bs;
+            if b != block {
+                block = b;
+                let idx = _mm512_add_epi32(first, _mm512_set1_epi32(b as i32));
+                scale = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, idx, scales);
+            }
+            let at = bytes.wrapping_add(8 * g) as *const i32;
+            let lo4 = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, rows, at);
+            let hi4 = _mm512_mask_i32gather_epi32::<1>(
+                _mm512_setzero_si512(),
+                mask,
+                rows,
+                at.wrapping_byte_add(4),
+            );
+            let dst = o.add(16 * g * 32 + c0);
+            for i in 0..8 {
+                let word = if i < 4 { lo4 } else { hi4 };
+                let byte = match i % 4 {
+                    0 => word,
+                    1 => _mm512_srli_epi32::<8>(word),
+                    2 => _mm512_srli_epi32::<16>(word),
+                    _ => _mm512_srli_epi32::<24>(word),
+                };
+                let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(byte), nib);
+                let lo = _mm512_and_si512(byte, nib);
+                let vh = _mm512_maskz_mul_ps(mask, _mm512_permutexvar_ps(hi, table), scale);
+                let vl = _mm512_maskz_mul_ps(mask, _mm512_permutexvar_ps(lo, table), scale);
+                _mm512_storeu_ps(dst.add(i * 32), vh);
+                _mm512_storeu_ps(dst.add((8 + i) * 32), vl);
+            }
+        }
+    }
+}
+
+/// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
+/// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
+/// every lane there is masked off and the address may lie past the allocation.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn micro512<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    bmask: bool,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    cols: usize,
+) {
+    let mask = if cols >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << cols) - 1
+    };
+    let (m0, m1) = (mask as __mmask16, (mask >> 16) as __mmask16);
+    let mut lo = [_mm512_setzero_ps(); R];
+    let mut hi = [_mm512_setzero_ps(); R];
+    if load {
+        for r in 0..R {
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 16) as *const i8);
+        }
+    }
+    for kk in 0..kc {
+        // The sliver and the tile a few steps ahead, from L2 into L1.
+        _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 10) * ldb) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add((kk + 10) * ldb + 16) as *const i8);
+        let (b0, b1) = if bmask {
+            (
+                _mm512_maskz_loadu_ps(m0, b.add(kk * ldb)),
+                _mm512_maskz_loadu_ps(m1, b.wrapping_add(kk * ldb + 16)),
+            )
+        } else {
+            (
+                _mm512_loadu_ps(b.add(kk * ldb)),
+                _mm512_loadu_ps(b.wrapping_add(kk * ldb + 16)),
+            )
+        };
+        for r in 0..R {
+            let x = _mm512_set1_ps(*a.add(kk * lda + r));
+            lo[r] = _mm512_fmadd_ps(x, b0, lo[r]);
+            hi[r] = _mm512_fmadd_ps(x, b1, hi[r]);
+        }
+    }
+    if load {
+        for r in 0..R {
+            lo[r] = _mm512_add_ps(lo[r], _mm512_maskz_loadu_ps(m0, c.add(r * ldc)));
+            hi[r] = _mm512_add_ps(
+                hi[r],
+                _mm512_maskz_loadu_ps(m1, c.wrapping_add(r * ldc + 16)),
+            );
+        }
+    }
+    for r in 0..R {
+        _mm512_mask_storeu_ps(c.add(r * ldc), m0, lo[r]);
+        _mm512_mask_storeu_ps(c.wrapping_add(r * ldc + 16), m1, hi[r]);
+    }
+}
+
+/// `R x 16` tile, two ymm accumulators per row.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn micro256<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    bmask: bool,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    cols: usize,
+) {
+    let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.min(8) as i32), idx);
+    let m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols.saturating_sub(8) as i32), idx);
+    let mut lo = [_mm256_setzero_ps(); R];
+    let mut hi = [_mm256_setzero_ps(); R];
+    if load {
+        for r in 0..R {
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 8) as *const i8);
+        }
+    }
+    for kk in 0..kc {
+        let (b0, b1) = if bmask {
+            (
+                _mm256_maskload_ps(b.add(kk * ldb), m0),
+                _mm256_maskload_ps(b.wrapping_add(kk * ldb + 8), m1),
+            )
+        } else {
+            (
+                _mm256_loadu_ps(b.add(kk * ldb)),
+                _mm256_loadu_ps(b.wrapping_add(kk * ldb + 8)),
+            )
+        };
+        for r in 0..R {
+            let x = _mm256_broadcast_ss(&*a.add(kk * lda + r));
+            lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+        }
+    }
+    if load {
+        for r in 0..R {
+            lo[r] = _mm256_add_ps(lo[r], _mm256_maskload_ps(c.add(r * ldc), m0));
+            hi[r] = _mm256_add_ps(hi[r], _mm256_maskload_ps(c.wrapping_add(r * ldc + 8), m1));
+        }
+    }
+    for r in 0..R {
+        _mm256_maskstore_ps(c.add(r * ldc), m0, lo[r]);
+        _mm256_maskstore_ps(c.wrapping_add(r * ldc + 8), m1, hi[r]);
+    }
+}
