@@ -2,7 +2,8 @@
 # Compiles every CUDA kernel with NVRTC 13.0 (PyPI wheels, installed once outside the repo) to
 # PTX .version 9.0 for compute_90 and to an sm_90 cubin; prints registers and spills; fails on a
 # compile error or a spill. No GPU needed. Skipped, with the reason, only where the wheels cannot
-# be installed. Then runs the attention kernels on the CPU through scripts/cuda-emu (below).
+# be installed. Then runs the attention kernels and the 4-bit GEMV on the CPU through
+# scripts/cuda-emu (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools="${NIBBLE_TOOLS:-$HOME/.cache/nibble-tools}"
@@ -31,3 +32,7 @@ emu=$(mktemp -d)
 trap 'rm -rf "$emu"' EXIT
 g++ -std=c++20 -O1 -pthread -w scripts/cuda-emu/attention.cpp -o "$emu/attention"
 "$emu/attention"
+# The 4-bit GEMV (linear_q4.cu): its staging of x, chunks, both weight paths and reduction,
+# against the product in double.
+g++ -std=c++20 -O1 -pthread -w scripts/cuda-emu/linear_q4.cpp -o "$emu/linear_q4"
+"$emu/linear_q4"

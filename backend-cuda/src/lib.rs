@@ -504,6 +504,10 @@ pub struct CopyBench {
     pub d2d_gb_s: f64,
 }
 
+/// Output columns one block of `linear_q4` computes: `LQ4_COLS_PER_BLOCK` in kernels/linear_q4.cu
+/// (8 warps of 256 threads, 4 columns each); the grid is one block per that many columns.
+pub const LINEAR_Q4_COLS_PER_BLOCK: usize = 32;
+
 fn launch_config(
     name: &str,
     op: &OpKind,
@@ -517,8 +521,19 @@ fn launch_config(
         shared_mem_bytes: 0,
     };
     match (name, op) {
+        // Blocks of 256 threads, each LINEAR_Q4_COLS_PER_BLOCK output columns for all rows
+        // (out: [rows, n]).
+        ("linear_q4", _) => LaunchConfig {
+            grid_dim: (
+                out[1].div_ceil(LINEAR_Q4_COLS_PER_BLOCK).max(1) as u32,
+                1,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        },
         // One warp per output.
-        ("linear_q4" | "linear", _) => one_d(items * 32, 256),
+        ("linear", _) => one_d(items * 32, 256),
         ("rms_norm" | "layer_norm" | "softmax", _) => LaunchConfig {
             grid_dim: (items.max(1) as u32, 1, 1),
             block_dim: (256, 1, 1),

@@ -20,6 +20,9 @@ static inline float4 make_float4(float a, float b, float c, float d) { return {a
 struct uint3 {
     unsigned int x, y, z;
 };
+struct uint4 {
+    unsigned int x, y, z, w;
+};
 thread_local uint3 threadIdx, blockIdx;
 static uint3 blockDim, gridDim;
 static std::barrier<>* block_barrier;
@@ -27,7 +30,10 @@ static std::vector<std::barrier<>*> warp_barriers;
 static float shuffle_slots[1024];
 
 #define __global__
-#define __launch_bounds__(x)
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned, float v, int off) {
@@ -43,6 +49,18 @@ static inline float __int_as_float(unsigned int u) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline int __ffs(int x) { return __builtin_ffs(x); }
+// Byte i of the result: byte (s >> 4i) & 7 of y:x.
+static inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned int)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
+// Shared memory is ordinary memory here: its "shared address" is the 32 low bits of the host
+// address (kernels that load through such an address rebuild the pointer from them).
+static inline size_t __cvta_generic_to_shared(const void* p) { return (size_t)(unsigned int)(size_t)p; }
 using std::isfinite;
 static inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
 
