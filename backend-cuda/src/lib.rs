@@ -171,6 +171,8 @@ pub struct CudaBackend {
     /// older one covers every kernel of the group before it, the last reader of the pool
     /// region the next upload overwrites.
     group_starts: std::collections::VecDeque<cudarc::driver::CudaEvent>,
+    /// The compute-stream event [`Backend::begin_timing`] recorded.
+    timing: Option<cudarc::driver::CudaEvent>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -213,6 +215,7 @@ impl CudaBackend {
             blas: None,
             scratch: None,
             group_starts: std::collections::VecDeque::new(),
+            timing: None,
         })
     }
 
@@ -670,6 +673,25 @@ impl Backend for CudaBackend {
             dummy_ptr,
         });
         Ok(())
+    }
+
+    fn begin_timing(&mut self) -> nibble_core::Result<()> {
+        self.bind()?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        self.timing = Some(self.compute.record_event(flags).map_err(drv)?);
+        Ok(())
+    }
+
+    fn end_timing(&mut self) -> nibble_core::Result<Option<std::time::Duration>> {
+        let Some(start) = self.timing.take() else {
+            return Ok(None);
+        };
+        self.bind()?;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let end = self.compute.record_event(flags).map_err(drv)?;
+        end.synchronize().map_err(drv)?;
+        let ms = start.elapsed_ms(&end).map_err(drv)?;
+        Ok(Some(std::time::Duration::from_secs_f64(ms as f64 / 1e3)))
     }
 
     fn begin_group_load(&mut self) {

@@ -147,6 +147,17 @@ pub trait Backend {
         let r = self.read_arena(src);
         Box::pin(std::future::ready(r))
     }
+    /// Starts a device-side measure of the calls that follow ([`Backend::end_timing`] ends it):
+    /// a GPU backend records a clock event on its queue. The default does nothing.
+    fn begin_timing(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// The device time from [`Backend::begin_timing`] to the end of the calls queued since,
+    /// waiting for them; `None` where the backend has no device clock (the caller times on the
+    /// host).
+    fn end_timing(&mut self) -> Result<Option<std::time::Duration>> {
+        Ok(None)
+    }
     /// A weight group is about to be uploaded (the executor calls this before each group's
     /// first chunk). Asynchronous backends mark here how far the queued compute had got, so
     /// that a later upload waits only for the kernels that read the region it overwrites.
