@@ -203,6 +203,19 @@ impl Weights for Nf4Rows<'_> {
             unsafe { x86::pack_nf4_512(self, j0, cols, k0, kc, out) };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if nr == 16 && self.k.is_multiple_of(self.bs) && Isa::Avx2.present() {
+            assert!(
+                (j0 + cols) * self.k <= 2 * self.packed.len()
+                    && (j0 + cols) * (self.k / self.bs) <= self.absmax.len()
+                    && k0 + kc <= self.k
+                    && out.len() >= kc * 16
+                    && 8 * self.k < 1 << 31
+            );
+            // SAFETY: AVX2 is present; the rows, scales and output are in bounds (above).
+            unsafe { x86::pack_nf4_256(self, j0, cols, k0, kc, out) };
+            return;
+        }
         self.pack_scalar(j0, cols, k0, kc, nr, out);
     }
     fn k_step(&self) -> usize {
@@ -714,19 +727,23 @@ mod tests {
                 code: &code,
             };
             for &(j0, cols) in &[(0, 32), (n - 5, 5), (n - 20, 20), (1, 16)] {
-                for &(k0, kc) in &[(0, k), (16, k - 32), (k - 16, 16)] {
-                    let mut want = vec![f32::NAN; kc * 32];
-                    w.pack_scalar(j0, cols, k0, kc, 32, &mut want);
-                    let mut got = vec![f32::NAN; kc * 32];
-                    w.pack(j0, cols, k0, kc, 32, &mut got);
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "{n}x{k}/{bs}, columns {j0}+{cols}, reduction {k0}+{kc}"
-                    );
+                // AVX-512's 32-column slivers and AVX2's 16 (each where the CPU has it).
+                for nr in [32, 16] {
+                    let cols = cols.min(nr);
+                    for &(k0, kc) in &[(0, k), (16, k - 32), (k - 16, 16)] {
+                        let mut want = vec![f32::NAN; kc * nr];
+                        w.pack_scalar(j0, cols, k0, kc, nr, &mut want);
+                        let mut got = vec![f32::NAN; kc * nr];
+                        w.pack(j0, cols, k0, kc, nr, &mut got);
+                        let same = want
+                            .iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{nr} wide, {n}x{k}/{bs}, columns {j0}+{cols}, reduction {k0}+{kc}"
+                        );
+                    }
                 }
             }
         }

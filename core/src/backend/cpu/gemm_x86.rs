@@ -68,6 +68,79 @@ pub unsafe fn pack_nf4_512(
     }
 }
 
+/// [`super::Nf4Rows::pack`] for 16-column slivers with AVX2, 8 columns at a time: as
+/// [`pack_nf4_512`], the 16-entry lookup being two `vpermps` on the table's halves and a blend
+/// on the code's bit 3; the same `code[q] * absmax` product, columns past `cols` +0.
+#[target_feature(enable = "avx2")]
+pub unsafe fn pack_nf4_256(
+    w: &super::Nf4Rows,
+    j0: usize,
+    cols: usize,
+    k0: usize,
+    kc: usize,
+    out: &mut [f32],
+) {
+    let (t0, t1) = (
+        _mm256_loadu_ps(w.code.as_ptr()),
+        _mm256_loadu_ps(w.code.as_ptr().add(8)),
+    );
+    let (k, per_row) = (w.k, w.k / w.bs);
+    let nib = _mm256_set1_epi32(15);
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let o = out.as_mut_ptr();
+    for h in 0..2 {
+        let c0 = 8 * h;
+        let valid = cols.saturating_sub(c0).min(8);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32), lane);
+        let rows = _mm256_mullo_epi32(lane, _mm256_set1_epi32((k / 2) as i32));
+        let first = _mm256_mullo_epi32(lane, _mm256_set1_epi32(per_row as i32));
+        let bytes = w.packed.as_ptr().wrapping_add(((j0 + c0) * k + k0) / 2);
+        let scales = w.absmax.as_ptr().wrapping_add((j0 + c0) * per_row);
+        let mut block = usize::MAX;
+        let mut scale = _mm256_setzero_ps();
+        for g in 0..kc / 16 {
+            let b = (k0 + 16 * g) / w.bs;
+            if b != block {
+                block = b;
+                let idx = _mm256_add_epi32(first, _mm256_set1_epi32(b as i32));
+                scale = _mm256_mask_i32gather_ps::<4>(
+                    _mm256_setzero_ps(),
+                    scales,
+                    idx,
+                    _mm256_castsi256_ps(mask),
+                );
+            }
+            let at = bytes.wrapping_add(8 * g) as *const i32;
+            let zero = _mm256_setzero_si256();
+            let lo4 = _mm256_mask_i32gather_epi32::<1>(zero, at, rows, mask);
+            let hi4 = _mm256_mask_i32gather_epi32::<1>(zero, at.wrapping_byte_add(4), rows, mask);
+            let dst = o.add(16 * g * 16 + c0);
+            let look = |q: __m256i| {
+                let pick = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(q));
+                let v = _mm256_blendv_ps(
+                    _mm256_permutevar8x32_ps(t0, q),
+                    _mm256_permutevar8x32_ps(t1, q),
+                    pick,
+                );
+                _mm256_and_ps(_mm256_mul_ps(v, scale), _mm256_castsi256_ps(mask))
+            };
+            for i in 0..8 {
+                let word = if i < 4 { lo4 } else { hi4 };
+                let byte = match i % 4 {
+                    0 => word,
+                    1 => _mm256_srli_epi32::<8>(word),
+                    2 => _mm256_srli_epi32::<16>(word),
+                    _ => _mm256_srli_epi32::<24>(word),
+                };
+                let hi = _mm256_and_si256(_mm256_srli_epi32::<4>(byte), nib);
+                let lo = _mm256_and_si256(byte, nib);
+                _mm256_storeu_ps(dst.add(i * 16), look(hi));
+                _mm256_storeu_ps(dst.add((8 + i) * 16), look(lo));
+            }
+        }
+    }
+}
+
 /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
 /// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
 /// every lane there is masked off and the address may lie past the allocation.
