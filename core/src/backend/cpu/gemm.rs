@@ -190,30 +190,27 @@ pub struct Nf4Rows<'a> {
 impl Weights for Nf4Rows<'_> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
         debug_assert!(k0.is_multiple_of(16) && kc.is_multiple_of(16) && cols <= nr);
+        // 32-column slivers are AVX-512's, 16-column ones AVX2's (or the portable kernel's).
         #[cfg(target_arch = "x86_64")]
-        if nr == 32 && self.k.is_multiple_of(self.bs) && Isa::Avx512.present() {
+        if self.k.is_multiple_of(self.bs)
+            && ((nr == 32 && Isa::Avx512.present()) || (nr == 16 && Isa::Avx2.present()))
+        {
             assert!(
                 (j0 + cols) * self.k <= 2 * self.packed.len()
                     && (j0 + cols) * (self.k / self.bs) <= self.absmax.len()
                     && k0 + kc <= self.k
-                    && out.len() >= kc * 32
-                    && 16 * self.k < 1 << 31
+                    && out.len() >= kc * nr
+                    && nr / 2 * self.k < 1 << 31
             );
-            // SAFETY: AVX-512 is present; the rows, scales and output are in bounds (above).
-            unsafe { x86::pack_nf4_512(self, j0, cols, k0, kc, out) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if nr == 16 && self.k.is_multiple_of(self.bs) && Isa::Avx2.present() {
-            assert!(
-                (j0 + cols) * self.k <= 2 * self.packed.len()
-                    && (j0 + cols) * (self.k / self.bs) <= self.absmax.len()
-                    && k0 + kc <= self.k
-                    && out.len() >= kc * 16
-                    && 8 * self.k < 1 << 31
-            );
-            // SAFETY: AVX2 is present; the rows, scales and output are in bounds (above).
-            unsafe { x86::pack_nf4_256(self, j0, cols, k0, kc, out) };
+            // SAFETY: the instruction set is present; the rows, scales and output are in
+            // bounds (above).
+            unsafe {
+                if nr == 32 {
+                    x86::pack_nf4_512(self, j0, cols, k0, kc, out)
+                } else {
+                    x86::pack_nf4_256(self, j0, cols, k0, kc, out)
+                }
+            };
             return;
         }
         self.pack_scalar(j0, cols, k0, kc, nr, out);
