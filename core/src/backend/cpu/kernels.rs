@@ -22,6 +22,13 @@ pub fn have_avx2() -> bool {
     }
 }
 
+/// How far ahead the 4-bit GEMVs prefetch their packed codes, in bytes (their scales as many
+/// blocks ahead as there are bytes / 8): past the end of a row, the next one, which follows it in
+/// memory. A row of a small matrix (SmolLM2's 576 x 576 is 288 bytes a row) is too short a
+/// stream for the hardware prefetcher to hide memory's latency: with it, SmolLM2 decodes ~15%
+/// faster.
+pub const GEMV_PREFETCH: usize = 1024;
+
 /// Permutes `x[k]` (k a multiple of 16) into paired order.
 pub fn pair_order(x: &[f32], out: &mut [f32]) {
     for (src, dst) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
@@ -492,6 +499,12 @@ mod avx2 {
         // 512-bit register, so no lane crosses per block.)
         let mut acc = [[_mm256_setzero_ps(); 2]; M];
         for (b, &a) in absmax.iter().enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(
+                p.wrapping_add(b * bs / 2 + super::GEMV_PREFETCH) as *const i8
+            );
+            _mm_prefetch::<_MM_HINT_T0>(
+                absmax.as_ptr().wrapping_add(b + super::GEMV_PREFETCH / 8) as *const i8
+            );
             let mut bacc = [[_mm256_setzero_ps(); 4]; M];
             for c in 0..bs / 32 {
                 let off = b * bs + c * 32;
