@@ -5,22 +5,31 @@
 use super::dense::dense_linear;
 use super::*;
 
-/// Runs `f(row index, output row)` for every row of `d` values of `out`, the rows split across
-/// `pool`'s threads when there are enough values to pay for it (each row's arithmetic is the
-/// same either way).
+/// Runs `f(row index, output row)` for every row of `d` values of `out` (the last one shorter
+/// where `d` does not divide its length), the rows split across `pool`'s threads when there are
+/// enough values to pay for it (each row's arithmetic is the same either way).
 fn by_rows(pool: &ThreadPool, out: &mut [f32], d: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
-    let rows = out.len() / d.max(1);
-    let tasks = if out.len() < 1 << 15 {
-        1
-    } else {
-        pool.threads()
-    };
+    let (len, d) = (out.len(), d.max(1));
+    let rows = len.div_ceil(d);
+    let tasks = if len < 1 << 15 { 1 } else { pool.threads() };
     let o = Out(out.as_mut_ptr());
     pool.run(tasks, &|t| {
         let (r0, r1) = split(rows, tasks, t, 1);
         for r in r0..r1 {
             // SAFETY: row r lies inside `out` and belongs to this task only.
-            f(r, unsafe { o.range(r * d, d) });
+            f(r, unsafe { o.range(r * d, d.min(len - r * d)) });
+        }
+    });
+}
+
+/// `out[i] = f(x[i])`, in pieces across `pool`'s threads when there are enough values (each
+/// value's arithmetic is the same either way).
+fn elementwise(pool: &ThreadPool, x: &[f32], out: &mut [f32], f: &(dyn Fn(f32) -> f32 + Sync)) {
+    const PIECE: usize = 4096;
+    let n = out.len().min(x.len());
+    by_rows(pool, &mut out[..n], PIECE, &|i, o| {
+        for (v, &x) in o.iter_mut().zip(&x[i * PIECE..]) {
+            *v = f(x);
         }
     });
 }
@@ -166,11 +175,11 @@ impl CpuBackend {
                 let (a, b) = (io.ins[0], io.ins[1]);
                 let d = b.len().max(1);
                 let add = matches!(op, OpKind::Add);
-                for (oc, ac) in io.out.chunks_mut(d).zip(a.chunks(d)) {
-                    for ((o, &x), &y) in oc.iter_mut().zip(ac).zip(b) {
+                by_rows(pool, io.out, d, &|i, oc| {
+                    for ((o, &x), &y) in oc.iter_mut().zip(&a[i * d..]).zip(b) {
                         *o = if add { x + y } else { x * y };
                     }
-                }
+                });
             }
             OpKind::Scale { factor } => {
                 for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
@@ -207,27 +216,19 @@ impl CpuBackend {
                     }
                 });
             }
-            OpKind::Silu => {
-                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
-                    *o = x / (1.0 + (-x).exp());
-                }
-            }
+            OpKind::Silu => elementwise(pool, io.ins[0], io.out, &|x| x / (1.0 + (-x).exp())),
             OpKind::QuickGelu => {
-                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
-                    *o = x / (1.0 + (-1.702 * x).exp());
-                }
+                elementwise(pool, io.ins[0], io.out, &|x| x / (1.0 + (-1.702 * x).exp()))
             }
-            OpKind::Gelu => {
-                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
-                    let v = x as f64;
-                    *o = (0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))) as f32;
-                }
-            }
+            OpKind::Gelu => elementwise(pool, io.ins[0], io.out, &|x| {
+                let v = x as f64;
+                (0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))) as f32
+            }),
             OpKind::GeluTanh => {
                 let c = (2.0f32 / std::f32::consts::PI).sqrt();
-                for (o, &x) in io.out.iter_mut().zip(io.ins[0]) {
-                    *o = 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh());
-                }
+                elementwise(pool, io.ins[0], io.out, &|x| {
+                    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+                })
             }
             OpKind::Softmax => {
                 let d = last(0);
@@ -563,5 +564,36 @@ impl CpuBackend {
             }
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_elementwise_ops_cover_every_value_once_with_the_serial_bits() {
+        let pool = ThreadPool::new(3);
+        // Below the split threshold, at it, and above with a ragged last piece.
+        for n in [5usize, 1 << 15, 3 * 4096 + 17, 200_001] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+            let silu = |v: f32| v / (1.0 + (-v).exp());
+            let mut out = vec![f32::NAN; n];
+            elementwise(&pool, &x, &mut out, &silu);
+            assert!(
+                out.iter()
+                    .zip(&x)
+                    .all(|(o, &v)| o.to_bits() == silu(v).to_bits()),
+                "{n} values"
+            );
+            // Rows of 96 (and a short last one) each handed over once, by index.
+            let mut seen = vec![0f32; n];
+            by_rows(&pool, &mut seen, 96, &|r, row| {
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v += (r * 96 + i) as f32 + 1.0;
+                }
+            });
+            assert!(seen.iter().enumerate().all(|(i, &v)| v == i as f32 + 1.0));
+        }
     }
 }
