@@ -103,10 +103,10 @@ __device__ __forceinline__ void lq4_group(float (&acc)[LQ4_MAX_ROWS][LQ4_COLS],
     }
 }
 
-extern "C" __global__ void __launch_bounds__(LQ4_THREADS, 2)
-    linear_q4(const float* x, const unsigned char* packed, const float* absmax, const float* code,
-              const float* bias, float* out, unsigned int rows, unsigned int n, unsigned int k,
-              unsigned int blocksize, unsigned int has_bias, unsigned int n_total, unsigned int col0) {
+extern "C" __launch_bounds__(LQ4_THREADS, 2) __global__ void linear_q4(
+    const float* x, const unsigned char* packed, const float* absmax, const float* code,
+    const float* bias, float* out, unsigned int rows, unsigned int n, unsigned int k,
+    unsigned int blocksize, unsigned int has_bias, unsigned int n_total, unsigned int col0) {
     __shared__ __align__(256) float table[16];  // 256-byte aligned: see lq4_code
     __shared__ float4 xs4[LQ4_XS / 4];
     float* xs = (float*)xs4;
