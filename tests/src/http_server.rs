@@ -201,11 +201,14 @@ fn serve_conn(
                 std::thread::sleep(std::time::Duration::from_secs(60));
                 return false;
             }
-            let ok = out.write_all(head.as_bytes()).is_ok() && out.write_all(body).is_ok();
-            let mut s = stats.lock().expect("stats");
-            s.body_bytes += body.len() as u64;
-            *s.bytes_by_path.entry(path.clone()).or_default() += body.len() as u64;
-            ok
+            // Counted before it is sent (as before, whether or not the write succeeds): counted
+            // after, a client that has read the whole body could look at the stats first.
+            {
+                let mut s = stats.lock().expect("stats");
+                s.body_bytes += body.len() as u64;
+                *s.bytes_by_path.entry(path.clone()).or_default() += body.len() as u64;
+            }
+            out.write_all(head.as_bytes()).is_ok() && out.write_all(body).is_ok()
         };
         match range {
             Some((a, b)) if fault_now != Fault::IgnoreRange => {
