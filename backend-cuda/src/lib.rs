@@ -510,6 +510,8 @@ pub struct CopyBench {
 /// Output columns one block of `linear_q4` computes: `LQ4_COLS_PER_BLOCK` in kernels/linear_q4.cu
 /// (8 warps of 256 threads, 4 columns each); the grid is one block per that many columns.
 pub const LINEAR_Q4_COLS_PER_BLOCK: usize = 32;
+/// Threads per block of `linear_q4`: its `LQ4_THREADS` (a test reads both from the source).
+pub const LINEAR_Q4_THREADS: u32 = 256;
 
 fn launch_config(
     name: &str,
@@ -532,7 +534,7 @@ fn launch_config(
                 1,
                 1,
             ),
-            block_dim: (256, 1, 1),
+            block_dim: (LINEAR_Q4_THREADS, 1, 1),
             shared_mem_bytes: 0,
         },
         // One warp per output.

@@ -37,3 +37,25 @@ fn every_kernel_file_is_embedded_and_names_its_entry_point() {
         );
     }
 }
+
+#[test]
+fn the_gemv_launch_matches_its_kernel() {
+    let src = include_str!("../kernels/linear_q4.cu");
+    let constant = |name: &str| -> usize {
+        let decl = format!("constexpr unsigned int {name} = ");
+        let at = src
+            .find(&decl)
+            .unwrap_or_else(|| panic!("linear_q4.cu has no {name}"))
+            + decl.len();
+        let digits: String = src[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect();
+        digits
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} is not a number"))
+    };
+    let (threads, cols) = (constant("LQ4_THREADS"), constant("LQ4_COLS"));
+    assert_eq!(threads, nibble_cuda::LINEAR_Q4_THREADS as usize);
+    assert_eq!(threads / 32 * cols, nibble_cuda::LINEAR_Q4_COLS_PER_BLOCK);
+}

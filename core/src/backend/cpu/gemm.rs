@@ -165,7 +165,7 @@ pub trait Weights: Sync {
     }
     /// Whether the packed reduction runs in [`super::kernels::pair_order`] (then the GEMM
     /// reads the activations in that order as it packs them: the caller passes them as they
-    /// are).
+    /// are; [`Weights::k_step`] must then be a multiple of 16).
     fn paired(&self) -> bool {
         false
     }
@@ -191,8 +191,10 @@ impl Weights for Nf4Rows<'_> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
         debug_assert!(k0.is_multiple_of(16) && kc.is_multiple_of(16) && cols <= nr);
         // 32-column slivers are AVX-512's, 16-column ones AVX2's (or the portable kernel's).
+        // (The gathers' byte offsets, up to nr / 2 rows, are 32-bit.)
         #[cfg(target_arch = "x86_64")]
         if self.k.is_multiple_of(self.bs)
+            && nr / 2 * self.k < 1 << 31
             && ((nr == 32 && Isa::Avx512.present()) || (nr == 16 && Isa::Avx2.present()))
         {
             assert!(
@@ -200,7 +202,6 @@ impl Weights for Nf4Rows<'_> {
                     && (j0 + cols) * (self.k / self.bs) <= self.absmax.len()
                     && k0 + kc <= self.k
                     && out.len() >= kc * nr
-                    && nr / 2 * self.k < 1 << 31
             );
             // SAFETY: the instruction set is present; the rows, scales and output are in
             // bounds (above).
@@ -341,6 +342,7 @@ pub fn gemm(
         isa.name()
     );
     assert!(a.len() >= m * k && out.len() >= m * n && k.is_multiple_of(w.k_step()));
+    assert!(!w.paired() || w.k_step().is_multiple_of(16));
     if m == 0 || n == 0 {
         return;
     }
@@ -656,7 +658,14 @@ mod tests {
 
     #[test]
     fn nf4_panels_hold_bitsandbytes_values_in_paired_order() {
-        let (n, k, bs) = (37, 256, 64);
+        // One reduction block, and three (pairing restarts at each) with rows over a tile.
+        for (n, k, m) in [(37, 256, 9), (20, 2 * KC + 64, 30)] {
+            nf4_case(n, k, m);
+        }
+    }
+
+    fn nf4_case(n: usize, k: usize, m: usize) {
+        let bs = 64;
         let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 + 11) as u8).collect();
         let absmax = vals(n * k / bs, 3);
         let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
@@ -680,7 +689,6 @@ mod tests {
             p
         };
         // The GEMM takes the activations as they are and reads them paired, as the weights.
-        let m = 9;
         let a = vals(m * k, 4);
         let want = chain(&pair(&a), &pair(&rows), m, n, k);
         let bias = vals(n, 5);

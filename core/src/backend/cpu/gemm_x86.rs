@@ -1,4 +1,4 @@
-//! The GEMM's x86 kernels (AVX-512 and AVX2 + FMA micro-kernels, the AVX-512 4-bit packing),
+//! The GEMM's x86 kernels (AVX-512 and AVX2 + FMA micro-kernels and 4-bit weight packing),
 //! a part of [`super`]: their callers check the instruction set and the bounds.
 
 use std::arch::x86_64::*;

@@ -91,11 +91,7 @@ macro_rules! row_dots {
             let mut accz = [_mm512_setzero_ps(); M];
             for (b, &a) in absmax.iter().enumerate() {
                 // The codes and scales ahead (see GEMV_PREFETCH).
-                let codes = p.wrapping_add(b * bs / 2 + super::GEMV_PREFETCH);
-                _mm_prefetch::<_MM_HINT_T0>(codes as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(
-                    absmax.as_ptr().wrapping_add(b + super::GEMV_PREFETCH / 8) as *const i8
-                );
+                super::prefetch_ahead(p, absmax, b, bs);
                 let mut z = [[_mm512_setzero_ps(); 2]; M];
                 let mut y = [_mm256_setzero_ps(); M];
                 for c in 0..bs / 32 {

@@ -3,8 +3,9 @@
 //! (`code[q] * absmax` in f32); only the order of the f32 sums differs from `cpu_ref`.
 //!
 //! 4-bit rows are handled in a "paired" element order: for every 8 packed bytes (16 elements),
-//! the 8 high nibbles (elements 0, 2, .., 14) then the 8 low nibbles (1, 3, .., 15). Activations
-//! are permuted the same way once per call, so a dot product needs no shuffles.
+//! the 8 high nibbles (elements 0, 2, .., 14) then the 8 low nibbles (1, 3, .., 15); the GEMM
+//! reads activations in that order as it packs them, so a dot product needs no shuffles. (The
+//! GEMV decodes into "lane" order instead and permutes its few activation rows once per call.)
 
 /// Whether the AVX2 + FMA paths can run here.
 pub fn have_avx2() -> bool {
@@ -28,6 +29,21 @@ pub fn have_avx2() -> bool {
 /// stream for the hardware prefetcher to hide memory's latency: with it, SmolLM2 decodes ~15%
 /// faster.
 pub const GEMV_PREFETCH: usize = 1024;
+
+/// The GEMVs' prefetch at scale block `b` of a row (codes at `p`, blocks of `bs`): the codes
+/// [`GEMV_PREFETCH`] bytes ahead and the scales as far ahead, once a block.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(p: *const u8, absmax: &[f32], b: usize, bs: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let codes = p.wrapping_add(b * bs / 2 + GEMV_PREFETCH);
+    let scales = absmax.as_ptr().wrapping_add(b + GEMV_PREFETCH / 8);
+    // SAFETY: a prefetch does not fault, wherever the address points.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(codes as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(scales as *const i8);
+    }
+}
 
 /// Permutes `x[k]` (k a multiple of 16) into paired order.
 pub fn pair_order(x: &[f32], out: &mut [f32]) {
@@ -499,12 +515,7 @@ mod avx2 {
         // 512-bit register, so no lane crosses per block.)
         let mut acc = [[_mm256_setzero_ps(); 2]; M];
         for (b, &a) in absmax.iter().enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(
-                p.wrapping_add(b * bs / 2 + super::GEMV_PREFETCH) as *const i8
-            );
-            _mm_prefetch::<_MM_HINT_T0>(
-                absmax.as_ptr().wrapping_add(b + super::GEMV_PREFETCH / 8) as *const i8
-            );
+            super::prefetch_ahead(p, absmax, b, bs);
             let mut bacc = [[_mm256_setzero_ps(); 4]; M];
             for c in 0..bs / 32 {
                 let off = b * bs + c * 32;

@@ -172,12 +172,19 @@ impl CpuBackend {
                 }
             }
             OpKind::Add | OpKind::Mul => {
+                // `b` repeats along `a` (a bias row, or `a`'s whole shape): pieces of one row of
+                // it, or of 4096 values where a row is longer (a residual add is one row).
                 let (a, b) = (io.ins[0], io.ins[1]);
                 let d = b.len().max(1);
+                let piece = d.min(4096);
                 let add = matches!(op, OpKind::Add);
-                by_rows(pool, io.out, d, &|i, oc| {
-                    for ((o, &x), &y) in oc.iter_mut().zip(&a[i * d..]).zip(b) {
+                by_rows(pool, io.out, piece, &|i, oc| {
+                    let at = i * piece;
+                    let mut j = at % d;
+                    for (o, &x) in oc.iter_mut().zip(&a[at..]) {
+                        let y = b[j];
                         *o = if add { x + y } else { x * y };
+                        j = if j + 1 == d { 0 } else { j + 1 };
                     }
                 });
             }
