@@ -664,18 +664,42 @@ mod tests {
         }
     }
 
+    /// Packed codes, scales and a code table for `n` rows of `k` in blocks of `bs`.
+    struct Nf4Data {
+        packed: Vec<u8>,
+        absmax: Vec<f32>,
+        code: [f32; 16],
+        bs: usize,
+        k: usize,
+    }
+
+    impl Nf4Data {
+        fn new(n: usize, k: usize, bs: usize, seed: u32) -> Self {
+            Nf4Data {
+                packed: (0..n * k / 2)
+                    .map(|i| (i as u32 * (37 + 114 * seed) + 11 - 4 * seed) as u8)
+                    .collect(),
+                absmax: vals(n * k / bs, 3 + 5 * seed),
+                code: std::array::from_fn(|i| i as f32 / 7.5 - 1.0),
+                bs,
+                k,
+            }
+        }
+        fn rows(&self) -> Nf4Rows<'_> {
+            Nf4Rows {
+                packed: &self.packed,
+                absmax: &self.absmax,
+                bs: self.bs,
+                k: self.k,
+                code: &self.code,
+            }
+        }
+    }
+
     fn nf4_case(n: usize, k: usize, m: usize) {
         let bs = 64;
-        let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 37 + 11) as u8).collect();
-        let absmax = vals(n * k / bs, 3);
-        let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
-        let w = Nf4Rows {
-            packed: &packed,
-            absmax: &absmax,
-            bs,
-            k,
-            code: &code,
-        };
+        let data = Nf4Data::new(n, k, bs, 0);
+        let (packed, absmax, code, w) = (&data.packed, &data.absmax, &data.code, data.rows());
         // Dequantized rows by the element formula.
         let mut rows = vec![0f32; n * k];
         for e in 0..n * k {
@@ -721,16 +745,8 @@ mod tests {
         // Block sizes of one group, several per block, one per row; slivers full and ragged,
         // at the first column and further in, reductions from the start and from inside.
         for &(n, k, bs) in &[(70, 256, 64), (33, 96, 16), (40, 512, 512), (64, 1024, 128)] {
-            let packed: Vec<u8> = (0..n * k / 2).map(|i| (i * 151 + 7) as u8).collect();
-            let absmax = vals(n * k / bs, 8);
-            let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
-            let w = Nf4Rows {
-                packed: &packed,
-                absmax: &absmax,
-                bs,
-                k,
-                code: &code,
-            };
+            let data = Nf4Data::new(n, k, bs, 1);
+            let w = data.rows();
             for &(j0, cols) in &[(0, 32), (n - 5, 5), (n - 20, 20), (1, 16)] {
                 // AVX-512's 32-column slivers and AVX2's 16 (each where the CPU has it).
                 for nr in [32, 16] {
