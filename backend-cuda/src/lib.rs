@@ -98,6 +98,19 @@ impl From<CudaError> for nibble_core::Error {
     }
 }
 
+/// An event with timing recorded on `stream` now.
+fn timing_event(stream: &CudaStream) -> Result<cudarc::driver::CudaEvent, CudaError> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    stream.record_event(flags).map_err(drv)
+}
+
+/// Seconds of device time from `start` to the end of what `stream` has queued (waits for it).
+fn seconds_since(start: &cudarc::driver::CudaEvent, stream: &CudaStream) -> Result<f64, CudaError> {
+    let end = timing_event(stream)?;
+    end.synchronize().map_err(drv)?;
+    Ok(start.elapsed_ms(&end).map_err(drv)? as f64 / 1e3)
+}
+
 fn drv(e: impl std::fmt::Debug) -> CudaError {
     CudaError::Driver(format!("{e:?}"))
 }
@@ -237,7 +250,6 @@ impl CudaBackend {
     /// host-to-device from pinned memory (`bytes` per copy) and device-to-device (counted as
     /// bytes read plus bytes written, as NVIDIA's bandwidthTest does).
     pub fn bench_copies(&mut self, bytes: usize, iters: usize) -> Result<CopyBench, CudaError> {
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         // SAFETY: the pinned buffer is written before any read of it matters (timing only).
         let host = unsafe { self.ctx.alloc_pinned::<u8>(bytes) }.map_err(drv)?;
         let a = self.copy.alloc_zeros::<u8>(bytes).map_err(drv)?;
@@ -249,13 +261,11 @@ impl CudaBackend {
             .map_err(|e| CudaError::Driver(format!("{e:?}")))?;
         let time = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
             f()?; // warm-up
-            let start = self.copy.record_event(timing).map_err(drv)?;
+            let start = timing_event(&self.copy)?;
             for _ in 0..iters {
                 f()?;
             }
-            let end = self.copy.record_event(timing).map_err(drv)?;
-            end.synchronize().map_err(drv)?;
-            Ok(start.elapsed_ms(&end).map_err(drv)? as f64 / 1e3)
+            seconds_since(&start, &self.copy)
         };
         let stream = self.copy.cu_stream();
         // SAFETY: pointers and lengths are those of the buffers allocated above.
@@ -280,7 +290,6 @@ impl CudaBackend {
         k: usize,
         iters: usize,
     ) -> Result<f64, CudaError> {
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let x = self.compute.alloc_zeros::<u8>(m * k * 2).map_err(drv)?;
         let w = self.compute.alloc_zeros::<u8>(n * k * 2).map_err(drv)?;
         let y = self.compute.alloc_zeros::<u8>(m * n * 4).map_err(drv)?;
@@ -288,13 +297,11 @@ impl CudaBackend {
         let (pw, _) = w.device_ptr(&self.compute);
         let (py, _) = y.device_ptr(&self.compute);
         self.gemm_bf16(pw, px, py, (m, n, k), None)?;
-        let start = self.compute.record_event(timing).map_err(drv)?;
+        let start = timing_event(&self.compute)?;
         for _ in 0..iters {
             self.gemm_bf16(pw, px, py, (m, n, k), None)?;
         }
-        let end = self.compute.record_event(timing).map_err(drv)?;
-        end.synchronize().map_err(drv)?;
-        let s = start.elapsed_ms(&end).map_err(drv)? as f64 / 1e3;
+        let s = seconds_since(&start, &self.compute)?;
         Ok(2.0 * (m * n * k * iters) as f64 / s / 1e12)
     }
 
@@ -679,8 +686,7 @@ impl Backend for CudaBackend {
 
     fn begin_timing(&mut self) -> nibble_core::Result<()> {
         self.bind()?;
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        self.timing = Some(self.compute.record_event(flags).map_err(drv)?);
+        self.timing = Some(timing_event(&self.compute)?);
         Ok(())
     }
 
@@ -689,11 +695,8 @@ impl Backend for CudaBackend {
             return Ok(None);
         };
         self.bind()?;
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let end = self.compute.record_event(flags).map_err(drv)?;
-        end.synchronize().map_err(drv)?;
-        let ms = start.elapsed_ms(&end).map_err(drv)?;
-        Ok(Some(std::time::Duration::from_secs_f64(ms as f64 / 1e3)))
+        let s = seconds_since(&start, &self.compute)?;
+        Ok(Some(std::time::Duration::from_secs_f64(s)))
     }
 
     fn begin_group_load(&mut self) {

@@ -374,7 +374,7 @@ pub fn gemm(
         }
         PANEL.with(|p| {
             let mut panel = p.borrow_mut();
-            let need = (NC.div_ceil(nr) * nr + MR) * k.min(KC);
+            let need = panel_bytes(k) / 4;
             if panel.len() < need {
                 panel.resize(need, 0.0);
             }
@@ -395,6 +395,14 @@ pub fn gemm(
 
 // `block`, `micro` and `portable` are pointer kernels whose callers own the bounds (each says
 // what it needs); an `unsafe` block around every pointer step would add nothing.
+
+/// Where paired position `p` takes its element from ([`super::kernels::pair_order`]): in each
+/// 16, the 8 even positions, then the 8 odd ones.
+#[inline(always)]
+pub fn paired_source(p: usize) -> usize {
+    let i = p & 15;
+    (p & !15) + if i < 8 { 2 * i } else { 2 * (i - 8) + 1 }
+}
 
 /// Packs `rows` rows of `src` (stride `ld`), `kc` values each, as a micro-kernel tile:
 /// `dst[kk * mr + r] = src[r * ld + kk]`.
@@ -429,13 +437,7 @@ fn pack_tile_in(
     assert!(!paired || kc.is_multiple_of(16));
     let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
     for kk in 0..kc {
-        // Paired order: in each 16, the 8 even positions, then the 8 odd ones.
-        let from = if paired {
-            let p = kk & 15;
-            (kk & !15) + if p < 8 { 2 * p } else { 2 * (p - 8) + 1 }
-        } else {
-            kk
-        };
+        let from = if paired { paired_source(kk) } else { kk };
         for r in 0..rows {
             // SAFETY: r < rows and from < kc, within the lengths asserted above.
             unsafe { *d.add(kk * mr + r) = *s.add(r * ld + from) };

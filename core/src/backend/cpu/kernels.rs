@@ -45,13 +45,11 @@ fn prefetch_ahead(p: *const u8, absmax: &[f32], b: usize, bs: usize) {
     }
 }
 
-/// Permutes `x[k]` (k a multiple of 16) into paired order.
+/// Permutes `x[k]` (k a multiple of 16) into paired order: `out[p] = x[paired_source(p)]`
+/// ([`super::gemm::paired_source`]).
 pub fn pair_order(x: &[f32], out: &mut [f32]) {
-    for (src, dst) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
-        for i in 0..8 {
-            dst[i] = src[2 * i];
-            dst[8 + i] = src[2 * i + 1];
-        }
+    for (p, o) in out[..x.len() / 16 * 16].iter_mut().enumerate() {
+        *o = x[super::gemm::paired_source(p)];
     }
 }
 
