@@ -1,0 +1,291 @@
+//! The AVX2 + FMA kernels of [`super`] (the GEMV's decode, the dot tiles, the softmax's
+//! exponential): intrinsics whose callers check AVX2/FMA and the bounds; an `unsafe` block
+//! around each intrinsic call would add nothing.
+
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+/// avx_mathfun's `exp256_ps` on 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::excessive_precision)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_262_664_794_9));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-88.376_262_664_794_9));
+    let fx = _mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    );
+    let fx = _mm256_floor_ps(fx);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_375), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let z = _mm256_mul_ps(x, x);
+    let mut y = _mm256_set1_ps(1.987_569_15e-4);
+    for c in [
+        1.398_199_950_7e-3,
+        8.333_451_907_3e-3,
+        4.166_579_589_4e-2,
+        1.666_666_545_9e-1,
+        5.000_000_120_1e-1,
+    ] {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0));
+    let n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)))
+}
+
+/// See [`super::exp_shifted`].
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let (vm, ninf) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::NEG_INFINITY));
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_loadu_ps(p.add(i));
+        let e = exp8(_mm256_sub_ps(v, vm));
+        let e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), e);
+        _mm256_storeu_ps(p.add(i), e);
+        acc = _mm256_add_ps(acc, e);
+        i += 8;
+    }
+    let mut sum = hsum(acc);
+    if i < n {
+        // The tail through the same lanes (padded with -inf, which give 0).
+        let mut t = [f32::NEG_INFINITY; 8];
+        t[..n - i].copy_from_slice(&x[i..]);
+        let v = _mm256_loadu_ps(t.as_ptr());
+        let e = exp8(_mm256_sub_ps(v, vm));
+        let e = _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), e);
+        _mm256_storeu_ps(t.as_mut_ptr(), e);
+        x[i..].copy_from_slice(&t[..n - i]);
+        sum += t[..n - i].iter().sum::<f32>();
+    }
+    sum
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// The code table's f32 bit patterns as four byte planes, each in both 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn planes(code: &[f32; 16]) -> [__m256i; 4] {
+    let mut plane = [[0u8; 16]; 4];
+    for (k, c) in code.iter().enumerate() {
+        for (b, p) in plane.iter_mut().enumerate() {
+            p[k] = (c.to_bits() >> (8 * b)) as u8;
+        }
+    }
+    std::array::from_fn(|b| {
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(plane[b].as_ptr() as *const __m128i))
+    })
+}
+
+/// 16 packed bytes (32 codes) to their 32 code values in lane order: nibbles to byte
+/// indices, one `pshufb` per byte plane, then in-lane byte and word interleaves.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode32(p: *const u8, m4: __m128i, pl: &[__m256i; 4]) -> [__m256; 4] {
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    let lo = _mm_and_si128(raw, m4);
+    let idx = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_unpacklo_epi8(hi, lo)),
+        _mm_unpackhi_epi8(hi, lo),
+        1,
+    );
+    let b0 = _mm256_shuffle_epi8(pl[0], idx);
+    let b1 = _mm256_shuffle_epi8(pl[1], idx);
+    let b2 = _mm256_shuffle_epi8(pl[2], idx);
+    let b3 = _mm256_shuffle_epi8(pl[3], idx);
+    let w01l = _mm256_unpacklo_epi8(b0, b1);
+    let w01h = _mm256_unpackhi_epi8(b0, b1);
+    let w23l = _mm256_unpacklo_epi8(b2, b3);
+    let w23h = _mm256_unpackhi_epi8(b2, b3);
+    [
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01l, w23l)),
+        _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01l, w23l)),
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01h, w23h)),
+        _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01h, w23h)),
+    ]
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn q4_row_dots<const M: usize>(
+    packed: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    code: &[f32; 16],
+    xp: &[&[f32]],
+    out: &mut [f32],
+) {
+    let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
+    let pl = planes(code);
+    let m4 = _mm_set1_epi8(15);
+    let p = packed.as_ptr();
+    // Independent FMA chains per row: four for one row, two for two, one above.
+    let nb = match M {
+        1 => 4,
+        2 => 2,
+        _ => 1,
+    };
+    // Scaled block sums: for one row, chains 0 + 2 and 1 + 3 in two accumulators; for two
+    // rows, chains 0 and 1 in two; above, one. (The AVX-512 kernel keeps the pair in one
+    // 512-bit register, so no lane crosses per block.)
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    for (b, &a) in absmax.iter().enumerate() {
+        super::prefetch_ahead(p, absmax, b, bs);
+        let mut bacc = [[_mm256_setzero_ps(); 4]; M];
+        for c in 0..bs / 32 {
+            let off = b * bs + c * 32;
+            let w = decode32(p.add(off / 2), m4, &pl);
+            for m in 0..M {
+                for (j, wj) in w.iter().enumerate() {
+                    let slot = j % nb;
+                    bacc[m][slot] = _mm256_fmadd_ps(
+                        *wj,
+                        _mm256_loadu_ps(xs[m].add(off + 8 * j)),
+                        bacc[m][slot],
+                    );
+                }
+            }
+        }
+        let s = _mm256_set1_ps(a);
+        for m in 0..M {
+            let b = bacc[m];
+            match M {
+                1 => {
+                    acc[m][0] = _mm256_fmadd_ps(_mm256_add_ps(b[0], b[2]), s, acc[m][0]);
+                    acc[m][1] = _mm256_fmadd_ps(_mm256_add_ps(b[1], b[3]), s, acc[m][1]);
+                }
+                2 => {
+                    acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]);
+                    acc[m][1] = _mm256_fmadd_ps(b[1], s, acc[m][1]);
+                }
+                _ => acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]),
+            }
+        }
+    }
+    for m in 0..M {
+        out[m] = hsum(if M <= 2 {
+            _mm256_add_ps(acc[m][0], acc[m][1])
+        } else {
+            acc[m][0]
+        });
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, slot) in acc.iter_mut().enumerate() {
+            *slot = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8 * j)),
+                _mm256_loadu_ps(pb.add(i + 8 * j)),
+                *slot,
+            );
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i)),
+            _mm256_loadu_ps(pb.add(i)),
+            acc[0],
+        );
+        i += 8;
+    }
+    let mut s = hsum(_mm256_add_ps(
+        _mm256_add_ps(acc[0], acc[1]),
+        _mm256_add_ps(acc[2], acc[3]),
+    ));
+    while i < n {
+        s += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    s
+}
+
+/// 8 bf16 values at `p`, widened to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_bf16(p: *const u16) -> __m256 {
+    let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+    _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+}
+
+/// 8 weights from element `i` of f32 rows at `w`, or of bf16 ones with `BF16` (widened).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn load_row8<const BF16: bool>(w: *const u8, i: usize) -> __m256 {
+    if BF16 {
+        load_bf16((w as *const u16).add(i))
+    } else {
+        _mm256_loadu_ps((w as *const f32).add(i))
+    }
+}
+
+/// Weight rows are f32 at `w`, or bf16 with `BF16` (widened as loaded).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_tile<const MR: usize, const NR: usize, const BF16: bool>(
+    x: *const f32,
+    xs: usize,
+    w: *const u8,
+    ws: usize,
+    k: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let get = |i: usize| super::weight_at::<BF16>(w, i);
+    // Two chains per output: groups of 8 at even multiples of 8 into the first, odd into
+    // the second (the AVX-512 kernel's two halves), added before the horizontal sum.
+    let mut acc = [[[_mm256_setzero_ps(); 2]; NR]; MR];
+    // The group of 8 at `kk` into chain `c`.
+    let group = |acc: &mut [[[__m256; 2]; NR]; MR], kk: usize, c: usize| {
+        let wv: [__m256; NR] = std::array::from_fn(|j| load_row8::<BF16>(w, j * ws + kk));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let xv = _mm256_loadu_ps(x.add(i * xs + kk));
+            for j in 0..NR {
+                row[j][c] = _mm256_fmadd_ps(xv, wv[j], row[j][c]);
+            }
+        }
+    };
+    let (k16, k8) = (k / 16 * 16, k / 8 * 8);
+    let mut kk = 0;
+    while kk < k16 {
+        super::prefetch_rows::<BF16>(w, ws, NR, kk);
+        group(&mut acc, kk, 0);
+        group(&mut acc, kk + 8, 1);
+        kk += 16;
+    }
+    if k8 > k16 {
+        group(&mut acc, kk, 0);
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, a) in row.iter().enumerate() {
+            let mut s = hsum(_mm256_add_ps(a[0], a[1]));
+            for t in k8..k {
+                s += *x.add(i * xs + t) * get(j * ws + t);
+            }
+            *out.add(i * out_stride + j) = s;
+        }
+    }
+}
