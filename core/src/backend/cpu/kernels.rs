@@ -227,6 +227,21 @@ pub fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
     sum
 }
 
+/// `out[i] = x[i] / (1 + exp(-s * x[i]))` for `min(x.len(), out.len())` values: SiLU (`s` = 1)
+/// and QuickGELU (`s` = 1.702). The AVX2 path takes [`exp_shifted`]'s exponential (within 2 ulp;
+/// the same bits on every CPU with AVX2, the tail through the same lanes); elsewhere `f32::exp`.
+pub fn sigmoid_gate(x: &[f32], s: f32, out: &mut [f32]) {
+    let n = x.len().min(out.len());
+    #[cfg(target_arch = "x86_64")]
+    if have_avx2() {
+        // SAFETY: AVX2 and FMA are present.
+        return unsafe { avx2::sigmoid_gate(&x[..n], s, &mut out[..n]) };
+    }
+    for (o, &v) in out[..n].iter_mut().zip(x) {
+        *o = v / (1.0 + (-(s * v)).exp());
+    }
+}
+
 /// Weight rows for [`dot_tile_rows`]: f32, or bf16 as a model stores them, each element widened
 /// to f32 exactly as it is read (the same sums in the same order as the widened f32 rows).
 #[derive(Debug, Clone, Copy)]
@@ -589,6 +604,37 @@ mod tests {
                             "bs {bs} k {k}, {m} rows, row {r}, vbmi {v}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sigmoid_gate_is_within_a_few_ulp_and_a_value_does_not_depend_on_its_position() {
+        // SiLU and QuickGELU against the f64 formula, over the range a model's activations
+        // take, with ragged tails (n not a multiple of 8).
+        let x: Vec<f32> = (0..1003).map(|i| (i as f32 - 501.0) * 0.0371).collect();
+        for s in [1.0f32, 1.702] {
+            for n in [1usize, 7, 8, 29, 1003] {
+                let mut out = vec![f32::NAN; n + 1];
+                sigmoid_gate(&x[..n], s, &mut out);
+                assert!(out[n].is_nan(), "wrote past n");
+                for (g, &v) in out[..n].iter().zip(&x) {
+                    // The exponent's argument rounded to f32 as the kernel rounds it (that
+                    // rounding alone moves exp(31) by several ulp).
+                    let w = (v as f64 / (1.0 + (-((s * v) as f64)).exp())) as f32;
+                    let ulp = (w.abs() * f32::EPSILON).max(f32::MIN_POSITIVE);
+                    assert!((g - w).abs() <= 3.0 * ulp, "s {s}, x {v}: {g} vs {w}");
+                }
+            }
+            // A value gives the same bits in a tail as inside a full group of 8.
+            let mut whole = vec![0f32; 16];
+            sigmoid_gate(&x[..16], s, &mut whole);
+            for start in 0..8 {
+                let mut tail = vec![0f32; 16 - start - 3];
+                sigmoid_gate(&x[start + 3..16], s, &mut tail);
+                for (t, w) in tail.iter().zip(&whole[start + 3..]) {
+                    assert_eq!(t.to_bits(), w.to_bits());
                 }
             }
         }

@@ -69,6 +69,33 @@ pub unsafe fn exp_shifted(x: &mut [f32], m: f32) -> f32 {
     sum
 }
 
+/// See [`super::sigmoid_gate`] (`x` and `out` of one length).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn sigmoid_gate(x: &[f32], s: f32, out: &mut [f32]) {
+    let gate = |v: __m256| {
+        let e = exp8(_mm256_sub_ps(
+            _mm256_setzero_ps(),
+            _mm256_mul_ps(_mm256_set1_ps(s), v),
+        ));
+        _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0), e))
+    };
+    let n = x.len();
+    assert!(out.len() == n);
+    let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(op.add(i), gate(_mm256_loadu_ps(xp.add(i))));
+        i += 8;
+    }
+    if i < n {
+        // The tail through the same lanes.
+        let mut t = [0f32; 8];
+        t[..n - i].copy_from_slice(&x[i..]);
+        _mm256_storeu_ps(t.as_mut_ptr(), gate(_mm256_loadu_ps(t.as_ptr())));
+        out[i..].copy_from_slice(&t[..n - i]);
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn hsum(v: __m256) -> f32 {

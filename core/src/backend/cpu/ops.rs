@@ -25,12 +25,25 @@ fn by_rows(pool: &ThreadPool, out: &mut [f32], d: usize, f: &(dyn Fn(usize, &mut
 /// `out[i] = f(x[i])`, in pieces across `pool`'s threads when there are enough values (each
 /// value's arithmetic is the same either way).
 fn elementwise(pool: &ThreadPool, x: &[f32], out: &mut [f32], f: &(dyn Fn(f32) -> f32 + Sync)) {
+    in_pieces(pool, x, out, &|x, o| {
+        for (v, &x) in o.iter_mut().zip(x) {
+            *v = f(x);
+        }
+    });
+}
+
+/// `f(x piece, out piece)` over pieces of 4096 values across `pool`'s threads (see
+/// [`elementwise`]), for kernels that take a slice at a time.
+fn in_pieces(
+    pool: &ThreadPool,
+    x: &[f32],
+    out: &mut [f32],
+    f: &(dyn Fn(&[f32], &mut [f32]) + Sync),
+) {
     const PIECE: usize = 4096;
     let n = out.len().min(x.len());
     by_rows(pool, &mut out[..n], PIECE, &|i, o| {
-        for (v, &x) in o.iter_mut().zip(&x[i * PIECE..]) {
-            *v = f(x);
-        }
+        f(&x[i * PIECE..i * PIECE + o.len()], o)
     });
 }
 
@@ -223,10 +236,12 @@ impl CpuBackend {
                     }
                 });
             }
-            OpKind::Silu => elementwise(pool, io.ins[0], io.out, &|x| x / (1.0 + (-x).exp())),
-            OpKind::QuickGelu => {
-                elementwise(pool, io.ins[0], io.out, &|x| x / (1.0 + (-1.702 * x).exp()))
-            }
+            OpKind::Silu => in_pieces(pool, io.ins[0], io.out, &|x, o| {
+                kernels::sigmoid_gate(x, 1.0, o)
+            }),
+            OpKind::QuickGelu => in_pieces(pool, io.ins[0], io.out, &|x, o| {
+                kernels::sigmoid_gate(x, 1.702, o)
+            }),
             OpKind::Gelu => elementwise(pool, io.ins[0], io.out, &|x| {
                 let v = x as f64;
                 (0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2))) as f32
