@@ -180,10 +180,12 @@ pub struct CudaBackend {
     device: Option<Device>,
     blas: Option<cudarc::cublas::CudaBlas>,
     scratch: Option<(CudaSlice<u8>, u64)>,
-    /// Compute-stream events recorded when the last two streamed groups began loading: the
-    /// older one covers every kernel of the group before it, the last reader of the pool
-    /// region the next upload overwrites.
-    group_starts: std::collections::VecDeque<cudarc::driver::CudaEvent>,
+    /// Per pool slot: the compute-stream event recorded after the last kernel that reads the
+    /// slot's current group ([`Backend::group_used`]); the next group's uploads into the slot
+    /// wait for it, and for nothing else, so they overlap the other slot's kernels.
+    slot_free: [Option<cudarc::driver::CudaEvent>; 2],
+    /// The slot the group being loaded goes into (`None`: a resident group's own regions).
+    loading: Option<usize>,
     /// The compute-stream event [`Backend::begin_timing`] recorded.
     timing: Option<cudarc::driver::CudaEvent>,
 }
@@ -227,7 +229,8 @@ impl CudaBackend {
             device: None,
             blas: None,
             scratch: None,
-            group_starts: std::collections::VecDeque::new(),
+            slot_free: [None, None],
+            loading: None,
             timing: None,
         })
     }
@@ -699,26 +702,30 @@ impl Backend for CudaBackend {
         Ok(Some(std::time::Duration::from_secs_f64(s)))
     }
 
-    fn begin_group_load(&mut self) {
-        // Without an event the uploads would wait on nothing; record() failing leaves the
-        // conservative order: wait for everything queued so far.
-        match self.compute.record_event(None) {
-            Ok(e) => {
-                self.group_starts.push_back(e);
-                while self.group_starts.len() > 2 {
-                    self.group_starts.pop_front();
-                }
-            }
+    fn begin_group_load(&mut self, slot: Option<usize>) {
+        self.loading = slot;
+    }
+
+    fn group_used(&mut self, slot: usize) {
+        let _ = self.bind();
+        // Without an event the next uploads into the slot would wait on nothing: failing to
+        // record one takes the conservative order instead (everything queued so far done).
+        let event = match self.compute.record_event(None) {
+            Ok(e) => Some(e),
             Err(_) => {
                 let _ = self.compute.synchronize();
-                self.group_starts.clear();
+                None
             }
+        };
+        if let Some(s) = self.slot_free.get_mut(slot) {
+            *s = event;
         }
     }
 
     fn release(&mut self) {
         let _ = self.compute.synchronize();
-        self.group_starts.clear();
+        self.slot_free = [None, None];
+        self.loading = None;
         self.device = None;
         self.scratch = None;
     }
@@ -768,15 +775,10 @@ impl Backend for CudaBackend {
         let base = self.dev()?.pool_ptr;
         // The copy runs on the copy stream; the compute stream waits for it, and the ring waits
         // for the same event before it refills the slot.
-        // The region may still be read by kernels queued on the compute stream: the group two
-        // back used the same stream slot, and all of its kernels were queued before the previous
-        // group began loading. The copy waits for that point only, so it overlaps the previous
-        // group's kernels.
-        if let Some(e) = self
-            .group_starts
-            .front()
-            .filter(|_| self.group_starts.len() == 2)
-        {
+        // A streamed group's slot may still be read by kernels queued on the compute stream for
+        // the slot's previous group: the copy waits for the event after the last of them only,
+        // so it overlaps the other slot's kernels.
+        if let Some(e) = self.loading.and_then(|s| self.slot_free.get(s)?.as_ref()) {
             self.copy.wait(e).map_err(drv)?;
         }
         // SAFETY: the destination lies inside the pool; the source slot stays untouched until

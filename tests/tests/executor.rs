@@ -422,3 +422,176 @@ fn slots_lent_in_place_go_back_when_a_step_fails_midway() {
         "some failures hit a group whose packed weights were lent in place"
     );
 }
+
+/// What the executor told a backend, in order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Call {
+    /// `begin_group_load(slot)`.
+    Begin(Option<usize>),
+    /// `group_used(slot)`.
+    Used(usize),
+    /// An upload of `len` bytes at pool offset `offset`.
+    Upload { offset: u64, len: u64 },
+    /// An op that reads a 4-bit weight whose packed codes start at this pool offset.
+    Reads(u64),
+}
+
+/// The reference backend, recording the group-load calls, the uploads and the 4-bit reads.
+struct Recording {
+    inner: CpuRefBackend,
+    calls: Vec<Call>,
+}
+
+impl Backend for Recording {
+    fn name(&self) -> String {
+        "recording".into()
+    }
+    fn supports(&self, op: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
+        self.inner.supports(op)
+    }
+    fn device_info(&self) -> nibble_core::backend::DeviceInfo {
+        self.inner.device_info()
+    }
+    fn workspace(
+        &self,
+        ops: &[nibble_core::backend::OpShapes<'_>],
+    ) -> nibble_core::backend::Workspace {
+        self.inner.workspace(ops)
+    }
+    fn allocate(
+        &mut self,
+        arena_words: usize,
+        pool_bytes: u64,
+        workspace: u64,
+    ) -> nibble_core::Result<()> {
+        self.inner.allocate(arena_words, pool_bytes, workspace)
+    }
+    fn release(&mut self) {
+        self.inner.release()
+    }
+    fn write_arena(
+        &mut self,
+        dst: nibble_core::backend::ArenaSlice,
+        words: &[u32],
+    ) -> nibble_core::Result<()> {
+        self.inner.write_arena(dst, words)
+    }
+    fn read_arena(
+        &mut self,
+        src: nibble_core::backend::ArenaSlice,
+    ) -> nibble_core::Result<Vec<u32>> {
+        self.inner.read_arena(src)
+    }
+    fn upload(
+        &mut self,
+        offset: u64,
+        bytes: &[u8],
+    ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
+        self.calls.push(Call::Upload {
+            offset,
+            len: bytes.len() as u64,
+        });
+        self.inner.upload(offset, bytes)
+    }
+    fn run(
+        &mut self,
+        op: &OpKind,
+        inputs: &[nibble_core::backend::Operand],
+        q4: Option<&nibble_core::backend::Q4View>,
+        out: &nibble_core::backend::Operand,
+    ) -> nibble_core::Result<()> {
+        if let Some(v) = q4 {
+            self.calls.push(Call::Reads(v.packed.offset));
+        }
+        self.inner.run(op, inputs, q4, out)
+    }
+    fn begin_group_load(&mut self, slot: Option<usize>) {
+        self.calls.push(Call::Begin(slot));
+    }
+    fn group_used(&mut self, slot: usize) {
+        self.calls.push(Call::Used(slot));
+    }
+}
+
+/// An asynchronous backend (CUDA) lets a streamed group's uploads wait only for the event it
+/// records at `group_used` of the slot's previous group. So: every op that reads a pool slot
+/// runs between its group's `begin_group_load` and the `group_used` of that slot, each slot's
+/// group is marked used before the slot's next group begins to load, and each slot's uploads
+/// land in a region of the pool of their own.
+#[test]
+fn a_pool_slot_is_marked_used_after_its_last_reader_and_before_it_is_refilled() {
+    let m = model();
+    let make = || Recording {
+        inner: CpuRefBackend::new(),
+        calls: Vec::new(),
+    };
+    let o = small_budget(make);
+    let mut ex = Executor::new(mlp_graph(&m), &m, make(), o).expect("executor");
+    let streamed = ex.plan().counts().1;
+    assert!(streamed >= 4, "several groups streamed: {streamed}");
+    let hidden = dims(&m).hidden;
+    let steps = 3;
+    for seed in 1..=steps {
+        let x = HostTensor::f32(&[ROWS, hidden], random_values(ROWS * hidden, seed)).expect("x");
+        ex.step(&[x]).expect("step");
+    }
+    let calls = &ex.backend().calls;
+    // Each slot's region: the span of the uploads made while it was the one loading.
+    let mut region = [(u64::MAX, 0u64); 2];
+    let mut loading = None;
+    for c in calls {
+        match *c {
+            Call::Begin(s) => loading = s,
+            Call::Upload { offset, len } => {
+                if let Some(s) = loading {
+                    region[s] = (region[s].0.min(offset), region[s].1.max(offset + len));
+                }
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        region.iter().all(|r| r.0 < r.1)
+            && (region[0].1 <= region[1].0 || region[1].1 <= region[0].0),
+        "two disjoint slot regions: {region:?}"
+    );
+    let slot_at = |off: u64| (0..2).find(|&s| region[s].0 <= off && off < region[s].1);
+    let mut open = [false; 2];
+    let (mut begins, mut used) = (0, 0);
+    for (i, c) in calls.iter().enumerate() {
+        match *c {
+            Call::Begin(Some(s)) => {
+                assert!(
+                    !open[s],
+                    "call {i}: slot {s} refilled before its group was marked used"
+                );
+                open[s] = true;
+                begins += 1;
+            }
+            Call::Used(s) => {
+                assert!(
+                    open[s],
+                    "call {i}: slot {s} marked used with no group loaded in it"
+                );
+                open[s] = false;
+                used += 1;
+            }
+            Call::Reads(off) => {
+                if let Some(s) = slot_at(off) {
+                    assert!(
+                        open[s],
+                        "call {i}: an op reads slot {s} after it was marked used"
+                    );
+                }
+            }
+            Call::Begin(None) | Call::Upload { .. } => {}
+        }
+    }
+    assert_eq!(open, [false, false], "every slot's last group marked used");
+    assert_eq!(
+        begins,
+        streamed * steps as usize,
+        "a load per streamed group and step"
+    );
+    assert_eq!(used, begins, "a mark per load");
+}

@@ -159,9 +159,14 @@ pub trait Backend {
         Ok(None)
     }
     /// A weight group is about to be uploaded (the executor calls this before each group's
-    /// first chunk). Asynchronous backends mark here how far the queued compute had got, so
-    /// that a later upload waits only for the kernels that read the region it overwrites.
-    fn begin_group_load(&mut self) {}
+    /// first chunk): a streamed group into pool slot `slot` (0 or 1, see
+    /// the plan layout's `stream_slot`), a resident one (`None`) into its own regions.
+    /// Asynchronous backends make the uploads that follow wait for the kernels that read the
+    /// slot's previous group, which [`Backend::group_used`] marked.
+    fn begin_group_load(&mut self, _slot: Option<usize>) {}
+    /// The last op that reads the streamed group in pool slot `slot` has been queued (the
+    /// executor calls this after that op, before the slot's next group begins to load).
+    fn group_used(&mut self, _slot: usize) {}
     /// Memory for the staging ring's slots and the host tier (pinned host memory for CUDA, so
     /// that uploads from them are DMA); `None`: plain host memory.
     fn slot_allocator(&self) -> Option<Box<dyn SlotAllocator>> {

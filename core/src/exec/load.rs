@@ -214,7 +214,7 @@ impl<B: Backend> Executor<B> {
         pf: &mut Prefetcher<Box<dyn ByteSource>>,
         g: usize,
     ) -> Result<()> {
-        self.backend.begin_group_load();
+        self.backend.begin_group_load(self.lay.slot_of(g));
         loop {
             if !pf.next_ready() {
                 if let Some(h) = self.backend.host_memory() {
@@ -235,7 +235,7 @@ impl<B: Backend> Executor<B> {
         pf: &mut Prefetcher<Box<dyn ByteSource>>,
         g: usize,
     ) -> Result<()> {
-        self.backend.begin_group_load();
+        self.backend.begin_group_load(self.lay.slot_of(g));
         loop {
             pf.ready().await?;
             let chunk = pf.next_chunk()?.ok_or_else(|| stream_ended(g))?;
@@ -349,7 +349,7 @@ impl<B: Backend> Executor<B> {
         let source = source.clone();
         let tensors = self.lay.reads[g].clone();
         let total: u64 = tensors.iter().map(|t| t.len).sum();
-        self.backend.begin_group_load();
+        self.backend.begin_group_load(self.lay.slot_of(g));
         let t0 = web_time::Instant::now();
         let mut buf = vec![0u8; total as usize];
         let mut parts = Vec::with_capacity(tensors.len());

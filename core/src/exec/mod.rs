@@ -132,6 +132,9 @@ pub struct Executor<B: Backend> {
     streamed_group: Vec<bool>,
     /// Per program and group: the last node that reads the group.
     group_last: Vec<Vec<Option<usize>>>,
+    /// Per program: (last node that reads it, pool slot) of each streamed group it uses,
+    /// by node (for [`Backend::group_used`]).
+    slot_last: Vec<Vec<(usize, usize)>>,
     /// Ring slots whose packed weights the backend reads in place, until their group's last op.
     held: Vec<Held>,
     /// Bytes lent in place during the current step.
@@ -242,8 +245,20 @@ impl<B: Backend> Executor<B> {
         for &g in &lay.streamed {
             streamed_group[g] = true;
         }
-        let group_last = (0..graph.programs.len())
+        let group_last: Vec<Vec<Option<usize>>> = (0..graph.programs.len())
             .map(|p| graph.group_uses(p).iter().map(|u| u.map(|u| u.1)).collect())
+            .collect();
+        let slot_last = group_last
+            .iter()
+            .map(|last| {
+                let mut v: Vec<(usize, usize)> = lay
+                    .streamed
+                    .iter()
+                    .filter_map(|&g| Some((last[g]?, lay.slot_of(g)?)))
+                    .collect();
+                v.sort_unstable();
+                v
+            })
             .collect();
         let state_slices: Vec<ArenaSlice> = (0..graph.values.len())
             .filter(|&v| graph.sources[v] == Source::State)
@@ -281,6 +296,7 @@ impl<B: Backend> Executor<B> {
             naive: None,
             profile: None,
             streamed_group,
+            slot_last,
             group_last,
             held: Vec::new(),
             finite_seen: vec![false; n_groups],
@@ -705,6 +721,11 @@ impl<B: Backend> Executor<B> {
                     e.0 += 1;
                     e.1 += t0.elapsed();
                 }
+            }
+            let sl = &self.slot_last[p];
+            let from = sl.partition_point(|&(n, _)| n < ni);
+            for &(_, slot) in sl[from..].iter().take_while(|&&(n, _)| n == ni) {
+                self.backend.group_used(slot);
             }
             if !self.held.is_empty() {
                 self.release_held(Some((p, ni)));

@@ -68,7 +68,18 @@ pub struct Layout {
     pub device_workspace_bytes: u64,
 }
 
+/// The pool slot streamed group `group` loads into (`streamed` in stream order): the groups take
+/// the two slots in turn. `None` for a group that is not streamed.
+pub fn stream_slot(streamed: &[usize], group: usize) -> Option<usize> {
+    streamed.iter().position(|&g| g == group).map(|i| i % 2)
+}
+
 impl Layout {
+    /// The pool slot a streamed group loads into (see [`stream_slot`]).
+    pub fn slot_of(&self, group: usize) -> Option<usize> {
+        stream_slot(&self.streamed, group)
+    }
+
     /// Device bytes the layout allocates: the weight pool, the arena and the kernels'
     /// workspace.
     pub fn device_bytes(&self) -> u64 {
@@ -275,7 +286,7 @@ fn arena(
 /// The streamed groups (not resident, with something to read, used by some program) in the
 /// order of their first use in the first program that uses them, and per program where each
 /// one's load starts. Every program must use them in that order, and a group must be done before
-/// the group two later starts (they share a pool slot).
+/// the program's next group in its pool slot ([`stream_slot`]) starts.
 fn stream_order(
     g: &Graph,
     resident: &[bool],
@@ -308,13 +319,20 @@ fn stream_order(
                 g.programs[p].name
             )));
         }
-        for w in order.windows(3) {
-            if let (Some(a), Some(c)) = (u[w[0]], u[w[2]]) {
-                if a.1 >= c.0 {
+        // A group's pool slot is overwritten by the next group of this program that loads
+        // into it (two later, or the next one where the program skips a group in between):
+        // its last use must come before that group's first.
+        for (i, &a) in order.iter().enumerate() {
+            let slot = stream_slot(&streamed, a);
+            let next = order[i + 1..]
+                .iter()
+                .find(|&&c| stream_slot(&streamed, c) == slot);
+            if let (Some(&c), Some(ua)) = (next, u[a]) {
+                if u[c].is_some_and(|uc| ua.1 >= uc.0) {
                     return Err(Error::Invalid(format!(
                         "weight group '{}' is still used after group '{}' starts: streamed \
                          groups must be used in order",
-                        g.groups[w[0]], g.groups[w[2]]
+                        g.groups[a], g.groups[c]
                     )));
                 }
             }
@@ -357,8 +375,8 @@ fn pool(inp: &LayoutInput<'_>, resident: &[bool], streamed: &[usize]) -> (Vec<Q4
     let mut views: Vec<Q4View> = Vec::with_capacity(g.q4.len());
     let mut cursor = 0u64;
     let mut slot_of: Vec<Option<usize>> = vec![None; g.groups.len()];
-    for (si, &grp) in streamed.iter().enumerate() {
-        slot_of[grp] = Some(si % 2);
+    for &grp in streamed {
+        slot_of[grp] = stream_slot(streamed, grp);
     }
     let mut slot_len = [0u64; 2];
     let mut in_slot = vec![0u64; g.groups.len()];
