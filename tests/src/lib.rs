@@ -222,3 +222,81 @@ pub fn run_opts<B: nibble_core::backend::Backend>(
         naive: false,
     }
 }
+
+/// Inside `impl Backend for W` where `W` wraps another backend in its field `inner`: the named
+/// [`nibble_core::backend::Backend`] methods, passed through to `inner` unchanged (for test
+/// backends that observe or alter a few calls and forward the rest).
+#[macro_export]
+macro_rules! forward_to_inner {
+    ($($m:ident),* $(,)?) => { $( $crate::forward_to_inner!(@ $m); )* };
+    (@ supports) => {
+        fn supports(&self, o: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
+            self.inner.supports(o)
+        }
+    };
+    (@ device_info) => {
+        fn device_info(&self) -> nibble_core::backend::DeviceInfo {
+            self.inner.device_info()
+        }
+    };
+    (@ workspace) => {
+        fn workspace(
+            &self,
+            ops: &[nibble_core::backend::OpShapes<'_>],
+        ) -> nibble_core::backend::Workspace {
+            self.inner.workspace(ops)
+        }
+    };
+    (@ allocate) => {
+        fn allocate(&mut self, words: usize, pool: u64, workspace: u64) -> nibble_core::Result<()> {
+            self.inner.allocate(words, pool, workspace)
+        }
+    };
+    (@ release) => {
+        fn release(&mut self) {
+            self.inner.release()
+        }
+    };
+    (@ write_arena) => {
+        fn write_arena(
+            &mut self,
+            dst: nibble_core::backend::ArenaSlice,
+            words: &[u32],
+        ) -> nibble_core::Result<()> {
+            self.inner.write_arena(dst, words)
+        }
+    };
+    (@ read_arena) => {
+        fn read_arena(
+            &mut self,
+            src: nibble_core::backend::ArenaSlice,
+        ) -> nibble_core::Result<Vec<u32>> {
+            self.inner.read_arena(src)
+        }
+    };
+    (@ upload) => {
+        fn upload(
+            &mut self,
+            offset: u64,
+            bytes: &[u8],
+        ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
+            self.inner.upload(offset, bytes)
+        }
+    };
+    (@ run) => {
+        fn run(
+            &mut self,
+            op: &nibble_core::graph::OpKind,
+            inputs: &[nibble_core::backend::Operand],
+            q4: Option<&nibble_core::backend::Q4View>,
+            out: &nibble_core::backend::Operand,
+        ) -> nibble_core::Result<()> {
+            self.inner.run(op, inputs, q4, out)
+        }
+    };
+    (@ host_memory) => {
+        fn host_memory(&mut self) -> Option<&mut dyn nibble_core::backend::HostMemory> {
+            self.inner.host_memory()
+        }
+    };
+}

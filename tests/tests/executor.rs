@@ -313,42 +313,16 @@ impl Backend for Failing {
     fn name(&self) -> String {
         "failing".into()
     }
-    fn supports(&self, op: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
-        self.inner.supports(op)
-    }
-    fn device_info(&self) -> nibble_core::backend::DeviceInfo {
-        self.inner.device_info()
-    }
-    fn workspace(
-        &self,
-        ops: &[nibble_core::backend::OpShapes<'_>],
-    ) -> nibble_core::backend::Workspace {
-        self.inner.workspace(ops)
-    }
-    fn allocate(
-        &mut self,
-        arena_words: usize,
-        pool_bytes: u64,
-        workspace: u64,
-    ) -> nibble_core::Result<()> {
-        self.inner.allocate(arena_words, pool_bytes, workspace)
-    }
-    fn release(&mut self) {
-        self.inner.release()
-    }
-    fn write_arena(
-        &mut self,
-        dst: nibble_core::backend::ArenaSlice,
-        words: &[u32],
-    ) -> nibble_core::Result<()> {
-        self.inner.write_arena(dst, words)
-    }
-    fn read_arena(
-        &mut self,
-        src: nibble_core::backend::ArenaSlice,
-    ) -> nibble_core::Result<Vec<u32>> {
-        self.inner.read_arena(src)
-    }
+    nibble_tests::forward_to_inner!(
+        supports,
+        device_info,
+        workspace,
+        allocate,
+        release,
+        write_arena,
+        read_arena,
+        host_memory,
+    );
     fn upload(
         &mut self,
         offset: u64,
@@ -366,9 +340,6 @@ impl Backend for Failing {
     ) -> nibble_core::Result<()> {
         self.call()?;
         self.inner.run(op, inputs, q4, out)
-    }
-    fn host_memory(&mut self) -> Option<&mut dyn nibble_core::backend::HostMemory> {
-        self.inner.host_memory()
     }
 }
 
@@ -446,42 +417,15 @@ impl Backend for Recording {
     fn name(&self) -> String {
         "recording".into()
     }
-    fn supports(&self, op: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
-        self.inner.supports(op)
-    }
-    fn device_info(&self) -> nibble_core::backend::DeviceInfo {
-        self.inner.device_info()
-    }
-    fn workspace(
-        &self,
-        ops: &[nibble_core::backend::OpShapes<'_>],
-    ) -> nibble_core::backend::Workspace {
-        self.inner.workspace(ops)
-    }
-    fn allocate(
-        &mut self,
-        arena_words: usize,
-        pool_bytes: u64,
-        workspace: u64,
-    ) -> nibble_core::Result<()> {
-        self.inner.allocate(arena_words, pool_bytes, workspace)
-    }
-    fn release(&mut self) {
-        self.inner.release()
-    }
-    fn write_arena(
-        &mut self,
-        dst: nibble_core::backend::ArenaSlice,
-        words: &[u32],
-    ) -> nibble_core::Result<()> {
-        self.inner.write_arena(dst, words)
-    }
-    fn read_arena(
-        &mut self,
-        src: nibble_core::backend::ArenaSlice,
-    ) -> nibble_core::Result<Vec<u32>> {
-        self.inner.read_arena(src)
-    }
+    nibble_tests::forward_to_inner!(
+        supports,
+        device_info,
+        workspace,
+        allocate,
+        release,
+        write_arena,
+        read_arena,
+    );
     fn upload(
         &mut self,
         offset: u64,

@@ -169,38 +169,7 @@ impl Backend for Workspaced {
         self.allocated.set(Some(workspace));
         self.inner.allocate(words, pool, workspace)
     }
-    fn release(&mut self) {
-        self.inner.release()
-    }
-    fn write_arena(
-        &mut self,
-        dst: nibble_core::backend::ArenaSlice,
-        words: &[u32],
-    ) -> nibble_core::Result<()> {
-        self.inner.write_arena(dst, words)
-    }
-    fn read_arena(
-        &mut self,
-        src: nibble_core::backend::ArenaSlice,
-    ) -> nibble_core::Result<Vec<u32>> {
-        self.inner.read_arena(src)
-    }
-    fn upload(
-        &mut self,
-        offset: u64,
-        bytes: &[u8],
-    ) -> nibble_core::Result<Box<dyn nibble_core::stream::ring::Fence>> {
-        self.inner.upload(offset, bytes)
-    }
-    fn run(
-        &mut self,
-        op: &nibble_core::graph::OpKind,
-        inputs: &[nibble_core::backend::Operand],
-        q4: Option<&nibble_core::backend::Q4View>,
-        out: &nibble_core::backend::Operand,
-    ) -> nibble_core::Result<()> {
-        self.inner.run(op, inputs, q4, out)
-    }
+    nibble_tests::forward_to_inner!(release, write_arena, read_arena, upload, run);
 }
 
 /// The kernels' device workspace is part of the plan: counted in the device figure, in the
