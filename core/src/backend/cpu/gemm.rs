@@ -132,22 +132,6 @@ pub fn isa() -> Isa {
     })
 }
 
-/// Whether the 4-bit GEMV decodes with AVX-512 VBMI: the GEMM runs AVX-512 ([`isa`]), the CPU
-/// has VBMI, and `NIBBLE_CPU_ISA` is not `avx512f` (AVX-512 without VBMI, to test or time that
-/// path). The same bits either way.
-pub fn gemv_vbmi() -> bool {
-    use std::sync::OnceLock;
-    static VBMI: OnceLock<bool> = OnceLock::new();
-    *VBMI.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        let has = std::is_x86_feature_detected!("avx512vbmi");
-        #[cfg(not(target_arch = "x86_64"))]
-        let has = false;
-        has && isa() == Isa::Avx512
-            && !asked_isa().is_some_and(|v| v.trim().eq_ignore_ascii_case("avx512f"))
-    })
-}
-
 /// Bytes of packed operands one task keeps: `NC x KC` weights at the widest sliver and
 /// one packed tile of `MR x KC` activations.
 pub fn panel_bytes(k: usize) -> usize {

@@ -5,7 +5,8 @@
 //! 4-bit rows are handled in a "paired" element order: for every 8 packed bytes (16 elements),
 //! the 8 high nibbles (elements 0, 2, .., 14) then the 8 low nibbles (1, 3, .., 15); the GEMM
 //! reads activations in that order as it packs them, so a dot product needs no shuffles. (The
-//! GEMV decodes into "lane" order instead and permutes its few activation rows once per call.)
+//! GEMV decodes 32-bit words of codes by shifts instead and permutes its few activation rows
+//! into that order once per call: [`nibble_order`].)
 
 /// Whether the AVX2 + FMA paths can run here.
 pub fn have_avx2() -> bool {
@@ -30,14 +31,14 @@ pub fn have_avx2() -> bool {
 /// faster.
 pub const GEMV_PREFETCH: usize = 1024;
 
-/// The GEMVs' prefetch at scale block `b` of a row (codes at `p`, blocks of `bs`): the codes
-/// [`GEMV_PREFETCH`] bytes ahead and the scales as far ahead, once a block.
+/// The GEMVs' prefetch at byte `at` of a row's codes (at `p`) and scale block `block`: the
+/// codes [`GEMV_PREFETCH`] bytes ahead and the scales as far ahead.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(p: *const u8, absmax: &[f32], b: usize, bs: usize) {
+fn prefetch_ahead(p: *const u8, at: usize, absmax: &[f32], block: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let codes = p.wrapping_add(b * bs / 2 + GEMV_PREFETCH);
-    let scales = absmax.as_ptr().wrapping_add(b + GEMV_PREFETCH / 8);
+    let codes = p.wrapping_add(at + GEMV_PREFETCH);
+    let scales = absmax.as_ptr().wrapping_add(block + GEMV_PREFETCH / 8);
     // SAFETY: a prefetch does not fault, wherever the address points.
     unsafe {
         _mm_prefetch::<_MM_HINT_T0>(codes as *const i8);
@@ -72,19 +73,33 @@ pub fn pair_order(x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Where element `e` of each 32-element chunk sits in the "lane" order the GEMV decodes into:
-/// the order of 32 floats assembled from byte-plane lookups without crossing 128-bit lanes.
-pub const LANE_ORDER: [usize; 32] = [
-    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13,
-    14, 15, 28, 29, 30, 31,
-];
+/// Whether the 4-bit GEMV runs for rows of `k` values in blocks of `bs`: whole chunks of 64
+/// codes, each lane of 8 inside one scale block.
+pub fn gemv_fits(k: usize, bs: usize) -> bool {
+    k.is_multiple_of(64) && (bs.is_multiple_of(64) || bs == 32) && k.is_multiple_of(bs)
+}
 
-/// Permutes `x[k]` (k a multiple of 32) into lane order: `out[32c + i] = x[32c + LANE_ORDER[i]]`.
-pub fn lane_order(x: &[f32], out: &mut [f32]) {
-    for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        for (d, &i) in dst.iter_mut().zip(LANE_ORDER.iter()) {
-            *d = src[i];
-        }
+/// Where the GEMV reads activation `e` of a row (`paired`: the AVX-512 kernel's layout, which
+/// reads two chunks at once). The GEMV's order: a chunk of 64 codes is 8 little-endian 32-bit
+/// words, word `j` holding elements `8j .. 8j + 8`; shifting the words right by `4n` puts
+/// element `8j + (n ^ 1)` (bitsandbytes packs the even element in the high nibble) in the low
+/// bits of lane `j`. So activation `(chunk c, lane j, nibble n)` sits at `64c + 8n + j`, or,
+/// paired, for the chunks `2p + h` of a full pair at `128p + 16n + 8h + j`.
+pub fn nibble_position(e: usize, k: usize, paired: bool) -> usize {
+    let (c, j, n) = (e / 64, e % 64 / 8, (e % 8) ^ 1);
+    if paired && c / 2 * 2 + 1 < k / 64 {
+        128 * (c / 2) + 16 * n + 8 * (c % 2) + j
+    } else {
+        64 * c + 8 * n + j
+    }
+}
+
+/// Permutes a row `x[k]` (`k` a multiple of 64) into the GEMV's order
+/// ([`nibble_position`]), once per call.
+pub fn nibble_order(x: &[f32], out: &mut [f32], paired: bool) {
+    let k = x.len() / 64 * 64;
+    for (e, &v) in x[..k].iter().enumerate() {
+        out[nibble_position(e, k, paired)] = v;
     }
 }
 
@@ -102,9 +117,14 @@ macro_rules! by_rows {
     };
 }
 
-/// `out[m] = dot(W_row, xp[m])` for one 4-bit row of `k = absmax.len() * bs` elements (`bs` a
-/// multiple of 32) against up to 4 activation rows in lane order: each weight is decoded once,
-/// the per-block dot products are scaled by the block's absmax.
+/// `out[m] = dot(W_row, x_m)` for one 4-bit row of `k = absmax.len() * bs` elements
+/// ([`gemv_fits`]) against up to 4 activation rows, each in the GEMV's order
+/// ([`nibble_order`], paired when [`super::gemm::isa`] is AVX-512): each weight is decoded
+/// once. One sum on every instruction set, bit for bit (the portable loop below is its
+/// definition): per chunk of 64 codes and lane `j`, the code values times the activations in
+/// two fused chains (nibbles 0, 2, 4, 6 and 1, 3, 5, 7) added, then scaled by the lane's absmax
+/// into one of two accumulators of 8 lanes (even chunks, odd chunks); at the end the two are
+/// added and the 8 lanes summed in the AVX2 horizontal-sum tree.
 pub fn q4_row_dots(
     packed: &[u8],
     absmax: &[f32],
@@ -114,36 +134,56 @@ pub fn q4_row_dots(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::isa() == super::gemm::Isa::Avx512 {
-        q4_row_dots_avx512(packed, absmax, bs, code, xp, out, super::gemm::gemv_vbmi());
-        return;
+    match super::gemm::isa() {
+        super::gemm::Isa::Avx512 => return q4_row_dots_avx512(packed, absmax, bs, code, xp, out),
+        super::gemm::Isa::Avx2 => {
+            // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
+            unsafe { by_rows!(avx2::q4_row_dots, packed, absmax, bs, code, xp, out) }
+            return;
+        }
+        super::gemm::Isa::Portable => {}
     }
-    #[cfg(target_arch = "x86_64")]
-    if have_avx2() {
-        // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
-        unsafe { by_rows!(avx2::q4_row_dots, packed, absmax, bs, code, xp, out) }
-        return;
-    }
+    q4_row_dots_portable(packed, absmax, bs, code, xp, out)
+}
+
+/// [`q4_row_dots`] one value at a time (the unpaired order): the definition of its sums.
+pub fn q4_row_dots_portable(
+    packed: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    code: &[f32; 16],
+    xp: &[&[f32]],
+    out: &mut [f32],
+) {
     let k = absmax.len() * bs;
-    let mut row = vec![0f32; k];
-    for e in 0..k {
-        let byte = packed[e / 2];
-        let q = if e % 2 == 0 { byte >> 4 } else { byte & 15 };
-        let (c, i) = (e / 32, e % 32);
-        let pos = LANE_ORDER.iter().position(|&l| l == i).unwrap_or(i);
-        row[c * 32 + pos] = code[q as usize] * absmax[e / bs];
-    }
-    for (m, x) in xp.iter().enumerate() {
-        out[m] = dot(&row, x);
+    assert!(gemv_fits(k, bs) && packed.len() >= k / 2 && out.len() >= xp.len());
+    for (x, o) in xp.iter().zip(out.iter_mut()) {
+        assert!(x.len() >= k);
+        let mut acc = [[0f32; 8]; 2];
+        for c in 0..k / 64 {
+            for (j, a) in acc[c % 2].iter_mut().enumerate() {
+                let word = u32::from_le_bytes(
+                    packed[32 * c + 4 * j..32 * c + 4 * j + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                );
+                let mut chain = [0f32; 2];
+                for n in 0..8 {
+                    let w = code[(word >> (4 * n) & 15) as usize];
+                    chain[n % 2] = w.mul_add(x[64 * c + 8 * n + j], chain[n % 2]);
+                }
+                let scale = absmax[(64 * c + 8 * j) / bs];
+                *a = (chain[0] + chain[1]).mul_add(scale, *a);
+            }
+        }
+        let t: [f32; 4] =
+            std::array::from_fn(|i| (acc[0][i] + acc[1][i]) + (acc[0][i + 4] + acc[1][i + 4]));
+        *o = (t[0] + t[2]) + (t[1] + t[3]);
     }
 }
 
-/// [`q4_row_dots`] with AVX-512F: the same sums in the same order as the AVX2 kernel (each
-/// 512-bit accumulator holds two of its 256-bit ones side by side), from a cheaper decode (a
-/// 16-entry table lookup per 16 codes instead of four byte-plane shuffles and six interleaves per
-/// 32), so the two give the same bits; with `vbmi` (the CPU has AVX-512 VBMI: see
-/// [`super::gemm::gemv_vbmi`]) the nibbles reach the lookup through one `multishift` per 16 codes, the same
-/// weights in the same lanes. The caller checks that AVX-512F is present.
+/// [`q4_row_dots`] with AVX-512F (activations paired). The caller checks that AVX-512F is
+/// present.
 #[cfg(target_arch = "x86_64")]
 pub fn q4_row_dots_avx512(
     packed: &[u8],
@@ -152,23 +192,14 @@ pub fn q4_row_dots_avx512(
     code: &[f32; 16],
     xp: &[&[f32]],
     out: &mut [f32],
-    vbmi: bool,
 ) {
     assert!(super::gemm::Isa::Avx512.present());
-    assert!(!vbmi || std::is_x86_feature_detected!("avx512vbmi"));
-    // SAFETY: AVX-512F (and AVX2, FMA with it) present, VBMI where asked; the kernels assert
-    // every length.
-    unsafe {
-        if vbmi {
-            by_rows!(avx512::q4_row_dots_vbmi, packed, absmax, bs, code, xp, out)
-        } else {
-            by_rows!(avx512::q4_row_dots, packed, absmax, bs, code, xp, out)
-        }
-    }
+    // SAFETY: AVX-512F (and AVX2, FMA with it) present; the kernels assert every length.
+    unsafe { by_rows!(avx512::q4_row_dots, packed, absmax, bs, code, xp, out) }
 }
 
-/// The GEMV kernels' bounds, checked once per row: `packed` holds the row's codes, `bs` is a
-/// multiple of 32, `M` activation rows of `k` values and `M` outputs are there; their pointers.
+/// The GEMV kernels' bounds, checked once per row ([`gemv_fits`]; `packed` holds the row's
+/// codes, `M` activation rows of `k` values and `M` outputs are there): their pointers.
 #[cfg(target_arch = "x86_64")]
 fn gemv_rows<const M: usize>(
     packed: &[u8],
@@ -178,7 +209,7 @@ fn gemv_rows<const M: usize>(
     out: &[f32],
 ) -> [*const f32; M] {
     let k = absmax.len() * bs;
-    assert!(packed.len() >= k / 2 && xp.len() >= M && out.len() >= M && bs.is_multiple_of(32));
+    assert!(gemv_fits(k, bs) && packed.len() >= k / 2 && xp.len() >= M && out.len() >= M);
     std::array::from_fn(|m| {
         assert!(xp[m].len() >= k);
         xp[m].as_ptr()
@@ -535,73 +566,117 @@ mod tests {
         }
     }
 
-    #[test]
-    fn q4_row_dots_match_the_element_formula() {
-        let (bs, k) = (64usize, 256usize);
-        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 73 % 256) as u8).collect();
+    /// A row's codes, scales and activation rows for the GEMV tests.
+    fn gemv_case(bs: usize, k: usize) -> (Vec<u8>, Vec<f32>, [f32; 16], Vec<Vec<f32>>) {
+        let packed: Vec<u8> = (0..k / 2).map(|i| (i * 73 + 5) as u8).collect();
         let absmax: Vec<f32> = (0..k / bs).map(|b| 0.25 + b as f32 * 0.5).collect();
         let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
         let xs: Vec<Vec<f32>> = (0..4).map(|s| vals(k, s + 10)).collect();
-        for m in 1..=4 {
-            let perm: Vec<Vec<f32>> = xs[..m]
-                .iter()
-                .map(|x| {
-                    let mut p = vec![0f32; k];
-                    lane_order(x, &mut p);
-                    p
-                })
-                .collect();
-            let refs: Vec<&[f32]> = perm.iter().map(|v| v.as_slice()).collect();
-            let mut out = [0f32; 4];
-            q4_row_dots(&packed, &absmax, bs, &code, &refs, &mut out[..m]);
-            for (r, x) in xs[..m].iter().enumerate() {
-                let want: f64 = (0..k)
-                    .map(|e| {
-                        let b = packed[e / 2];
-                        let q = if e % 2 == 0 { b >> 4 } else { b & 15 };
-                        (code[q as usize] * absmax[e / bs]) as f64 * x[e] as f64
-                    })
-                    .sum();
-                assert!(
-                    (out[r] as f64 - want).abs() < 1e-4,
-                    "{m} rows, row {r}: {} vs {want}",
-                    out[r]
-                );
+        (packed, absmax, code, xs)
+    }
+
+    fn ordered(xs: &[Vec<f32>], paired: bool) -> Vec<Vec<f32>> {
+        xs.iter()
+            .map(|x| {
+                let mut p = vec![f32::NAN; x.len()];
+                nibble_order(x, &mut p, paired);
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_gemv_order_is_a_permutation() {
+        for k in [64usize, 128, 192, 576] {
+            for paired in [false, true] {
+                let mut seen = vec![false; k];
+                for e in 0..k {
+                    let p = nibble_position(e, k, paired);
+                    assert!(p < k && !seen[p], "k {k} paired {paired}: {e} -> {p}");
+                    seen[p] = true;
+                }
             }
         }
     }
 
+    #[test]
+    fn q4_row_dots_match_the_element_formula() {
+        // Blocks of 32 (two scales a chunk), 64 and 128; an odd number of chunks.
+        for &(bs, k) in &[(32usize, 192usize), (64, 256), (64, 576), (128, 384)] {
+            let (packed, absmax, code, xs) = gemv_case(bs, k);
+            let paired = crate::backend::cpu::gemm::isa() == crate::backend::cpu::gemm::Isa::Avx512;
+            let perm = ordered(&xs, paired);
+            for m in 1..=4 {
+                let refs: Vec<&[f32]> = perm[..m].iter().map(|v| v.as_slice()).collect();
+                let mut out = [0f32; 4];
+                q4_row_dots(&packed, &absmax, bs, &code, &refs, &mut out[..m]);
+                for (r, x) in xs[..m].iter().enumerate() {
+                    let want: f64 = (0..k)
+                        .map(|e| {
+                            let b = packed[e / 2];
+                            let q = if e % 2 == 0 { b >> 4 } else { b & 15 };
+                            (code[q as usize] * absmax[e / bs]) as f64 * x[e] as f64
+                        })
+                        .sum();
+                    assert!(
+                        (out[r] as f64 - want).abs() < 1e-4 * want.abs().max(1.0),
+                        "bs {bs} k {k}, {m} rows, row {r}: {} vs {want}",
+                        out[r]
+                    );
+                }
+            }
+        }
+    }
+
+    /// The AVX2 and AVX-512 GEMVs give the portable definition's bits, for every row count,
+    /// block size and an odd number of chunks (the AVX-512 kernel's unpaired last one).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_avx512_gemv_gives_the_avx2_gemvs_bits() {
-        if !(have_avx2() && crate::backend::cpu::gemm::Isa::Avx512.present()) {
-            return;
-        }
-        for &(bs, k) in &[(32usize, 96usize), (64, 512), (128, 1024), (4096, 4096)] {
-            let packed: Vec<u8> = (0..k / 2).map(|i| (i * 73 + 5) as u8).collect();
-            let absmax = vals(k / bs, 7);
-            let code: [f32; 16] = std::array::from_fn(|i| i as f32 / 7.5 - 1.0);
-            let xs: Vec<Vec<f32>> = (0..4).map(|s| vals(k, s + 20)).collect();
-            let refs: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+    fn every_gemv_gives_the_portable_gemvs_bits() {
+        use crate::backend::cpu::gemm::Isa;
+        for &(bs, k) in &[
+            (32usize, 96 * 2),
+            (64, 512),
+            (64, 576),
+            (128, 1024),
+            (4096, 4096),
+        ] {
+            let (packed, absmax, code, xs) = gemv_case(bs, k);
+            let plain = ordered(&xs, false);
+            let pairs = ordered(&xs, true);
+            let plain: Vec<&[f32]> = plain.iter().map(|v| v.as_slice()).collect();
+            let pairs: Vec<&[f32]> = pairs.iter().map(|v| v.as_slice()).collect();
             for m in 1..=4 {
-                let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
-                // SAFETY: AVX2 and FMA are present (checked above).
-                unsafe {
-                    match m {
-                        1 => avx2::q4_row_dots::<1>(&packed, &absmax, bs, &code, &refs, &mut a),
-                        2 => avx2::q4_row_dots::<2>(&packed, &absmax, bs, &code, &refs, &mut a),
-                        3 => avx2::q4_row_dots::<3>(&packed, &absmax, bs, &code, &refs, &mut a),
-                        _ => avx2::q4_row_dots::<4>(&packed, &absmax, bs, &code, &refs, &mut a),
-                    }
+                let mut want = [0f32; 4];
+                q4_row_dots_portable(&packed, &absmax, bs, &code, &plain[..m], &mut want[..m]);
+                let mut got = Vec::new();
+                if Isa::Avx2.present() {
+                    let mut a = [0f32; 4];
+                    // SAFETY: AVX2 and FMA are present (checked).
+                    unsafe {
+                        by_rows!(
+                            avx2::q4_row_dots,
+                            &packed,
+                            &absmax,
+                            bs,
+                            &code,
+                            &plain[..m],
+                            &mut a[..m]
+                        )
+                    };
+                    got.push(("avx2", a));
                 }
-                let vbmi = [false, std::is_x86_feature_detected!("avx512vbmi")];
-                for v in vbmi.into_iter().take(if vbmi[1] { 2 } else { 1 }) {
-                    q4_row_dots_avx512(&packed, &absmax, bs, &code, &refs[..m], &mut b[..m], v);
+                if Isa::Avx512.present() {
+                    let mut b = [0f32; 4];
+                    q4_row_dots_avx512(&packed, &absmax, bs, &code, &pairs[..m], &mut b[..m]);
+                    got.push(("avx512", b));
+                }
+                for (isa, g) in got {
                     for r in 0..m {
                         assert_eq!(
-                            a[r].to_bits(),
-                            b[r].to_bits(),
-                            "bs {bs} k {k}, {m} rows, row {r}, vbmi {v}"
+                            g[r].to_bits(),
+                            want[r].to_bits(),
+                            "{isa}: bs {bs} k {k}, {m} rows, row {r}"
                         );
                     }
                 }

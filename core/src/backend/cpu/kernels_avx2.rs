@@ -107,50 +107,33 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// The code table's f32 bit patterns as four byte planes, each in both 128-bit lanes.
+/// The 8 code values of nibble `n` (0..8) of each 32-bit word of `v`: the word shifted so that
+/// the nibble is in bits 0-3, looked up in the low and the high half of the table by its low 3
+/// bits, the half chosen by its bit 3 (moved to the sign bit).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn planes(code: &[f32; 16]) -> [__m256i; 4] {
-    let mut plane = [[0u8; 16]; 4];
-    for (k, c) in code.iter().enumerate() {
-        for (b, p) in plane.iter_mut().enumerate() {
-            p[k] = (c.to_bits() >> (8 * b)) as u8;
-        }
+unsafe fn nibble_values(v: __m256i, n: u32, lo: __m256, hi: __m256) -> __m256 {
+    let idx = _mm256_srlv_epi32(v, _mm256_set1_epi32(4 * n as i32));
+    let sel = _mm256_sllv_epi32(v, _mm256_set1_epi32(28 - 4 * n as i32));
+    _mm256_blendv_ps(
+        _mm256_permutevar8x32_ps(lo, idx),
+        _mm256_permutevar8x32_ps(hi, idx),
+        _mm256_castsi256_ps(sel),
+    )
+}
+
+/// The absmax of each lane of chunk `c` (blocks of `bs`: a multiple of 64, or 32).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn chunk_scales(absmax: &[f32], c: usize, bs: usize) -> __m256 {
+    if bs == 32 {
+        _mm256_set_m128(_mm_set1_ps(absmax[2 * c + 1]), _mm_set1_ps(absmax[2 * c]))
+    } else {
+        _mm256_set1_ps(absmax[64 * c / bs])
     }
-    std::array::from_fn(|b| {
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(plane[b].as_ptr() as *const __m128i))
-    })
 }
 
-/// 16 packed bytes (32 codes) to their 32 code values in lane order: nibbles to byte
-/// indices, one `pshufb` per byte plane, then in-lane byte and word interleaves.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode32(p: *const u8, m4: __m128i, pl: &[__m256i; 4]) -> [__m256; 4] {
-    let raw = _mm_loadu_si128(p as *const __m128i);
-    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-    let lo = _mm_and_si128(raw, m4);
-    let idx = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_unpacklo_epi8(hi, lo)),
-        _mm_unpackhi_epi8(hi, lo),
-        1,
-    );
-    let b0 = _mm256_shuffle_epi8(pl[0], idx);
-    let b1 = _mm256_shuffle_epi8(pl[1], idx);
-    let b2 = _mm256_shuffle_epi8(pl[2], idx);
-    let b3 = _mm256_shuffle_epi8(pl[3], idx);
-    let w01l = _mm256_unpacklo_epi8(b0, b1);
-    let w01h = _mm256_unpackhi_epi8(b0, b1);
-    let w23l = _mm256_unpacklo_epi8(b2, b3);
-    let w23h = _mm256_unpackhi_epi8(b2, b3);
-    [
-        _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01l, w23l)),
-        _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01l, w23l)),
-        _mm256_castsi256_ps(_mm256_unpacklo_epi16(w01h, w23h)),
-        _mm256_castsi256_ps(_mm256_unpackhi_epi16(w01h, w23h)),
-    ]
-}
-
+/// See [`super::q4_row_dots`] (activations unpaired).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn q4_row_dots<const M: usize>(
     packed: &[u8],
@@ -161,58 +144,32 @@ pub unsafe fn q4_row_dots<const M: usize>(
     out: &mut [f32],
 ) {
     let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
-    let pl = planes(code);
-    let m4 = _mm_set1_epi8(15);
+    let (lo, hi) = (
+        _mm256_loadu_ps(code.as_ptr()),
+        _mm256_loadu_ps(code.as_ptr().add(8)),
+    );
     let p = packed.as_ptr();
-    // Independent FMA chains per row: four for one row, two for two, one above.
-    let nb = match M {
-        1 => 4,
-        2 => 2,
-        _ => 1,
-    };
-    // Scaled block sums: for one row, chains 0 + 2 and 1 + 3 in two accumulators; for two
-    // rows, chains 0 and 1 in two; above, one. (The AVX-512 kernel keeps the pair in one
-    // 512-bit register, so no lane crosses per block.)
+    let k = absmax.len() * bs;
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
-    for (b, &a) in absmax.iter().enumerate() {
-        super::prefetch_ahead(p, absmax, b, bs);
-        let mut bacc = [[_mm256_setzero_ps(); 4]; M];
-        for c in 0..bs / 32 {
-            let off = b * bs + c * 32;
-            let w = decode32(p.add(off / 2), m4, &pl);
+    for c in 0..k / 64 {
+        super::prefetch_ahead(p, 32 * c, absmax, 64 * c / bs);
+        let v = _mm256_loadu_si256(p.add(32 * c) as *const __m256i);
+        let mut chain = [[_mm256_setzero_ps(); 2]; M];
+        for n in 0..8 {
+            let w = nibble_values(v, n as u32, lo, hi);
             for m in 0..M {
-                for (j, wj) in w.iter().enumerate() {
-                    let slot = j % nb;
-                    bacc[m][slot] = _mm256_fmadd_ps(
-                        *wj,
-                        _mm256_loadu_ps(xs[m].add(off + 8 * j)),
-                        bacc[m][slot],
-                    );
-                }
+                let x = _mm256_loadu_ps(xs[m].add(64 * c + 8 * n));
+                chain[m][n % 2] = _mm256_fmadd_ps(w, x, chain[m][n % 2]);
             }
         }
-        let s = _mm256_set1_ps(a);
+        let scale = chunk_scales(absmax, c, bs);
         for m in 0..M {
-            let b = bacc[m];
-            match M {
-                1 => {
-                    acc[m][0] = _mm256_fmadd_ps(_mm256_add_ps(b[0], b[2]), s, acc[m][0]);
-                    acc[m][1] = _mm256_fmadd_ps(_mm256_add_ps(b[1], b[3]), s, acc[m][1]);
-                }
-                2 => {
-                    acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]);
-                    acc[m][1] = _mm256_fmadd_ps(b[1], s, acc[m][1]);
-                }
-                _ => acc[m][0] = _mm256_fmadd_ps(b[0], s, acc[m][0]),
-            }
+            let s = _mm256_add_ps(chain[m][0], chain[m][1]);
+            acc[m][c % 2] = _mm256_fmadd_ps(s, scale, acc[m][c % 2]);
         }
     }
     for m in 0..M {
-        out[m] = hsum(if M <= 2 {
-            _mm256_add_ps(acc[m][0], acc[m][1])
-        } else {
-            acc[m][0]
-        });
+        out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
     }
 }
 

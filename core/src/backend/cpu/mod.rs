@@ -22,7 +22,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
-use kernels::{dot, dot_tile_rows, exp_shifted, lane_order, q4_row_dots, Rows};
+use kernels::{dot, dot_tile_rows, exp_shifted, gemv_fits, nibble_order, q4_row_dots, Rows};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products
@@ -121,21 +121,10 @@ impl CpuBackend {
         }
     }
 
-    /// "cpu (N threads, GEMM avx512f, GEMV avx512vbmi, AVX2+FMA)": the GEMM's instruction set,
-    /// the 4-bit GEMV's, then the other kernels'.
+    /// "cpu (N threads, GEMM avx512f, GEMV avx512f, AVX2+FMA)": the GEMM's instruction set,
+    /// the 4-bit GEMV's (the same: one sum on each, bit for bit), then the other kernels'.
     pub fn describe(&self) -> String {
-        #[cfg(target_arch = "x86_64")]
-        let gemv = if gemm::gemv_vbmi() {
-            "avx512vbmi"
-        } else if gemm::isa() == gemm::Isa::Avx512 {
-            "avx512f"
-        } else if kernels::have_avx2() {
-            "avx2+fma"
-        } else {
-            "portable"
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let gemv = "portable";
+        let gemv = gemm::isa().name();
         format!(
             "{} threads, GEMM {}, GEMV {gemv}, {}",
             self.threads.threads(),

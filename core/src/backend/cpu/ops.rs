@@ -538,9 +538,9 @@ impl CpuBackend {
             });
             return Ok(());
         }
-        // The GEMV reads activations in the order it decodes weights into (lane order, blocks
-        // of at least 32), permuted here once per call; the GEMM reads them paired as it packs.
-        let gemv = m <= GEMV_MAX_ROWS && bs % 32 == 0;
+        // The GEMV reads activations in the order it decodes weights in (chunks of 64, see
+        // `nibble_order`), permuted here once per call; the GEMM reads them paired as it packs.
+        let gemv = m <= GEMV_MAX_ROWS && gemv_fits(k, bs);
         if !gemv {
             let w = gemm::Nf4Rows {
                 packed,
@@ -555,8 +555,9 @@ impl CpuBackend {
         if xp.len() < m * k {
             xp.resize(m * k, 0.0);
         }
+        let paired = gemm::isa() == gemm::Isa::Avx512;
         for i in 0..m {
-            lane_order(&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k]);
+            nibble_order(&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k], paired);
         }
         let xp: &[f32] = &xp[..m * k];
         let blocks_per_row = k / bs;
