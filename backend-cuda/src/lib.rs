@@ -186,6 +186,9 @@ pub struct CudaBackend {
     slot_free: [Option<cudarc::driver::CudaEvent>; 2],
     /// The slot the group being loaded goes into (`None`: a resident group's own regions).
     loading: Option<usize>,
+    /// Per pool slot: a group was loaded into it and not yet marked used (a step that failed
+    /// midway leaves it so).
+    open: [bool; 2],
     /// The compute-stream event [`Backend::begin_timing`] recorded.
     timing: Option<cudarc::driver::CudaEvent>,
 }
@@ -231,6 +234,7 @@ impl CudaBackend {
             scratch: None,
             slot_free: [None, None],
             loading: None,
+            open: [false, false],
             timing: None,
         })
     }
@@ -704,9 +708,20 @@ impl Backend for CudaBackend {
 
     fn begin_group_load(&mut self, slot: Option<usize>) {
         self.loading = slot;
+        if let Some(s) = slot.filter(|&s| s < 2) {
+            if self.open[s] {
+                // The slot's previous group was never marked used (its step failed midway):
+                // wait for everything queued so far instead.
+                self.group_used(s);
+            }
+            self.open[s] = true;
+        }
     }
 
     fn group_used(&mut self, slot: usize) {
+        if let Some(o) = self.open.get_mut(slot) {
+            *o = false;
+        }
         let _ = self.bind();
         // Without an event the next uploads into the slot would wait on nothing: failing to
         // record one takes the conservative order instead (everything queued so far done).
@@ -726,6 +741,7 @@ impl Backend for CudaBackend {
         let _ = self.compute.synchronize();
         self.slot_free = [None, None];
         self.loading = None;
+        self.open = [false, false];
         self.device = None;
         self.scratch = None;
     }

@@ -230,7 +230,10 @@ pub fn run_opts<B: nibble_core::backend::Backend>(
 macro_rules! forward_to_inner {
     ($($m:ident),* $(,)?) => { $( $crate::forward_to_inner!(@ $m); )* };
     (@ supports) => {
-        fn supports(&self, o: &nibble_core::backend::OpShapes<'_>) -> Result<(), String> {
+        fn supports(
+            &self,
+            o: &nibble_core::backend::OpShapes<'_>,
+        ) -> ::std::result::Result<(), String> {
             self.inner.supports(o)
         }
     };

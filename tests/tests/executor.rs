@@ -501,7 +501,7 @@ fn a_pool_slot_is_marked_used_after_its_last_reader_and_before_it_is_refilled() 
     );
     let slot_at = |off: u64| (0..2).find(|&s| region[s].0 <= off && off < region[s].1);
     let mut open = [false; 2];
-    let (mut begins, mut used) = (0, 0);
+    let (mut begins, mut used, mut slot_reads) = (0, 0, 0);
     for (i, c) in calls.iter().enumerate() {
         match *c {
             Call::Begin(Some(s)) => {
@@ -526,6 +526,7 @@ fn a_pool_slot_is_marked_used_after_its_last_reader_and_before_it_is_refilled() 
                         open[s],
                         "call {i}: an op reads slot {s} after it was marked used"
                     );
+                    slot_reads += 1;
                 }
             }
             Call::Begin(None) | Call::Upload { .. } => {}
@@ -538,4 +539,8 @@ fn a_pool_slot_is_marked_used_after_its_last_reader_and_before_it_is_refilled() 
         "a load per streamed group and step"
     );
     assert_eq!(used, begins, "a mark per load");
+    assert!(
+        slot_reads >= begins,
+        "every streamed group's linear read from its slot"
+    );
 }
