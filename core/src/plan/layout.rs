@@ -320,8 +320,8 @@ fn stream_order(
             )));
         }
         // A group's pool slot is overwritten by the next group of this program that loads
-        // into it (two later, or the next one where the program skips a group in between):
-        // its last use must come before that group's first.
+        // into it (two later, when the program uses every streamed group): its last use must
+        // come before that group's first.
         for (i, &a) in order.iter().enumerate() {
             let slot = stream_slot(&streamed, a);
             let next = order[i + 1..]
