@@ -25,19 +25,17 @@ unsafe fn hsum_halves(z: __m512) -> f32 {
     super::avx2::hsum(_mm256_add_ps(lo, hi))
 }
 
-/// The absmax of each lane of chunks `2p` (lanes 0-7) and `2p + 1` (lanes 8-15), blocks of
-/// `bs` (a multiple of 64, or 32).
+/// The absmax of each lane of chunks `2p` (lanes 0-7) and `2p + 1` (lanes 8-15): the AVX2
+/// kernel's per-chunk scales side by side.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn pair_scales(absmax: &[f32], p: usize, bs: usize) -> __m512 {
-    if bs == 32 {
-        let four = _mm512_castps128_ps512(_mm_loadu_ps(absmax[4 * p..4 * p + 4].as_ptr()));
-        let idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        _mm512_permutexvar_ps(idx, four)
-    } else {
-        let even = _mm512_set1_ps(absmax[128 * p / bs]);
-        _mm512_mask_mov_ps(even, 0xff00, _mm512_set1_ps(absmax[(128 * p + 64) / bs]))
-    }
+    let even = _mm512_castps256_ps512(super::avx2::chunk_scales(absmax, 2 * p, bs));
+    let odd = super::avx2::chunk_scales(absmax, 2 * p + 1, bs);
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castps_pd(even),
+        _mm256_castps_pd(odd),
+    ))
 }
 
 /// See [`super::q4_row_dots`] (activations paired): the AVX2 kernel's two 8-lane accumulators

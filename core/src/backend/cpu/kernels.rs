@@ -94,8 +94,13 @@ pub fn nibble_position(e: usize, k: usize, paired: bool) -> usize {
     }
 }
 
+/// Whether [`q4_row_dots`] reads its activations paired: it runs the AVX-512 kernel.
+pub fn gemv_paired() -> bool {
+    super::gemm::isa() == super::gemm::Isa::Avx512
+}
+
 /// Permutes a row `x[k]` (`k` a multiple of 64) into the GEMV's order
-/// ([`nibble_position`]), once per call.
+/// ([`nibble_position`]; [`q4_row_dots`] wants `paired` = [`gemv_paired`]), once per call.
 pub fn nibble_order(x: &[f32], out: &mut [f32], paired: bool) {
     let k = x.len() / 64 * 64;
     for (e, &v) in x[..k].iter().enumerate() {
@@ -119,7 +124,7 @@ macro_rules! by_rows {
 
 /// `out[m] = dot(W_row, x_m)` for one 4-bit row of `k = absmax.len() * bs` elements
 /// ([`gemv_fits`]) against up to 4 activation rows, each in the GEMV's order
-/// ([`nibble_order`], paired when [`super::gemm::isa`] is AVX-512): each weight is decoded
+/// ([`nibble_order`], paired when [`gemv_paired`]): each weight is decoded
 /// once. One sum on every instruction set, bit for bit (the portable loop below is its
 /// definition): per chunk of 64 codes and lane `j`, the code values times the activations in
 /// two fused chains (nibbles 0, 2, 4, 6 and 1, 3, 5, 7) added, then scaled by the lane's absmax
@@ -135,6 +140,7 @@ pub fn q4_row_dots(
 ) {
     #[cfg(target_arch = "x86_64")]
     match super::gemm::isa() {
+        // The layout `gemv_paired` names.
         super::gemm::Isa::Avx512 => return q4_row_dots_avx512(packed, absmax, bs, code, xp, out),
         super::gemm::Isa::Avx2 => {
             // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
@@ -604,7 +610,7 @@ mod tests {
         // Blocks of 32 (two scales a chunk), 64 and 128; an odd number of chunks.
         for &(bs, k) in &[(32usize, 192usize), (64, 256), (64, 576), (128, 384)] {
             let (packed, absmax, code, xs) = gemv_case(bs, k);
-            let paired = crate::backend::cpu::gemm::isa() == crate::backend::cpu::gemm::Isa::Avx512;
+            let paired = gemv_paired();
             let perm = ordered(&xs, paired);
             for m in 1..=4 {
                 let refs: Vec<&[f32]> = perm[..m].iter().map(|v| v.as_slice()).collect();

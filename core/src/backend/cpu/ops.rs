@@ -555,7 +555,7 @@ impl CpuBackend {
         if xp.len() < m * k {
             xp.resize(m * k, 0.0);
         }
-        let paired = gemm::isa() == gemm::Isa::Avx512;
+        let paired = kernels::gemv_paired();
         for i in 0..m {
             nibble_order(&x[i * k..(i + 1) * k], &mut xp[i * k..(i + 1) * k], paired);
         }
