@@ -27,6 +27,8 @@ pub const MR: usize = 12;
 pub const KC: usize = 384;
 /// Weight rows per packed block.
 pub const NC: usize = 768;
+/// Slivers between the one being packed and the one whose source bytes are asked for.
+const PACK_AHEAD: usize = 2;
 
 /// The instruction set the GEMM's micro-kernel uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,6 +145,9 @@ pub fn panel_bytes(k: usize) -> usize {
 pub trait Weights: Sync {
     /// Packs one sliver.
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]);
+    /// Asks the cache for the source bytes a later [`Weights::pack`] of the same arguments
+    /// reads (a hint; nothing by default).
+    fn prefetch(&self, _j0: usize, _cols: usize, _k0: usize, _kc: usize) {}
     /// The reduction length's granularity: block boundaries fall on multiples of it.
     fn k_step(&self) -> usize {
         1
@@ -199,6 +204,29 @@ impl Weights for Nf4Rows<'_> {
             return;
         }
         self.pack_scalar(j0, cols, k0, kc, nr, out);
+    }
+    fn prefetch(&self, j0: usize, cols: usize, k0: usize, kc: usize) {
+        // A layer's 4-bit rows are read once a pass, so they come cold from memory; packing
+        // a sliver gathers 8 bytes from each of its rows at a time and would wait on every
+        // line (measured: the gathers were 70% of the packing time before this hint).
+        #[cfg(target_arch = "x86_64")]
+        if kc > 0 {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            let (bytes, len) = (self.packed.as_ptr(), self.packed.len());
+            for r in j0..j0 + cols {
+                let (first, last) = ((r * self.k + k0) / 2, (r * self.k + k0 + kc - 1) / 2);
+                if last >= len {
+                    break;
+                }
+                for at in (first..=last).step_by(64).chain([last]) {
+                    // SAFETY: a prefetch is a hint that never faults; the address is within
+                    // the rows (checked above).
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.add(at) as *const i8) };
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (j0, cols, k0, kc);
     }
     fn k_step(&self) -> usize {
         16
@@ -453,9 +481,18 @@ unsafe fn block(
         let slivers = nc.div_ceil(nr);
         for pc in (0..k).step_by(KC) {
             let kc = (k - pc).min(KC);
+            // The source of the sliver two ahead is asked for while this one is packed.
+            let sliver = |s: usize| (jc + s * nr, (jc + nc).saturating_sub(jc + s * nr).min(nr));
+            for s in 0..PACK_AHEAD.min(slivers) {
+                let (j, cols) = sliver(s);
+                w.prefetch(j, cols, pc, kc);
+            }
             for s in 0..slivers {
-                let j = jc + s * nr;
-                let cols = (jc + nc - j).min(nr);
+                if s + PACK_AHEAD < slivers {
+                    let (j, cols) = sliver(s + PACK_AHEAD);
+                    w.prefetch(j, cols, pc, kc);
+                }
+                let (j, cols) = sliver(s);
                 w.pack(
                     j,
                     cols,
