@@ -448,7 +448,14 @@ fn pack_tile_in(
     assert!(rows <= mr && src.len() >= (rows - 1) * ld + kc && dst.len() >= (kc - 1) * mr + rows);
     assert!(!paired || kc.is_multiple_of(16));
     let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-    for kk in 0..kc {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && mr <= 16 {
+        done = kc / 16 * 16;
+        // SAFETY: AVX-512F is present; rows <= mr <= 16 and the lengths are asserted above.
+        unsafe { x86::pack_tile_512(s, ld, rows, done, mr, d, paired) };
+    }
+    for kk in done..kc {
         let from = if paired { paired_source(kk) } else { kk };
         for r in 0..rows {
             // SAFETY: r < rows and from < kc, within the lengths asserted above.
@@ -787,6 +794,42 @@ mod tests {
                             same,
                             "{nr} wide, {n}x{k}/{bs}, columns {j0}+{cols}, reduction {k0}+{kc}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn activation_tiles_hold_each_row_in_the_micro_kernels_order() {
+        // Every row count up to the widest tile, paired and plain, reductions of whole groups
+        // of 16 and (plain only) ragged ones; lanes past `rows` are left as they were.
+        let ld = 421;
+        let src = vals(16 * ld, 9);
+        for mr in [6, 12, 16] {
+            for rows in 1..=mr {
+                for paired in [false, true] {
+                    for kc in [16usize, 48, 384, 400, 7, 37] {
+                        if paired && !kc.is_multiple_of(16) {
+                            continue;
+                        }
+                        let mut got = vec![f32::NAN; kc * mr];
+                        pack_tile_in(&src, ld, rows, kc, mr, &mut got, paired);
+                        for kk in 0..kc {
+                            let from = if paired { paired_source(kk) } else { kk };
+                            for r in 0..mr {
+                                let v = got[kk * mr + r];
+                                let ok = if r < rows {
+                                    v.to_bits() == src[r * ld + from].to_bits()
+                                } else {
+                                    v.is_nan()
+                                };
+                                assert!(
+                                    ok,
+                                    "mr {mr}, rows {rows}, paired {paired}, kc {kc}: [{kk}][{r}]"
+                                );
+                            }
+                        }
                     }
                 }
             }

@@ -141,6 +141,75 @@ pub unsafe fn pack_nf4_256(
     }
 }
 
+/// [`super::pack_tile_in`] for AVX-512, `kc` a multiple of 16 and `rows <= mr <= 16`: 16 values
+/// of each row at a time (in paired order when `paired`), transposed in registers, each step's
+/// `rows` values stored as one masked run. Moves values only: the same tile as the scalar loop.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn pack_tile_512(
+    src: *const f32,
+    ld: usize,
+    rows: usize,
+    kc: usize,
+    mr: usize,
+    dst: *mut f32,
+    paired: bool,
+) {
+    debug_assert!(rows <= mr && mr <= 16 && kc.is_multiple_of(16));
+    let order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    let keep = ((1u32 << rows) - 1) as __mmask16;
+    for g in 0..kc / 16 {
+        let r: [__m512; 16] = std::array::from_fn(|i| {
+            if i < rows {
+                let v = _mm512_loadu_ps(src.add(i * ld + 16 * g));
+                if paired {
+                    _mm512_permutexvar_ps(order, v)
+                } else {
+                    v
+                }
+            } else {
+                _mm512_setzero_ps()
+            }
+        });
+        // Pairs of rows interleaved, then quads: u[4q + c] holds, in 128-bit lane L, rows
+        // 4q..4q+3 of column 4L + c.
+        let t: [__m512; 16] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_ps(a, b)
+            } else {
+                _mm512_unpackhi_ps(a, b)
+            }
+        });
+        let u: [__m512; 16] = std::array::from_fn(|i| {
+            let (q, c) = (i / 4, i % 4);
+            let (a, b) = (
+                _mm512_castps_pd(t[4 * q + c / 2]),
+                _mm512_castps_pd(t[4 * q + c / 2 + 2]),
+            );
+            _mm512_castpd_ps(if c % 2 == 0 {
+                _mm512_unpacklo_pd(a, b)
+            } else {
+                _mm512_unpackhi_pd(a, b)
+            })
+        });
+        for c in 0..4 {
+            let v0 = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
+            let v1 = _mm512_shuffle_f32x4::<0xee>(u[c], u[4 + c]);
+            let w0 = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
+            let w1 = _mm512_shuffle_f32x4::<0xee>(u[8 + c], u[12 + c]);
+            let cols = [
+                _mm512_shuffle_f32x4::<0x88>(v0, w0),
+                _mm512_shuffle_f32x4::<0xdd>(v0, w0),
+                _mm512_shuffle_f32x4::<0x88>(v1, w1),
+                _mm512_shuffle_f32x4::<0xdd>(v1, w1),
+            ];
+            for (l, col) in cols.into_iter().enumerate() {
+                _mm512_mask_storeu_ps(dst.add((16 * g + 4 * l + c) * mr), keep, col);
+            }
+        }
+    }
+}
+
 /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
 /// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
 /// every lane there is masked off and the address may lie past the allocation.
