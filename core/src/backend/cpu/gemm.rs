@@ -212,6 +212,11 @@ impl Weights for Nf4Rows<'_> {
         #[cfg(target_arch = "x86_64")]
         if kc > 0 {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            let hint = |p: *const u8| {
+                // SAFETY: a prefetch is a hint that never faults (the callers' addresses are
+                // in bounds anyway).
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+            };
             let (bytes, len) = (self.packed.as_ptr(), self.packed.len());
             for r in j0..j0 + cols {
                 let (first, last) = ((r * self.k + k0) / 2, (r * self.k + k0 + kc - 1) / 2);
@@ -219,10 +224,16 @@ impl Weights for Nf4Rows<'_> {
                     break;
                 }
                 for at in (first..=last).step_by(64).chain([last]) {
-                    // SAFETY: a prefetch is a hint that never faults; the address is within
-                    // the rows (checked above).
-                    unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.add(at) as *const i8) };
+                    hint(bytes.wrapping_add(at));
                 }
+            }
+            // The rows' scales for this reduction range lie in one run (rows are whole blocks).
+            let per_row = self.k / self.bs.max(1);
+            let first = j0 * per_row + k0 / self.bs.max(1);
+            let last = ((j0 + cols) * per_row).min(self.absmax.len());
+            let scales = self.absmax.as_ptr() as *const u8;
+            for at in (first * 4..last * 4).step_by(64) {
+                hint(scales.wrapping_add(at));
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
