@@ -208,13 +208,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn allocate(&mut self, arena_words: usize, pool_bytes: u64, _workspace: u64) -> Result<()> {
-        self.arena = crate::error::zeroed(arena_words, "the CPU backend's arena")?;
+        self.arena = crate::error::zeroed_huge(arena_words, "the CPU backend's arena")?;
         touch(&mut self.arena);
         self.pool_len = usize::try_from(pool_bytes).map_err(|_| {
             crate::error::Error::Invalid(format!("a weight pool of {pool_bytes} bytes"))
         })?;
         self.pool =
-            crate::error::zeroed(self.pool_len.div_ceil(8), "the CPU backend's weight pool")?;
+            crate::error::zeroed_huge(self.pool_len.div_ceil(8), "the CPU backend's weight pool")?;
         for page in self.pool.chunks_mut(512) {
             // SAFETY: as in `touch`.
             unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
