@@ -277,7 +277,7 @@ impl Nf4Rows<'_> {
                 }
             }
         }
-        zero_tail(cols, kc, nr, out);
+        zero_tail(cols, 0, kc, nr, out);
     }
 }
 
@@ -292,11 +292,14 @@ pub struct DenseRows<'a, T> {
 
 /// An element type of dense weight rows, widened to f32 exactly (inlined in the packing loop).
 pub trait Widen: Copy + Sync {
+    /// Whether the elements are bf16 bits (else f32): the vector packing's choice.
+    const BF16: bool;
     /// The value as f32.
     fn widen(self) -> f32;
 }
 
 impl Widen for f32 {
+    const BF16: bool = false;
     fn widen(self) -> f32 {
         self
     }
@@ -304,6 +307,7 @@ impl Widen for f32 {
 
 /// bf16 bits (little-endian), as a model stores them.
 impl Widen for u16 {
+    const BF16: bool = true;
     fn widen(self) -> f32 {
         f32::from_bits((self as u32) << 16)
     }
@@ -323,19 +327,39 @@ impl<'a, T> DenseRows<'a, T> {
 
 impl<T: Widen> Weights for DenseRows<'_, T> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
+        let mut done = 0;
+        // AVX-512's 32-column slivers, 16 steps at a time.
+        #[cfg(target_arch = "x86_64")]
+        if nr == 32 && cols <= 32 && Isa::Avx512.present() {
+            assert!((j0 + cols) * self.k <= self.w.len() && k0 + kc <= self.k);
+            assert!(out.len() >= kc * nr);
+            done = kc / 16 * 16;
+            // SAFETY: AVX-512F is present; rows j0..j0+cols, elements k0..k0+done of each, and
+            // done x 32 outputs are in bounds (above).
+            unsafe {
+                let w = self.w.as_ptr() as *const u8;
+                let o = out.as_mut_ptr();
+                if T::BF16 {
+                    x86::pack_dense_512::<true>(w, self.k, j0, cols, k0, done, o)
+                } else {
+                    x86::pack_dense_512::<false>(w, self.k, j0, cols, k0, done, o)
+                }
+            }
+        }
         for c in 0..cols {
             let row = &self.w[(j0 + c) * self.k + k0..][..kc];
-            for (kk, &v) in row.iter().enumerate() {
+            for (kk, &v) in row.iter().enumerate().skip(done) {
                 out[kk * nr + c] = v.widen();
             }
         }
-        zero_tail(cols, kc, nr, out);
+        zero_tail(cols, done, kc, nr, out);
     }
 }
 
-fn zero_tail(cols: usize, kc: usize, nr: usize, out: &mut [f32]) {
+/// Zeros columns `cols..nr` of reduction steps `from..kc`.
+fn zero_tail(cols: usize, from: usize, kc: usize, nr: usize, out: &mut [f32]) {
     if cols < nr {
-        for kk in 0..kc {
+        for kk in from..kc {
             out[kk * nr + cols..(kk + 1) * nr].fill(0.0);
         }
     }
@@ -845,6 +869,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn dense_slivers_hold_each_weight_widened_exactly() {
+        // f32 and bf16 rows; 32-column slivers (AVX-512's vector packing where the CPU has it)
+        // and 16; full and ragged columns; reductions of whole groups of 16 and ragged ones,
+        // from the start and from inside a row.
+        let (n, k) = (45, 203);
+        let w = vals(n * k, 11);
+        let w16: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let check = |rows: &dyn Weights, widen: &dyn Fn(usize) -> f32, what: &str| {
+            for nr in [32, 16] {
+                for &(j0, cols) in &[(0, nr), (n - 13, 13), (7, nr.min(20))] {
+                    for &(k0, kc) in &[(0, 192), (5, 37), (16, 187), (200, 3)] {
+                        let mut got = vec![f32::NAN; kc * nr];
+                        rows.pack(j0, cols, k0, kc, nr, &mut got);
+                        for kk in 0..kc {
+                            for c in 0..nr {
+                                let want = if c < cols {
+                                    widen((j0 + c) * k + k0 + kk)
+                                } else {
+                                    0.0
+                                };
+                                assert_eq!(
+                                    got[kk * nr + c].to_bits(),
+                                    want.to_bits(),
+                                    "{what}, {nr} wide, columns {j0}+{cols}, reduction {k0}+{kc}: [{kk}][{c}]"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        check(&F32Rows::new(&w, k), &|i| w[i], "f32");
+        check(
+            &Bf16Rows::new(&w16, k),
+            &|i| f32::from_bits((w16[i] as u32) << 16),
+            "bf16",
+        );
     }
 
     #[test]

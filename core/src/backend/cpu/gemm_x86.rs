@@ -170,44 +170,90 @@ pub unsafe fn pack_tile_512(
                 _mm512_setzero_ps()
             }
         });
-        // Pairs of rows interleaved, then quads: u[4q + c] holds, in 128-bit lane L, rows
-        // 4q..4q+3 of column 4L + c.
-        let t: [__m512; 16] = std::array::from_fn(|i| {
-            let (a, b) = (r[i & !1], r[i | 1]);
-            if i % 2 == 0 {
-                _mm512_unpacklo_ps(a, b)
-            } else {
-                _mm512_unpackhi_ps(a, b)
-            }
-        });
-        let u: [__m512; 16] = std::array::from_fn(|i| {
-            let (q, c) = (i / 4, i % 4);
-            let (a, b) = (
-                _mm512_castps_pd(t[4 * q + c / 2]),
-                _mm512_castps_pd(t[4 * q + c / 2 + 2]),
-            );
-            _mm512_castpd_ps(if c % 2 == 0 {
-                _mm512_unpacklo_pd(a, b)
-            } else {
-                _mm512_unpackhi_pd(a, b)
-            })
-        });
-        for c in 0..4 {
-            let v0 = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
-            let v1 = _mm512_shuffle_f32x4::<0xee>(u[c], u[4 + c]);
-            let w0 = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
-            let w1 = _mm512_shuffle_f32x4::<0xee>(u[8 + c], u[12 + c]);
-            let cols = [
-                _mm512_shuffle_f32x4::<0x88>(v0, w0),
-                _mm512_shuffle_f32x4::<0xdd>(v0, w0),
-                _mm512_shuffle_f32x4::<0x88>(v1, w1),
-                _mm512_shuffle_f32x4::<0xdd>(v1, w1),
-            ];
-            for (l, col) in cols.into_iter().enumerate() {
-                _mm512_mask_storeu_ps(dst.add((16 * g + 4 * l + c) * mr), keep, col);
+        for (kk, col) in transpose16(&r).iter().enumerate() {
+            _mm512_mask_storeu_ps(dst.add((16 * g + kk) * mr), keep, *col);
+        }
+    }
+}
+
+/// [`super::DenseRows::pack`] for 32-column slivers, `kc` a multiple of 16: 16 values of each
+/// of 16 rows at a time (bf16 widened exactly), transposed into the sliver's rows; columns past
+/// `cols` are +0. `w` points at the rows (stride `k` elements).
+#[target_feature(enable = "avx512f")]
+pub unsafe fn pack_dense_512<const BF16: bool>(
+    w: *const u8,
+    k: usize,
+    j0: usize,
+    cols: usize,
+    k0: usize,
+    kc: usize,
+    out: *mut f32,
+) {
+    debug_assert!(cols <= 32 && kc.is_multiple_of(16));
+    for h in 0..2 {
+        let c0 = 16 * h;
+        let valid = cols.saturating_sub(c0).min(16);
+        for g in 0..kc / 16 {
+            let r: [__m512; 16] = std::array::from_fn(|i| {
+                if i >= valid {
+                    return _mm512_setzero_ps();
+                }
+                let at = (j0 + c0 + i) * k + k0 + 16 * g;
+                if BF16 {
+                    let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        (w as *const u16).add(at) as *const __m256i
+                    ));
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+                } else {
+                    _mm512_loadu_ps((w as *const f32).add(at))
+                }
+            });
+            let dst = out.add(16 * g * 32 + c0);
+            for (kk, col) in transpose16(&r).iter().enumerate() {
+                _mm512_storeu_ps(dst.add(kk * 32), *col);
             }
         }
     }
+}
+
+/// The 16 x 16 transpose: lane `j` of `r[i]` becomes lane `i` of the result's `j`. Pairs of rows
+/// interleaved, then quads (`u[4q + c]` holds, in 128-bit lane L, rows 4q..4q+3 of column
+/// 4L + c), then the 128-bit lanes gathered.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (q, c) = (i / 4, i % 4);
+        let (a, b) = (
+            _mm512_castps_pd(t[4 * q + c / 2]),
+            _mm512_castps_pd(t[4 * q + c / 2 + 2]),
+        );
+        _mm512_castpd_ps(if c % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
+    });
+    let mut out = [_mm512_setzero_ps(); 16];
+    for c in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
+        let v1 = _mm512_shuffle_f32x4::<0xee>(u[c], u[4 + c]);
+        let w0 = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
+        let w1 = _mm512_shuffle_f32x4::<0xee>(u[8 + c], u[12 + c]);
+        out[c] = _mm512_shuffle_f32x4::<0x88>(v0, w0);
+        out[4 + c] = _mm512_shuffle_f32x4::<0xdd>(v0, w0);
+        out[8 + c] = _mm512_shuffle_f32x4::<0x88>(v1, w1);
+        out[12 + c] = _mm512_shuffle_f32x4::<0xdd>(v1, w1);
+    }
+    out
 }
 
 /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
