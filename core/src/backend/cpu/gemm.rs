@@ -327,13 +327,12 @@ impl<'a, T> DenseRows<'a, T> {
 
 impl<T: Widen> Weights for DenseRows<'_, T> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
-        let mut done = 0;
-        // AVX-512's 32-column slivers, 16 steps at a time.
+        // AVX-512's 32-column slivers, 16 steps at a time; the rest one value at a time.
         #[cfg(target_arch = "x86_64")]
-        if nr == 32 && cols <= 32 && Isa::Avx512.present() {
+        let done = if nr == 32 && cols <= 32 && Isa::Avx512.present() {
             assert!((j0 + cols) * self.k <= self.w.len() && k0 + kc <= self.k);
             assert!(out.len() >= kc * nr);
-            done = kc / 16 * 16;
+            let done = kc / 16 * 16;
             // SAFETY: AVX-512F is present; rows j0..j0+cols, elements k0..k0+done of each, and
             // done x 32 outputs are in bounds (above).
             unsafe {
@@ -345,7 +344,12 @@ impl<T: Widen> Weights for DenseRows<'_, T> {
                     x86::pack_dense_512::<false>(w, self.k, j0, cols, k0, done, o)
                 }
             }
-        }
+            done
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         for c in 0..cols {
             let row = &self.w[(j0 + c) * self.k + k0..][..kc];
             for (kk, &v) in row.iter().enumerate().skip(done) {
@@ -483,13 +487,17 @@ fn pack_tile_in(
     assert!(rows <= mr && src.len() >= (rows - 1) * ld + kc && dst.len() >= (kc - 1) * mr + rows);
     assert!(!paired || kc.is_multiple_of(16));
     let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && mr <= 16 {
-        done = kc / 16 * 16;
+    let done = if isa() == Isa::Avx512 && mr <= 16 {
+        let done = kc / 16 * 16;
         // SAFETY: AVX-512F is present; rows <= mr <= 16 and the lengths are asserted above.
         unsafe { x86::pack_tile_512(s, ld, rows, done, mr, d, paired) };
-    }
+        done
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     for kk in done..kc {
         let from = if paired { paired_source(kk) } else { kk };
         for r in 0..rows {
