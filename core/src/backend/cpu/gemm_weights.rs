@@ -3,8 +3,7 @@
 //! each packed into slivers of `nr` columns with exactly the values the element formula gives.
 
 #[cfg(target_arch = "x86_64")]
-use super::x86;
-use super::Isa;
+use super::{x86, Isa};
 
 /// Weight rows the GEMM packs: `pack` writes columns `j0 .. j0 + cols` (`cols <= nr`) at
 /// reduction positions `k0 .. k0 + kc` to `out[kk * nr + c]`, zeros in columns `cols .. nr`.
