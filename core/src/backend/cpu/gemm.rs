@@ -264,13 +264,20 @@ fn pack_tile_in(
     assert!(!paired || kc.is_multiple_of(16));
     let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let done = if isa() == Isa::Avx512 && mr <= 16 {
-        let done = kc / 16 * 16;
-        // SAFETY: AVX-512F is present; rows <= mr <= 16 and the lengths are asserted above.
-        unsafe { x86::pack_tile_512(s, ld, rows, done, mr, d, paired) };
-        done
-    } else {
-        0
+    let done = match isa() {
+        Isa::Avx512 if mr <= 16 => {
+            let done = kc / 16 * 16;
+            // SAFETY: AVX-512F is present; rows <= mr <= 16 and the lengths are asserted above.
+            unsafe { x86::pack_tile_512(s, ld, rows, done, mr, d, paired) };
+            done
+        }
+        Isa::Avx2 if mr <= 8 => {
+            let done = kc / 16 * 16;
+            // SAFETY: AVX2 is present; rows <= mr <= 8 and the lengths are asserted above.
+            unsafe { x86::pack_tile_256(s, ld, rows, done, mr, d, paired) };
+            done
+        }
+        _ => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
@@ -622,35 +629,65 @@ mod tests {
     #[test]
     fn activation_tiles_hold_each_row_in_the_micro_kernels_order() {
         // Every row count up to the widest tile, paired and plain, reductions of whole groups
-        // of 16 and (plain only) ragged ones; lanes past `rows` are left as they were.
+        // of 16 and (plain only) ragged ones; lanes past `rows` are +0 or left as they were. The
+        // dispatch (this process's instruction set), then each vector kernel the CPU has.
+        type Pack<'a> = &'a dyn Fn(&[f32], usize, usize, usize, usize, &mut [f32], bool);
         let ld = 421;
         let src = vals(16 * ld, 9);
-        for mr in [6, 12, 16] {
-            for rows in 1..=mr {
-                for paired in [false, true] {
-                    for kc in [16usize, 48, 384, 400, 7, 37] {
-                        if paired && !kc.is_multiple_of(16) {
-                            continue;
-                        }
-                        let mut got = vec![f32::NAN; kc * mr];
-                        pack_tile_in(&src, ld, rows, kc, mr, &mut got, paired);
-                        for kk in 0..kc {
-                            let from = if paired { paired_source(kk) } else { kk };
-                            for r in 0..mr {
-                                let v = got[kk * mr + r];
-                                let ok = if r < rows {
-                                    v.to_bits() == src[r * ld + from].to_bits()
-                                } else {
-                                    v.is_nan()
-                                };
-                                assert!(
-                                    ok,
-                                    "mr {mr}, rows {rows}, paired {paired}, kc {kc}: [{kk}][{r}]"
-                                );
+        let check = |pack: Pack, mrs: &[usize], whole: bool, what: &str| {
+            for &mr in mrs {
+                for rows in 1..=mr {
+                    for paired in [false, true] {
+                        for kc in [16usize, 48, 384, 400, 7, 37] {
+                            if (paired || whole) && !kc.is_multiple_of(16) {
+                                continue;
+                            }
+                            // A guard past the tile: nothing may be written there.
+                            let mut got = vec![f32::NAN; kc * mr + 16];
+                            pack(&src, ld, rows, kc, mr, &mut got[..kc * mr], paired);
+                            assert!(
+                                got[kc * mr..].iter().all(|v| v.is_nan()),
+                                "{what}: past the tile"
+                            );
+                            for kk in 0..kc {
+                                let from = if paired { paired_source(kk) } else { kk };
+                                for r in 0..mr {
+                                    let v = got[kk * mr + r];
+                                    // Lanes past `rows` are never read: +0 or untouched.
+                                    let ok = if r < rows {
+                                        v.to_bits() == src[r * ld + from].to_bits()
+                                    } else {
+                                        v.is_nan() || v.to_bits() == 0
+                                    };
+                                    assert!(ok, "{what}: mr {mr}, rows {rows}, paired {paired}, kc {kc}: [{kk}][{r}]");
+                                }
                             }
                         }
                     }
                 }
+            }
+        };
+        check(
+            &|s, ld, rows, kc, mr, d, p| pack_tile_in(s, ld, rows, kc, mr, d, p),
+            &[6, 12, 16],
+            false,
+            "dispatch",
+        );
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::Avx512.present() {
+                // SAFETY: AVX-512F is present; the buffers hold rows x ld and kc x mr values.
+                let f = |s: &[f32], ld, rows, kc, mr, d: &mut [f32], p| unsafe {
+                    x86::pack_tile_512(s.as_ptr(), ld, rows, kc, mr, d.as_mut_ptr(), p)
+                };
+                check(&f, &[6, 12, 16], true, "avx512");
+            }
+            if Isa::Avx2.present() {
+                // SAFETY: as above, with AVX2.
+                let f = |s: &[f32], ld, rows, kc, mr, d: &mut [f32], p| unsafe {
+                    x86::pack_tile_256(s.as_ptr(), ld, rows, kc, mr, d.as_mut_ptr(), p)
+                };
+                check(&f, &[6, 8], true, "avx2");
             }
         }
     }

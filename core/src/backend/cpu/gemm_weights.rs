@@ -192,26 +192,38 @@ impl<'a, T> DenseRows<'a, T> {
 
 impl<T: Widen> Weights for DenseRows<'_, T> {
     fn pack(&self, j0: usize, cols: usize, k0: usize, kc: usize, nr: usize, out: &mut [f32]) {
-        // AVX-512's 32-column slivers, 16 steps at a time; the rest one value at a time.
+        // AVX-512's 32-column slivers 16 steps at a time, AVX2's 16-column ones 8 at a time;
+        // the rest one value at a time.
         #[cfg(target_arch = "x86_64")]
-        let done = if nr == 32 && cols <= 32 && Isa::Avx512.present() {
-            assert!((j0 + cols) * self.k <= self.w.len() && k0 + kc <= self.k);
-            assert!(out.len() >= kc * nr);
-            let done = kc / 16 * 16;
-            // SAFETY: AVX-512F is present; rows j0..j0+cols, elements k0..k0+done of each, and
-            // done x 32 outputs are in bounds (above).
-            unsafe {
-                let w = self.w.as_ptr() as *const u8;
-                let o = out.as_mut_ptr();
-                if T::BF16 {
-                    x86::pack_dense_512::<true>(w, self.k, j0, cols, k0, done, o)
-                } else {
-                    x86::pack_dense_512::<false>(w, self.k, j0, cols, k0, done, o)
+        let done = {
+            let wide = nr == 32 && Isa::Avx512.present();
+            if (wide || nr == 16 && Isa::Avx2.present()) && cols <= nr {
+                assert!((j0 + cols) * self.k <= self.w.len() && k0 + kc <= self.k);
+                assert!(out.len() >= kc * nr);
+                let done = if wide { kc / 16 * 16 } else { kc / 8 * 8 };
+                let (w, o) = (self.w.as_ptr() as *const u8, out.as_mut_ptr());
+                // SAFETY: the instruction set is present; rows j0..j0+cols, elements
+                // k0..k0+done of each, and done x nr outputs are in bounds (above).
+                unsafe {
+                    match (wide, T::BF16) {
+                        (true, true) => {
+                            x86::pack_dense_512::<true>(w, self.k, j0, cols, k0, done, o)
+                        }
+                        (true, false) => {
+                            x86::pack_dense_512::<false>(w, self.k, j0, cols, k0, done, o)
+                        }
+                        (false, true) => {
+                            x86::pack_dense_256::<true>(w, self.k, j0, cols, k0, done, o)
+                        }
+                        (false, false) => {
+                            x86::pack_dense_256::<false>(w, self.k, j0, cols, k0, done, o)
+                        }
+                    }
                 }
+                done
+            } else {
+                0
             }
-            done
-        } else {
-            0
         };
         #[cfg(not(target_arch = "x86_64"))]
         let done = 0;

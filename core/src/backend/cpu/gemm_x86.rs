@@ -256,6 +256,133 @@ unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
     out
 }
 
+/// [`super::pack_tile_in`] for AVX2, `kc` a multiple of 16 and `rows <= mr <= 8`: 16 values of
+/// each row at a time (its evens then its odds when `paired`), transposed 8 x 8 in registers,
+/// each step stored as one run of 8 (lanes past `rows` are left +0 or as they were; the
+/// micro-kernel reads only `rows`). Moves values only.
+#[target_feature(enable = "avx2")]
+pub unsafe fn pack_tile_256(
+    src: *const f32,
+    ld: usize,
+    rows: usize,
+    kc: usize,
+    mr: usize,
+    dst: *mut f32,
+    paired: bool,
+) {
+    debug_assert!(rows <= mr && mr <= 8 && kc.is_multiple_of(16));
+    let keep = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(rows as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
+    for g in 0..kc / 16 {
+        // The two halves of the group (positions 0-7 and 8-15) for every row.
+        let mut lo = [_mm256_setzero_ps(); 8];
+        let mut hi = [_mm256_setzero_ps(); 8];
+        for i in 0..rows {
+            let p = src.add(i * ld + 16 * g);
+            let (a, b) = (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)));
+            (lo[i], hi[i]) = if paired {
+                // Evens then odds: [x0 x2 x8 x10 | x4 x6 x12 x14] put in order by qwords.
+                let order = |v: __m256| {
+                    _mm256_castpd_ps(_mm256_permute4x64_pd::<0xd8>(_mm256_castps_pd(v)))
+                };
+                (
+                    order(_mm256_shuffle_ps::<0x88>(a, b)),
+                    order(_mm256_shuffle_ps::<0xdd>(a, b)),
+                )
+            } else {
+                (a, b)
+            };
+        }
+        for (half, v) in [lo, hi].iter().enumerate() {
+            for (kk, col) in transpose8(v).iter().enumerate() {
+                let at = 16 * g + 8 * half + kk;
+                if at * mr + 8 <= (kc - 1) * mr + rows {
+                    // A whole store (masked ones are slow on some CPUs) where it stays inside
+                    // the tile: lanes past `mr` fall on the next steps', written after it.
+                    _mm256_storeu_ps(dst.add(at * mr), *col);
+                } else {
+                    _mm256_maskstore_ps(dst.add(at * mr), keep, *col);
+                }
+            }
+        }
+    }
+}
+
+/// [`super::DenseRows::pack`] for AVX2's 16-column slivers, `kc` a multiple of 8: 8 values of
+/// each of 8 rows at a time (bf16 widened exactly), transposed into the sliver's rows; columns
+/// past `cols` are +0. `w` points at the rows (stride `k` elements).
+#[target_feature(enable = "avx2")]
+pub unsafe fn pack_dense_256<const BF16: bool>(
+    w: *const u8,
+    k: usize,
+    j0: usize,
+    cols: usize,
+    k0: usize,
+    kc: usize,
+    out: *mut f32,
+) {
+    debug_assert!(cols <= 16 && kc.is_multiple_of(8));
+    for h in 0..2 {
+        let c0 = 8 * h;
+        let valid = cols.saturating_sub(c0).min(8);
+        for g in 0..kc / 8 {
+            let r: [__m256; 8] = std::array::from_fn(|i| {
+                if i >= valid {
+                    return _mm256_setzero_ps();
+                }
+                let at = (j0 + c0 + i) * k + k0 + 8 * g;
+                if BF16 {
+                    let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                        (w as *const u16).add(at) as *const __m128i
+                    ));
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+                } else {
+                    _mm256_loadu_ps((w as *const f32).add(at))
+                }
+            });
+            let dst = out.add(8 * g * 16 + c0);
+            for (kk, col) in transpose8(&r).iter().enumerate() {
+                _mm256_storeu_ps(dst.add(kk * 16), *col);
+            }
+        }
+    }
+}
+
+/// The 8 x 8 transpose: lane `j` of `r[i]` becomes lane `i` of the result's `j` (pairs of rows
+/// interleaved, then quads, then the 128-bit halves gathered).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(r: &[__m256; 8]) -> [__m256; 8] {
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4q + c] holds, in 128-bit half L, rows 4q..4q+3 of column 4L + c.
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (q, c) = (i / 4, i % 4);
+        let (a, b) = (t[4 * q + c / 2], t[4 * q + c / 2 + 2]);
+        if c % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm256_shuffle_ps::<0xee>(a, b)
+        }
+    });
+    std::array::from_fn(|j| {
+        let c = j % 4;
+        if j < 4 {
+            _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c])
+        } else {
+            _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c])
+        }
+    })
+}
+
 /// `R x 32` tile, two zmm accumulators per row; `a` packed with rows `lda` apart per step.
 /// The high halves' addresses are formed with `wrapping_add`: with 16 columns or fewer
 /// every lane there is masked off and the address may lie past the allocation.
