@@ -64,3 +64,67 @@ pub(super) fn dense_linear(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_dense_row_is_the_same_alone_and_in_a_batch_of_up_to_the_dot_tile_limit() {
+        // f32 and bf16 weights, with a bias: each row of a batch of 2..=DOT_MAX_ROWS gives the
+        // bits it gives alone (the server decodes sequences together), and a batch past the
+        // limit (the GEMM) agrees within the linears' conformance tolerance.
+        let (n, k) = (37, 203);
+        let w = vals(n * k, 3);
+        let w16: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let bias = vals(n, 4);
+        let x = vals((DOT_MAX_ROWS + 3) * k, 5);
+        let pool = ThreadPool::new(3);
+        for rows in [Rows::F32(&w), Rows::Bf16(&w16)] {
+            let run = |m: usize| {
+                let mut out = vec![0f32; m * n];
+                dense_linear(&pool, &x, m, rows, n, k, Some(&bias), &mut out);
+                out
+            };
+            let alone: Vec<Vec<f32>> = (0..DOT_MAX_ROWS + 3)
+                .map(|i| {
+                    let mut out = vec![0f32; n];
+                    let xi = &x[i * k..(i + 1) * k];
+                    dense_linear(&pool, xi, 1, rows, n, k, Some(&bias), &mut out);
+                    out
+                })
+                .collect();
+            for m in 2..=DOT_MAX_ROWS {
+                let batch = run(m);
+                for (i, row) in batch.chunks(n).enumerate() {
+                    let same = row
+                        .iter()
+                        .zip(&alone[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "row {i} of a batch of {m}");
+                }
+            }
+            let m = DOT_MAX_ROWS + 3;
+            let batch = run(m);
+            let most = batch.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (i, row) in batch.chunks(n).enumerate() {
+                for (a, b) in row.iter().zip(&alone[i]) {
+                    assert!(
+                        (a - b).abs() <= 2e-5 * most,
+                        "row {i} of the GEMM's batch of {m}"
+                    );
+                }
+            }
+        }
+    }
+}
