@@ -67,17 +67,8 @@ pub(super) fn dense_linear(
 
 #[cfg(test)]
 mod tests {
+    use super::super::gemm::tests::vals;
     use super::*;
-
-    fn vals(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
 
     #[test]
     fn a_dense_row_is_the_same_alone_and_in_a_batch_of_up_to_the_dot_tile_limit() {

@@ -453,10 +453,11 @@ unsafe fn portable(
 mod x86;
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn vals(n: usize, seed: u32) -> Vec<f32> {
+    /// Deterministic test values in [-0.5, 0.5) (a linear congruential sequence from `seed`).
+    pub(crate) fn vals(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {
