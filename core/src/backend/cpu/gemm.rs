@@ -312,10 +312,11 @@ unsafe fn block(
     for jc in (n0..n1).step_by(NC) {
         let nc = (n1 - jc).min(NC);
         let slivers = nc.div_ceil(nr);
+        // Sliver `s < slivers`: its first column and its width.
+        let sliver = |s: usize| (jc + s * nr, (nc - s * nr).min(nr));
         for pc in (0..k).step_by(KC) {
             let kc = (k - pc).min(KC);
             // The source of the sliver two ahead is asked for while this one is packed.
-            let sliver = |s: usize| (jc + s * nr, (jc + nc).saturating_sub(jc + s * nr).min(nr));
             for s in 0..PACK_AHEAD.min(slivers) {
                 let (j, cols) = sliver(s);
                 w.prefetch(j, cols, pc, kc);
@@ -344,8 +345,7 @@ unsafe fn block(
                 pack_tile_in(&a[i * k + pc..], k, mr, kc, mr_max, apanel, w.paired());
                 let ap = apanel.as_ptr();
                 for s in 0..slivers {
-                    let j = jc + s * nr;
-                    let cols = (jc + nc - j).min(nr);
+                    let (j, cols) = sliver(s);
                     let b = panel[s * kc * nr..].as_ptr();
                     let cp = out.0.add(i * ldc + j);
                     // SAFETY: the packed tile holds kc x mr_max values, the sliver kc x nr;

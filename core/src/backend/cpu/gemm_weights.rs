@@ -93,8 +93,8 @@ impl Weights for Nf4Rows<'_> {
                 }
             }
             // The rows' scales for this reduction range lie in one run (rows are whole blocks).
-            let per_row = self.k / self.bs.max(1);
-            let first = j0 * per_row + k0 / self.bs.max(1);
+            let per_row = self.k / self.bs;
+            let first = j0 * per_row + k0 / self.bs;
             let last = ((j0 + cols) * per_row).min(self.absmax.len());
             let scales = self.absmax.as_ptr() as *const u8;
             for at in (first * 4..last * 4).step_by(64) {

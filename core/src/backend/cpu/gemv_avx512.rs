@@ -43,15 +43,14 @@ unsafe fn pair_scales(absmax: &[f32], p: usize, bs: usize) -> __m512 {
 /// of an even chunk and the odd one after it; a last unpaired chunk goes through the low half
 /// only.
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub unsafe fn q4_row_dots<const M: usize>(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    xp: &[&[f32]],
-    out: &mut [f32],
-) {
-    let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
+pub unsafe fn q4_row_dots<const M: usize>(row: &super::Q4Row, xp: &[&[f32]], out: &mut [f32]) {
+    let xs: [*const f32; M] = super::gemv_rows(row, xp, out);
+    let super::Q4Row {
+        packed,
+        absmax,
+        bs,
+        code,
+    } = *row;
     let table = _mm512_loadu_ps(code.as_ptr());
     let p = packed.as_ptr();
     let chunks = absmax.len() * bs / 64;

@@ -112,14 +112,35 @@ pub fn nibble_order(x: &[f32], out: &mut [f32], paired: bool) {
 /// error, taken as 4 and caught by the kernel's bounds asserts).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_rows {
-    ($($f:ident)::+, $packed:expr, $absmax:expr, $bs:expr, $code:expr, $xp:expr, $out:expr) => {
+    ($($f:ident)::+, $row:expr, $xp:expr, $out:expr) => {
         match $xp.len() {
-            1 => $($f)::+::<1>($packed, $absmax, $bs, $code, $xp, $out),
-            2 => $($f)::+::<2>($packed, $absmax, $bs, $code, $xp, $out),
-            3 => $($f)::+::<3>($packed, $absmax, $bs, $code, $xp, $out),
-            _ => $($f)::+::<4>($packed, $absmax, $bs, $code, $xp, $out),
+            1 => $($f)::+::<1>($row, $xp, $out),
+            2 => $($f)::+::<2>($row, $xp, $out),
+            3 => $($f)::+::<3>($row, $xp, $out),
+            _ => $($f)::+::<4>($row, $xp, $out),
         }
     };
+}
+
+/// One 4-bit weight row as the GEMVs read it: its packed codes, its scales (one per `bs`
+/// values) and the 16-entry code table.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4Row<'a> {
+    /// The row's codes, two per byte.
+    pub packed: &'a [u8],
+    /// One scale per block of `bs` values.
+    pub absmax: &'a [f32],
+    /// Block size.
+    pub bs: usize,
+    /// The code table.
+    pub code: &'a [f32; 16],
+}
+
+impl Q4Row<'_> {
+    /// The row's length.
+    pub fn k(&self) -> usize {
+        self.absmax.len() * self.bs
+    }
 }
 
 /// `out[m] = dot(W_row, x_m)` for one 4-bit row of `k = absmax.len() * bs` elements
@@ -130,37 +151,29 @@ macro_rules! by_rows {
 /// two fused chains (nibbles 0, 2, 4, 6 and 1, 3, 5, 7) added, then scaled by the lane's absmax
 /// into one of two accumulators of 8 lanes (even chunks, odd chunks); at the end the two are
 /// added and the 8 lanes summed in the AVX2 horizontal-sum tree.
-pub fn q4_row_dots(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    xp: &[&[f32]],
-    out: &mut [f32],
-) {
+pub fn q4_row_dots(row: &Q4Row, xp: &[&[f32]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match super::gemm::isa() {
         // The layout `gemv_paired` names.
-        super::gemm::Isa::Avx512 => return q4_row_dots_avx512(packed, absmax, bs, code, xp, out),
+        super::gemm::Isa::Avx512 => return q4_row_dots_avx512(row, xp, out),
         super::gemm::Isa::Avx2 => {
             // SAFETY: AVX2 and FMA are present; the kernel asserts every length it reads.
-            unsafe { by_rows!(avx2::q4_row_dots, packed, absmax, bs, code, xp, out) }
+            unsafe { by_rows!(avx2::q4_row_dots, row, xp, out) }
             return;
         }
         super::gemm::Isa::Portable => {}
     }
-    q4_row_dots_portable(packed, absmax, bs, code, xp, out)
+    q4_row_dots_portable(row, xp, out)
 }
 
 /// [`q4_row_dots`] one value at a time (the unpaired order): the definition of its sums.
-pub fn q4_row_dots_portable(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    xp: &[&[f32]],
-    out: &mut [f32],
-) {
+pub fn q4_row_dots_portable(row: &Q4Row, xp: &[&[f32]], out: &mut [f32]) {
+    let Q4Row {
+        packed,
+        absmax,
+        bs,
+        code,
+    } = *row;
     let k = absmax.len() * bs;
     assert!(gemv_fits(k, bs) && packed.len() >= k / 2 && out.len() >= xp.len());
     for (x, o) in xp.iter().zip(out.iter_mut()) {
@@ -191,31 +204,18 @@ pub fn q4_row_dots_portable(
 /// [`q4_row_dots`] with AVX-512F (activations paired). The caller checks that AVX-512F is
 /// present.
 #[cfg(target_arch = "x86_64")]
-pub fn q4_row_dots_avx512(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    xp: &[&[f32]],
-    out: &mut [f32],
-) {
+pub fn q4_row_dots_avx512(row: &Q4Row, xp: &[&[f32]], out: &mut [f32]) {
     assert!(super::gemm::Isa::Avx512.present());
     // SAFETY: AVX-512F (and AVX2, FMA with it) present; the kernels assert every length.
-    unsafe { by_rows!(avx512::q4_row_dots, packed, absmax, bs, code, xp, out) }
+    unsafe { by_rows!(avx512::q4_row_dots, row, xp, out) }
 }
 
 /// The GEMV kernels' bounds, checked once per row ([`gemv_fits`]; `packed` holds the row's
 /// codes, `M` activation rows of `k` values and `M` outputs are there): their pointers.
 #[cfg(target_arch = "x86_64")]
-fn gemv_rows<const M: usize>(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    xp: &[&[f32]],
-    out: &[f32],
-) -> [*const f32; M] {
-    let k = absmax.len() * bs;
-    assert!(gemv_fits(k, bs) && packed.len() >= k / 2 && xp.len() >= M && out.len() >= M);
+fn gemv_rows<const M: usize>(row: &Q4Row, xp: &[&[f32]], out: &[f32]) -> [*const f32; M] {
+    let k = row.k();
+    assert!(gemv_fits(k, row.bs) && row.packed.len() >= k / 2 && xp.len() >= M && out.len() >= M);
     std::array::from_fn(|m| {
         assert!(xp[m].len() >= k);
         xp[m].as_ptr()
@@ -610,12 +610,18 @@ mod tests {
         // Blocks of 32 (two scales a chunk), 64 and 128; an odd number of chunks.
         for &(bs, k) in &[(32usize, 192usize), (64, 256), (64, 576), (128, 384)] {
             let (packed, absmax, code, xs) = gemv_case(bs, k);
+            let row = Q4Row {
+                packed: &packed,
+                absmax: &absmax,
+                bs,
+                code: &code,
+            };
             let paired = gemv_paired();
             let perm = ordered(&xs, paired);
             for m in 1..=4 {
                 let refs: Vec<&[f32]> = perm[..m].iter().map(|v| v.as_slice()).collect();
                 let mut out = [0f32; 4];
-                q4_row_dots(&packed, &absmax, bs, &code, &refs, &mut out[..m]);
+                q4_row_dots(&row, &refs, &mut out[..m]);
                 for (r, x) in xs[..m].iter().enumerate() {
                     let want: f64 = (0..k)
                         .map(|e| {
@@ -648,33 +654,29 @@ mod tests {
             (4096, 4096),
         ] {
             let (packed, absmax, code, xs) = gemv_case(bs, k);
+            let row = Q4Row {
+                packed: &packed,
+                absmax: &absmax,
+                bs,
+                code: &code,
+            };
             let plain = ordered(&xs, false);
             let pairs = ordered(&xs, true);
             let plain: Vec<&[f32]> = plain.iter().map(|v| v.as_slice()).collect();
             let pairs: Vec<&[f32]> = pairs.iter().map(|v| v.as_slice()).collect();
             for m in 1..=4 {
                 let mut want = [0f32; 4];
-                q4_row_dots_portable(&packed, &absmax, bs, &code, &plain[..m], &mut want[..m]);
+                q4_row_dots_portable(&row, &plain[..m], &mut want[..m]);
                 let mut got = Vec::new();
                 if Isa::Avx2.present() {
                     let mut a = [0f32; 4];
                     // SAFETY: AVX2 and FMA are present (checked).
-                    unsafe {
-                        by_rows!(
-                            avx2::q4_row_dots,
-                            &packed,
-                            &absmax,
-                            bs,
-                            &code,
-                            &plain[..m],
-                            &mut a[..m]
-                        )
-                    };
+                    unsafe { by_rows!(avx2::q4_row_dots, &row, &plain[..m], &mut a[..m]) };
                     got.push(("avx2", a));
                 }
                 if Isa::Avx512.present() {
                     let mut b = [0f32; 4];
-                    q4_row_dots_avx512(&packed, &absmax, bs, &code, &pairs[..m], &mut b[..m]);
+                    q4_row_dots_avx512(&row, &pairs[..m], &mut b[..m]);
                     got.push(("avx512", b));
                 }
                 for (isa, g) in got {

@@ -135,15 +135,14 @@ pub(super) unsafe fn chunk_scales(absmax: &[f32], c: usize, bs: usize) -> __m256
 
 /// See [`super::q4_row_dots`] (activations unpaired).
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn q4_row_dots<const M: usize>(
-    packed: &[u8],
-    absmax: &[f32],
-    bs: usize,
-    code: &[f32; 16],
-    xp: &[&[f32]],
-    out: &mut [f32],
-) {
-    let xs: [*const f32; M] = super::gemv_rows(packed, absmax, bs, xp, out);
+pub unsafe fn q4_row_dots<const M: usize>(row: &super::Q4Row, xp: &[&[f32]], out: &mut [f32]) {
+    let xs: [*const f32; M] = super::gemv_rows(row, xp, out);
+    let super::Q4Row {
+        packed,
+        absmax,
+        bs,
+        code,
+    } = *row;
     let (lo, hi) = (
         _mm256_loadu_ps(code.as_ptr()),
         _mm256_loadu_ps(code.as_ptr().add(8)),

@@ -22,7 +22,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::graph::{ElemType, OpKind, RopeMode};
 use crate::stream::ring::Fence;
-use kernels::{dot, dot_tile_rows, exp_shifted, gemv_fits, nibble_order, q4_row_dots, Rows};
+use kernels::{dot, dot_tile_rows, exp_shifted, gemv_fits, nibble_order, q4_row_dots, Q4Row, Rows};
 use pool::ThreadPool;
 
 /// Rows up to which the 4-bit linear decodes each weight row once per call into dot products

@@ -571,14 +571,13 @@ impl CpuBackend {
             let rows: Vec<&[f32]> = (0..m).map(|i| &xp[i * k..(i + 1) * k]).collect();
             let mut dots = [0f32; GEMV_MAX_ROWS];
             for j in n0..n1 {
-                q4_row_dots(
-                    &packed[j * k / 2..(j + 1) * k / 2],
-                    &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
+                let row = Q4Row {
+                    packed: &packed[j * k / 2..(j + 1) * k / 2],
+                    absmax: &absmax[j * blocks_per_row..(j + 1) * blocks_per_row],
                     bs,
-                    &code,
-                    &rows,
-                    &mut dots[..m],
-                );
+                    code: &code,
+                };
+                q4_row_dots(&row, &rows, &mut dots[..m]);
                 for (i, &d) in dots[..m].iter().enumerate() {
                     let s = d + bias.map_or(0.0, |b| b[j]);
                     // SAFETY: column j belongs to this task only.
